@@ -1,0 +1,203 @@
+"""Configuration: TRL's dataclasses, subclassed to add only what sft needs, and the parser that reads them.
+
+``parse_args`` reads ``--config recipe.yaml`` plus command-line overrides with TRL's ``TrlParser``. Unknown YAML keys
+and flags are errors (with a "did you mean" hint), and every check that can run before a process group, a model or
+a data set exists runs here, so a bad value fails in seconds with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
+from trl.scripts.utils import DatasetConfig
+
+from sft.errors import ConfigError
+
+
+@dataclass
+class DataArguments(DatasetMixtureConfig):
+    """
+    TRL's dataset mixture, plus a given eval set.
+
+    Each entry of `datasets` (and of `eval_datasets`) has `path` (a local `.jsonl`/`.json`/`.parquet`/`.csv` file, a
+    `datasets.save_to_disk` directory, or a hub id), and optionally `name`, `data_dir`, `data_files`, `split`,
+    `columns` and `fraction`. Records may be conversational (`messages`), ShareGPT (`conversations` of
+    `from`/`value`), Alpaca (`instruction`/`input`/`output`), prompt/completion, or plain `text`.
+
+    Parameters:
+        eval_datasets (`list[DatasetConfig]`):
+            Sources of the eval set. When empty, `test_split_size` carves the eval set out of the training mixture.
+    """
+
+    eval_datasets: list[DatasetConfig] = field(
+        default_factory=list,
+        metadata={
+            "help": "Sources of the eval set (same keys as `datasets`). If empty, `test_split_size` carves one."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.eval_datasets = [DatasetConfig(**d) if isinstance(d, dict) else d for d in self.eval_datasets]
+        fractions = [d.fraction for d in self.datasets]
+        if any(f is not None for f in fractions):
+            if any(f is None for f in fractions):
+                raise ConfigError(
+                    f"`fraction` is set on some entries of `datasets` but not on others ({fractions}). Set it on all "
+                    "of them (shares of the mixture, normalised to sum to one) or on none."
+                )
+            bad = [f for f in fractions if not f > 0]
+            if bad:
+                raise ConfigError(f"`datasets[].fraction` must be > 0, got {bad[0]}. Drop the source instead.")
+        if self.test_split_size is not None and not self.test_split_size > 0:
+            raise ConfigError(
+                f"`test_split_size` must be a fraction in (0, 1) or a record count >= 1, got {self.test_split_size}."
+            )
+        if self.test_split_size is not None and self.eval_datasets:
+            raise ConfigError(
+                "Both `eval_datasets` and `test_split_size` are set. Give the eval set one way: remove one of them."
+            )
+
+
+@dataclass
+class ModelArguments(ModelConfig):
+    """
+    TRL's model arguments, plus building a model from its config alone.
+
+    Parameters:
+        from_scratch (`bool`, *optional*, defaults to `False`):
+            Build the model from `config.json` in `model_name_or_path` with freshly initialised weights instead of
+            loading weights. Used by the demo and the benchmarks; the tokenizer still comes from that directory.
+    """
+
+    from_scratch: bool = field(
+        default=False,
+        metadata={"help": "Build the model from `config.json` in `model_name_or_path` with random weights."},
+    )
+
+
+@dataclass
+class TrainConfig(SFTConfig):
+    """
+    TRL's `SFTConfig`, checked early.
+
+    Before transformers sets anything up, the DeepSpeed config file is checked (it exists and is JSON); right after,
+    any non-`"auto"` DeepSpeed value that contradicts a training argument is reported with both values.
+
+    Parameters:
+        trace_data (`bool`, *optional*, defaults to `False`):
+            Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
+            `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
+    """
+
+    trace_data: bool = field(
+        default=False,
+        metadata={"help": "Log a hash of every micro-batch per rank to `<output_dir>/data_trace/` (audits sharding)."},
+    )
+
+    def __post_init__(self):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"`{name}` must be >= 1, got {value}.")
+        if self.learning_rate < 0:
+            raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
+        if not self.use_cpu and not torch.cuda.is_available():
+            # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
+            # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
+            self.use_cpu = True
+        if isinstance(self.deepspeed, str) and self.deepspeed.lower() in ("", "none", "null"):
+            self.deepspeed = None  # `--deepspeed none` turns off a recipe's DeepSpeed config
+        if isinstance(self.deepspeed, str):
+            self.deepspeed = str(load_ds_config_path(self.deepspeed))
+        super().__post_init__()
+        mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
+        if mismatches:
+            raise ConfigError(
+                f"The DeepSpeed config {self.deepspeed} contradicts the training arguments: "
+                + "; ".join(m.strip("- ") for m in mismatches)
+                + '. Set those DeepSpeed values to "auto" so the training arguments own them.'
+            )
+
+
+def load_ds_config_path(path: str) -> Path:
+    """Check that a DeepSpeed config file exists and holds a JSON object; return its path."""
+    ds_path = Path(path)
+    if not ds_path.is_file():
+        raise ConfigError(
+            f"`deepspeed`: no such file {path!r}. Use one of ds_configs/*.json (zero2, zero3, *_offload) or a path "
+            "to your own DeepSpeed JSON."
+        )
+    try:
+        config = json.loads(ds_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"`deepspeed`: {path} is not valid JSON ({e}). Fix the file or pick one of ds_configs/."
+        ) from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"`deepspeed`: {path} must hold a JSON object, got {type(config).__name__}.")
+    return ds_path
+
+
+DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)
+
+
+def make_parser() -> TrlParser:
+    return TrlParser(DATACLASSES)
+
+
+def _check_recipe(parser: TrlParser, args: list[str]) -> None:
+    """Reject a missing recipe file or a key no dataclass knows, before TrlParser turns it into a flag."""
+    if "--config" not in args:
+        return
+    index = args.index("--config")
+    if index + 1 >= len(args):
+        raise ConfigError("`--config` needs a path to a YAML recipe, e.g. --config recipes/demo.yaml.")
+    path = Path(args[index + 1])
+    if not path.is_file():
+        raise ConfigError(f"`--config`: no such file {str(path)!r}. Recipes live in recipes/, e.g. recipes/demo.yaml.")
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"`--config`: {path} is not valid YAML: {e}") from e
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"`--config`: {path} must hold a YAML mapping of field: value, got {type(recipe).__name__}.")
+    known = {action.dest for action in parser._actions} | {"env"}
+    for key in recipe:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean `{hint[0]}`?" if hint else "remove it, or see `python sft/train.py --help`."
+            raise ConfigError(f"{path}: unknown key `{key}` (value {recipe[key]!r}); {fix}")
+
+
+def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArguments, TrainConfig, ModelArguments]:
+    """Parse a recipe plus CLI overrides into sft's dataclasses; raise ConfigError on anything invalid."""
+    import sys
+
+    args = list(sys.argv[1:] if args is None else args)
+    parser = make_parser()
+    _check_recipe(parser, args)
+    try:
+        script_args, data_args, training_args, model_args = parser.parse_args_and_config(args)
+    except ConfigError:
+        raise
+    except ValueError as e:  # transformers/TRL reject values in __post_init__ with a ValueError
+        raise ConfigError(f"invalid configuration: {e}") from e
+    if not data_args.datasets and not script_args.dataset_name:
+        raise ConfigError("No training data: set `datasets` (a list of sources) or `dataset_name` in the recipe.")
+    if not model_args.model_name_or_path:
+        raise ConfigError("`model_name_or_path` is not set: give a hub id or a local model directory.")
+    if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
+        raise ConfigError(
+            f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."
+        )
+    return script_args, data_args, training_args, model_args

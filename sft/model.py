@@ -1,0 +1,92 @@
+"""Build the tokenizer and the model: from a hub id or a local directory, or from a config alone (`from_scratch`).
+
+TRL's SFTTrainer can load a model from a name itself; sft builds it here instead so that `from_scratch` (a random
+model from `config.json`, used by the demo and the benchmarks) and loaded weights take the same path, under ZeRO-3
+too (transformers builds either inside `deepspeed.zero.Init` when the training arguments enable ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import set_seed as hf_set_seed
+from trl import get_quantization_config
+
+from sft.config import ModelArguments, TrainConfig
+from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype(model_args: ModelArguments) -> torch.dtype | str | None:
+    if model_args.dtype in (None, "auto"):
+        return model_args.dtype
+    return getattr(torch, model_args.dtype)
+
+
+def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+    except OSError as e:
+        raise ConfigError(
+            f"`model_name_or_path`: no tokenizer could be loaded from {model_args.model_name_or_path!r} ({e}). Give a "
+            "local directory with tokenizer files or a reachable hub id."
+        ) from e
+
+
+def init_distributed_for_zero3(training_args: TrainConfig) -> None:
+    """DeepSpeed's `zero.Init` needs DeepSpeed's own process group before the model is built.
+
+    On CPU it must be gloo: without this call `zero.Init` starts one itself and fails with a batch-size/world-size
+    mismatch.
+    """
+    if (
+        not training_args.deepspeed
+        or training_args.hf_deepspeed_config.config.get("zero_optimization", {}).get("stage") != 3
+    ):
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
+    init_distributed_for_zero3(training_args)
+    hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
+    kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": _dtype(model_args),
+    }
+    if training_args.model_init_kwargs:
+        kwargs.update(training_args.model_init_kwargs)
+    if model_args.from_scratch:
+        config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=kwargs["trust_remote_code"]
+        )
+        model = AutoModelForCausalLM.from_config(
+            config,
+            attn_implementation=kwargs["attn_implementation"],
+            dtype=kwargs["dtype"] if kwargs["dtype"] != "auto" else None,
+            trust_remote_code=kwargs["trust_remote_code"],
+        )
+        logger.info("Built %s from %s/config.json with random weights", type(model).__name__, config._name_or_path)
+        return model
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = {"": training_args.local_process_index}  # each rank loads onto its own GPU
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+    except OSError as e:
+        raise ConfigError(
+            f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "
+            "model directory or a reachable hub id; for a directory with only config.json, set `from_scratch: true`."
+        ) from e

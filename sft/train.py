@@ -1,0 +1,91 @@
+"""Supervised fine-tuning entry point.
+
+    torchrun --nproc_per_node N sft/train.py --config recipes/demo.yaml [--deepspeed ds_configs/zero3.json] [--flag v]
+    deepspeed sft/train.py --config ...        python sft/train.py --config ...
+
+Parse the recipe, load and check the data, build the model, build the trainer, train, save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the package, not the modules beside this file
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from sft.errors import SFTError  # noqa: E402
+
+logger = logging.getLogger("sft")
+
+
+def setup_logging(training_args) -> None:
+    import datasets
+    import transformers
+
+    level = training_args.get_process_log_level()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
+    logger.setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    if training_args.process_index != 0:
+        datasets.utils.logging.disable_progress_bar()
+
+
+def check_output_dir(training_args) -> None:
+    """Never write over a previous run: a non-empty output_dir is only used when resuming."""
+    out = Path(training_args.output_dir)
+    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if existing and not training_args.resume_from_checkpoint:
+        raise SFTError(
+            f"`output_dir` {str(out)!r} already holds {len(existing)} entries ({', '.join(existing[:4])}"
+            f"{', ...' if len(existing) > 4 else ''}). sft does not write over a previous run: choose a new "
+            "--output_dir, move that one away yourself, or resume it with --resume_from_checkpoint <checkpoint>."
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sft.config import parse_args
+
+    script_args, data_args, training_args, model_args = parse_args(argv)
+    setup_logging(training_args)
+    check_output_dir(training_args)
+    training_args.distributed_state.wait_for_everyone()  # every rank checked output_dir before anyone writes there
+
+    from trl import get_peft_config
+
+    from sft.data import load_datasets
+    from sft.model import load_model, load_tokenizer
+    from sft.trainer import Trainer
+
+    train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
+    tokenizer = load_tokenizer(model_args, training_args)
+    model = load_model(model_args, training_args)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
+    trainer.end()
+
+
+def cli(argv: list[str] | None = None) -> int:
+    try:
+        main(argv)
+    except SFTError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"sft: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,51 @@
+"""Shared helpers: run the real CLI (one process or torchrun with 2 gloo processes) on the bundled demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ["--config", str(ROOT / "recipes" / "demo.yaml")]
+
+
+def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    if tmp_path is not None:
+        env["WANDB_DIR"] = str(tmp_path)
+    return env
+
+
+def run_cli(args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600):
+    """Run sft/train.py: nproc=0 as `python sft/train.py`, else under `torchrun --nproc_per_node nproc`."""
+    script = str(ROOT / "sft" / "train.py")
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    else:
+        cmd = [sys.executable, script]
+    return subprocess.run(
+        cmd + list(args), cwd=ROOT, env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def demo_args():
+    return list(DEMO)

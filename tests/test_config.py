@@ -1,0 +1,93 @@
+"""Every recipe parses, every DeepSpeed config loads, and settings that must agree are checked against each other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+from sft.config import parse_args
+from sft.errors import ConfigError
+from tests.conftest import ROOT
+
+RECIPES = sorted(ROOT.glob("recipes/**/*.yaml"))
+DS_CONFIGS = sorted(ROOT.glob("ds_configs/*.json"))
+# Keys whose value TrainingArguments owns: in our DeepSpeed configs they must all be "auto".
+TRAINER_OWNED = [
+    ("train_batch_size",),
+    ("train_micro_batch_size_per_gpu",),
+    ("gradient_accumulation_steps",),
+    ("gradient_clipping",),
+    ("bf16", "enabled"),
+    ("fp16", "enabled"),
+    ("zero_optimization", "reduce_bucket_size"),
+]
+
+
+def test_there_are_recipes_and_ds_configs():
+    assert ROOT / "recipes" / "demo.yaml" in RECIPES
+    assert {p.stem for p in DS_CONFIGS} >= {"zero2", "zero3", "zero2_offload", "zero3_offload"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_recipe_parses(recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _, data_args, training_args, model_args = parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)])
+    assert model_args.model_name_or_path
+    assert data_args.datasets, "a recipe names its data"
+    if training_args.deepspeed:
+        assert (ROOT / training_args.deepspeed).is_file()
+
+
+def test_cli_overrides_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _, _, args, _ = parse_args(
+        [
+            "--config",
+            "recipes/demo.yaml",
+            "--output_dir",
+            str(tmp_path),
+            "--learning_rate",
+            "0.5",
+            "--deepspeed",
+            "none",
+        ]
+    )
+    assert args.learning_rate == 0.5
+    assert args.deepspeed is None
+    assert args.packing and args.assistant_only_loss  # recipe values the CLI did not touch survive
+
+
+@pytest.mark.parametrize("ds_path", DS_CONFIGS, ids=lambda p: p.name)
+def test_ds_config(ds_path):
+    config = json.loads(ds_path.read_text())
+    for keys in TRAINER_OWNED:
+        node = config
+        for key in keys[:-1]:
+            node = node.get(key, {})
+        if keys[-1] in node:
+            assert node[keys[-1]] == "auto", f'{ds_path.name}: {".".join(keys)} must be "auto"'
+    for section in ("optimizer", "scheduler"):
+        for key, value in config.get(section, {}).get("params", {}).items():
+            assert value == "auto", f'{ds_path.name}: {section}.params.{key} must be "auto"'
+    zero = config["zero_optimization"]
+    assert zero["stage"] == (3 if "zero3" in ds_path.name else 2)
+    if zero["stage"] == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # final output is a from_pretrained dir
+    offload = "offload" in ds_path.name
+    assert ("offload_optimizer" in zero) == offload
+    assert ("offload_param" in zero) == (offload and zero["stage"] == 3)
+    # transformers' own DeepSpeed config reader accepts it and finds the ZeRO stage
+    assert HfTrainerDeepSpeedConfig(str(ds_path)).get_value("zero_optimization.stage") == zero["stage"]
+
+
+def test_fraction_on_some_sources_only(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model_name_or_path: recipes/demo/model\noutput_dir: " + str(tmp_path / "o") + "\n"
+        "datasets:\n  - {path: a.jsonl, fraction: 0.5}\n  - {path: b.jsonl}\n"
+    )
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError, match=r"`fraction` is set on some entries"):
+        parse_args(["--config", str(recipe)])

@@ -1,0 +1,134 @@
+"""Bad input stops the run before any training with one clear paragraph and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, run_cli
+
+GOOD = {"role": "user", "content": "repeat: abc"}, {"role": "assistant", "content": "abc"}
+
+
+def write_recipe(tmp_path: Path, **overrides) -> Path:
+    recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
+    recipe.update(output_dir=str(tmp_path / "out"), **overrides)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def write_jsonl(tmp_path: Path, records: list[dict], name: str = "data.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chats(n: int = 4) -> list[dict]:
+    return [{"messages": [dict(t) for t in GOOD]} for _ in range(n)]
+
+
+def expect_error(result, *needles: str) -> None:
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr[-3000:]}"
+
+
+def run_with_data(tmp_path: Path, records: list[dict]):
+    data = write_jsonl(tmp_path, records)
+    return run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[]))]), data
+
+
+@pytest.mark.parametrize(
+    ("bad_record", "needle"),
+    [
+        ({"msgs": [dict(t) for t in GOOD]}, "record 2: missing field `messages`"),
+        ({"messages": "repeat: abc"}, "record 2: `messages` must be a list of turns, got str"),
+        ({"messages": []}, "record 2: `messages` is an empty conversation"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "record 2: `messages[0].role` is 'robot'"),
+        ({"messages": [{"role": "user", "content": 5}]}, "record 2: `messages[0].content` must be a string, got int"),
+    ],
+    ids=["missing-field", "wrong-type", "empty-conversation", "unknown-role", "non-string-content"],
+)
+def test_malformed_chat_record(tmp_path, bad_record, needle):
+    records = chats()
+    records.insert(2, bad_record)
+    result, data = run_with_data(tmp_path, records)
+    expect_error(result, str(data), needle, "Fix or drop that record")
+
+
+def test_malformed_sharegpt_role(tmp_path):
+    records = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}] * 3
+    records.append({"conversations": [{"from": "bot", "value": "hi"}]})
+    result, data = run_with_data(tmp_path, records)
+    expect_error(result, str(data), "record 3: `conversations[0].from` is 'bot'")
+
+
+def test_invalid_json_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(chats(1)[0]) + "\n{not json\n")
+    result = run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[]))])
+    expect_error(result, "record 1 (line 2) is not valid JSON")
+
+
+def test_unknown_record_format(tmp_path):
+    result, data = run_with_data(tmp_path, [{"question": "q", "answer": "a"}] * 3)
+    expect_error(result, "cannot tell the record format from its columns ['question', 'answer']", "Alpaca")
+
+
+def test_missing_data_file(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    result = run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(missing)}]))])
+    expect_error(result, f"dataset path {str(missing)!r} does not exist")
+
+
+def test_unknown_recipe_key(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path, lerning_rate=0.1))])
+    expect_error(result, "unknown key `lerning_rate`", "did you mean `learning_rate`?")
+
+
+def test_missing_recipe(tmp_path):
+    result = run_cli(["--config", str(tmp_path / "nope.yaml")])
+    expect_error(result, "`--config`: no such file", "recipes/demo.yaml")
+
+
+def test_bad_flag_value(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--learning_rate", "fast"])
+    expect_error(result, "--learning_rate", "invalid float value: 'fast'")
+
+
+def test_unknown_flag(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--lerning_rate", "0.1"])
+    expect_error(result, "--lerning_rate")
+
+
+def test_zero_batch_size(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--per_device_train_batch_size", "0"])
+    expect_error(result, "`per_device_train_batch_size` must be >= 1, got 0")
+
+
+def test_missing_ds_config(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--deepspeed", "ds_configs/zero4.json"])
+    expect_error(result, "`deepspeed`: no such file 'ds_configs/zero4.json'")
+
+
+def test_ds_config_contradicts_flag(tmp_path):
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = 8
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps(ds))
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--deepspeed", str(ds_path)])
+    expect_error(result, "contradicts the training arguments", "train_micro_batch_size_per_gpu=8", '"auto"')
+
+
+def test_output_dir_not_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("a previous run")
+    result = run_cli(["--config", str(write_recipe(tmp_path))])
+    expect_error(result, "already holds 1 entries (model.safetensors)", "does not write over a previous run")
+    assert (out / "model.safetensors").read_text() == "a previous run"
