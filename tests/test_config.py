@@ -91,3 +91,9 @@ def test_fraction_on_some_sources_only(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match=r"`fraction` is set on some entries"):
         parse_args(["--config", str(recipe)])
+
+
+def test_ci_runs_the_readme_test_command():
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "pytest" in ci_command
+    assert ci_command in (ROOT / "README.md").read_text()
