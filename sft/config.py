@@ -92,11 +92,20 @@ class TrainConfig(SFTConfig):
     any non-`"auto"` DeepSpeed value that contradicts a training argument is reported with both values.
 
     Parameters:
+        resume_from_checkpoint (`str`, *optional*, defaults to `"auto"`):
+            `auto`: resume from the newest complete checkpoint in `output_dir`, or start fresh if there is none;
+            a path: resume from that checkpoint; `none`: start fresh (in an empty or new `output_dir`).
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
             `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
     """
 
+    resume_from_checkpoint: str | None = field(
+        default="auto",
+        metadata={
+            "help": "`auto` (newest complete checkpoint in output_dir, or a fresh start), a checkpoint, or `none`."
+        },
+    )
     trace_data: bool = field(
         default=False,
         metadata={"help": "Log a hash of every micro-batch per rank to `<output_dir>/data_trace/` (audits sharding)."},

@@ -34,34 +34,33 @@ def setup_logging(training_args) -> None:
         datasets.utils.logging.disable_progress_bar()
 
 
-def check_output_dir(training_args) -> None:
-    """Never write over a previous run: a non-empty output_dir is only used when resuming."""
-    out = Path(training_args.output_dir)
-    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if existing and not training_args.resume_from_checkpoint:
-        raise SFTError(
-            f"`output_dir` {str(out)!r} already holds {len(existing)} entries ({', '.join(existing[:4])}"
-            f"{', ...' if len(existing) > 4 else ''}). sft does not write over a previous run: choose a new "
-            "--output_dir, move that one away yourself, or resume it with --resume_from_checkpoint <checkpoint>."
-        )
-
-
 def main(argv: list[str] | None = None) -> None:
     from sft.config import parse_args
 
     script_args, data_args, training_args, model_args = parse_args(argv)
     setup_logging(training_args)
-    check_output_dir(training_args)
-    training_args.distributed_state.wait_for_everyone()  # every rank checked output_dir before anyone writes there
 
     from trl import get_peft_config
 
+    from sft import checkpoint as ckpt
     from sft.data import load_datasets
     from sft.model import load_model, load_tokenizer
     from sft.trainer import Trainer
 
+    resume_from = ckpt.resolve_resume(training_args)
+    training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
+    if training_args.process_index == 0:
+        ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
+    fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
+    if resume_from:
+        saved = ckpt.read_state(resume_from)["fingerprint"]
+        ckpt.compare_fingerprints(saved, fingerprint, resume_from)
+        training_args = ckpt.adapt_geometry(training_args, saved, resume_from)
+        fingerprint = ckpt.fingerprint(
+            script_args, data_args, training_args, model_args, tokenizer, len(train_dataset)
+        )
     model = load_model(model_args, training_args)
     trainer = Trainer(
         model=model,
@@ -70,8 +69,13 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        fingerprint=fingerprint,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_from)
+    if trainer.preempted:
+        logger.warning("Stopped on a signal with a complete checkpoint; run the same command to continue.")
+        trainer.end()
+        raise SystemExit(ckpt.PREEMPTED_EXIT_CODE)
     trainer.save_model(training_args.output_dir)
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
     trainer.end()

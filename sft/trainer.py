@@ -1,4 +1,4 @@
-"""sft's trainer: TRL's SFTTrainer plus a metrics log that needs no tracker, and an optional data trace."""
+"""sft's trainer: TRL's SFTTrainer plus complete-marked checkpoints, pre-emption, a metrics log and a data trace."""
 
 from __future__ import annotations
 
@@ -6,55 +6,178 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
+from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 from trl import SFTTrainer
+
+from sft import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+DISCARDED_METRICS_FILE = "metrics.discarded.jsonl"
 DATA_TRACE_DIR = "data_trace"
+# Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
+KILL_DURING_SAVE_ENV = "SFT_TEST_KILL_DURING_SAVE"
 
 
 class MetricsJsonlCallback(TrainerCallback):
     """Append every log event of the main process to `<output_dir>/metrics.jsonl`, one JSON object a line.
 
     Each line has `step`, `epoch`, a wall-clock `time` and everything the trainer logged at that step (loss,
-    learning_rate, grad_norm, num_tokens, mean_token_accuracy, eval metrics, ...). The file is appended to, never
-    truncated, so a resumed run continues it.
+    learning_rate, grad_norm, num_tokens, mean_token_accuracy, eval metrics, ...). On resume from step k, lines of
+    steps after k (written by the attempt that crashed, and about to be trained again) move to
+    `metrics.discarded.jsonl`, so the file reads as one run.
     """
 
     def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, METRICS_FILE)
+        self.path = Path(output_dir) / METRICS_FILE
+
+    def keep_until(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(keep) == len(lines):
+            return
+        with open(self.path.with_name(DISCARDED_METRICS_FILE), "a") as f:
+            f.writelines(line for line in lines if json.loads(line)["step"] > step)
+        self.path.write_text("".join(keep))
+        logger.warning("metrics.jsonl: moved %d lines after step %d to %s", len(lines) - len(keep), step, f.name)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"step": state.global_step, "epoch": state.epoch, "time": time.time(), **logs}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 
-class Trainer(SFTTrainer):
-    """TRL's `SFTTrainer` with sft's additions; everything else (packing, collation, loss) is TRL's."""
+class PreemptionCallback(TrainerCallback):
+    """SIGTERM/SIGUSR1 on any rank: all ranks agree (one all-reduce per step), save a checkpoint and stop."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self):
+        self.requested = False
+        self.preempted = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        logger.warning(
+            "Received %s: will save a checkpoint and stop after this optimizer step", signal.Signals(signum).name
+        )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        flag = torch.tensor(float(self.requested), device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+class Trainer(SFTTrainer):
+    """TRL's `SFTTrainer` with sft's additions; packing, collation and loss are TRL's.
+
+    `fingerprint` (from `sft.checkpoint.fingerprint`) is stored in every checkpoint so that a resume can be checked.
+    """
+
+    def __init__(self, *args, fingerprint: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_callback(MetricsJsonlCallback(self.args.output_dir))
+        self.fingerprint = fingerprint or {}
+        self.metrics_log = MetricsJsonlCallback(self.args.output_dir)
+        self.preemption = PreemptionCallback()
+        self.add_callback(self.metrics_log)
+        self.add_callback(self.preemption)
+        self.resumed_from: str | None = None
+
+    @property
+    def preempted(self) -> bool:
+        return self.preemption.preempted
+
+    def train(self, resume_from_checkpoint: str | None = None, **kwargs):
+        step = 0
+        if resume_from_checkpoint:
+            saved = ckpt.read_state(resume_from_checkpoint)
+            step = saved["global_step"]
+            self._total_train_tokens = saved["total_train_tokens"]
+            for mode, values in saved["metrics"].items():
+                self._metrics[mode].update({k: list(v) for k, v in values.items()})
+            logger.info(
+                "Resuming from %s: step %d, %d samples and %d tokens seen",
+                resume_from_checkpoint,
+                step,
+                saved["samples_seen"],
+                saved["total_train_tokens"],
+            )
+        self.resumed_from = resume_from_checkpoint
+        if self.args.process_index == 0:
+            self.metrics_log.keep_until(step)
+        self._trace_keep_until(step)
+        self.preemption.install()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # rotate only after the new checkpoint is marked complete
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        step = self.state.global_step
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
+        if self.args.should_save:
+            global_batch = self.fingerprint.get("global_batch", 0)
+            ckpt.write_json_synced(
+                folder / ckpt.STATE,
+                {
+                    "global_step": step,
+                    "samples_seen": step * global_batch,
+                    "total_train_tokens": int(self._total_train_tokens),
+                    "metrics": {mode: dict(values) for mode, values in self._metrics.items()},
+                    "fingerprint": self.fingerprint,
+                },
+            )
+        os.sync()  # every rank's files on disk ...
+        self.accelerator.wait_for_everyone()  # ... on every rank, before the marker
+        if os.environ.get(KILL_DURING_SAVE_ENV) == str(step) and self.args.process_index == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.args.should_save:
+            ckpt.write_json_synced(folder / ckpt.MARKER, {"step": step, "world_size": self.args.world_size})
+            keep = {str(Path(p).resolve()) for p in (self.resumed_from, self.state.best_model_checkpoint) if p}
+            ckpt.rotate(self.args.output_dir, limit, keep)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if getattr(self.args, "trace_data", False):
             self._trace_batch(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def _trace_path(self) -> Path:
+        return Path(self.args.output_dir) / DATA_TRACE_DIR / f"rank{self.args.process_index}.jsonl"
+
+    def _trace_keep_until(self, step: int) -> None:
+        """Drop trace lines of steps at or after the resume point: they are about to be trained again."""
+        path = self._trace_path()
+        if path.is_file():
+            lines = path.read_text().splitlines(keepends=True)
+            path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
+
     def _trace_batch(self, inputs) -> None:
         input_ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         digest = hashlib.sha1(input_ids.detach().cpu().numpy().tobytes()).hexdigest()
-        path = os.path.join(self.args.output_dir, DATA_TRACE_DIR, f"rank{self.args.process_index}.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = self._trace_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps({"step": self.state.global_step, "tokens": tokens, "sha1": digest}) + "\n")

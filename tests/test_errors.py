@@ -130,5 +130,5 @@ def test_output_dir_not_overwritten(tmp_path):
     out.mkdir()
     (out / "model.safetensors").write_text("a previous run")
     result = run_cli(["--config", str(write_recipe(tmp_path))])
-    expect_error(result, "already holds 1 entries (model.safetensors)", "does not write over a previous run")
+    expect_error(result, "already holds model.safetensors", "does not write over a previous run")
     assert (out / "model.safetensors").read_text() == "a previous run"

@@ -1,0 +1,279 @@
+"""Exact, crash-safe resume: which checkpoint to resume, whether it is complete, and whether it belongs to this run.
+
+transformers and DeepSpeed already save and load the model, ZeRO shards, optimizer, LR scheduler, per-rank RNG and
+trainer state; data order is a function of (seed, epoch) through accelerate's seeded sampler, and the trainer skips
+the batches already trained. What none of them does, and this module does:
+
+- completion markers: a checkpoint counts only once every rank has written and synced its files and the main
+  process has written `sft_complete.json` last; `resume_from_checkpoint: auto` picks the newest complete one and
+  moves incomplete ones aside (a job killed mid-save never crashes the next start);
+- rotation (`save_total_limit`) that runs after the marker, over complete checkpoints only, and never deletes the
+  newest complete checkpoint or the one the run resumed from;
+- a fingerprint of what must match to resume exactly (seed, data, packing, tokenizer, global batch, model), checked
+  before the model is built, and the counters TRL does not save (tokens seen);
+- a different number of processes: the global batch is kept by recomputing gradient accumulation, and a ZeRO
+  checkpoint is converted with DeepSpeed's own `ds_to_universal` and loaded as a universal checkpoint.
+
+Every file written here is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MARKER = "sft_complete.json"
+STATE = "sft_state.json"
+INCOMPLETE_DIR = "incomplete"
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete checkpoint; run the same command again
+# Files an sft run writes into output_dir (README.md is the model card TRL writes at each save); a directory holding
+# only these and checkpoints is an unfinished sft run.
+SFT_ARTIFACTS = {"README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR}
+# Fingerprint keys reconciled by `adapt_geometry` (the global batch is kept by recomputing accumulation).
+GEOMETRY_KEYS = {"world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch"}
+VERSION_KEY = "versions"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """`checkpoint-N` directories of output_dir, oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def is_complete(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / MARKER).is_file()
+
+
+def write_json_synced(path: Path, payload: dict) -> None:
+    """Write JSON and fsync the file and its directory, so that it is on disk before anything that follows."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_state(checkpoint: str | Path) -> dict | None:
+    path = Path(checkpoint) / STATE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_train: int) -> dict:
+    """What must match (or, for the batch geometry, be reconciled) for a resume to continue the same run."""
+    import deepspeed
+    import torch
+    import transformers
+    import trl
+
+    sources = [dataclasses.asdict(s) for s in data_args.datasets] or [
+        {
+            "path": script_args.dataset_name,
+            "name": script_args.dataset_config,
+            "split": script_args.dataset_train_split,
+        }
+    ]
+    world = training_args.world_size
+    return {
+        "model": model_args.model_name_or_path,
+        "from_scratch": model_args.from_scratch,
+        "seed": training_args.seed,
+        "data": {"sources": sources, "train_records": n_train, "test_split_size": data_args.test_split_size},
+        "packing": {
+            "packing": training_args.packing,
+            "packing_strategy": training_args.packing_strategy,
+            "padding_free": training_args.padding_free,
+            "max_length": training_args.max_length,
+            "assistant_only_loss": training_args.assistant_only_loss,
+            "completion_only_loss": training_args.completion_only_loss,
+        },
+        "tokenizer": {
+            "vocab": len(tokenizer),
+            "chat_template": tokenizer.chat_template,
+        },
+        "world_size": world,
+        "per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+        "global_batch": world * training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps,
+        VERSION_KEY: {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "deepspeed": deepspeed.__version__,
+        },
+    }
+
+
+def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
+    """Refuse a checkpoint of another run; warn when only library versions differ."""
+    differ = [k for k in sorted(set(saved) | set(current)) if k not in GEOMETRY_KEYS | {VERSION_KEY}]
+    differ = [k for k in differ if saved.get(k) != current.get(k)]
+    if differ:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in differ)
+        raise ConfigError(
+            f"{where} belongs to a different run ({details}). Resuming it would not continue the same training: use "
+            "a new --output_dir, restore the original settings, or pass --resume_from_checkpoint none with a new "
+            "output_dir to start over."
+        )
+    if saved.get(VERSION_KEY) != current.get(VERSION_KEY):
+        logger.warning(
+            "Library versions differ from the checkpoint's (%s vs %s); the run continues, but bit-exactness is not "
+            "guaranteed.",
+            saved.get(VERSION_KEY),
+            current.get(VERSION_KEY),
+        )
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name not in SFT_ARTIFACTS and not CHECKPOINT_RE.match(p.name))
+
+
+def resolve_resume(training_args) -> str | None:
+    """The checkpoint to resume from (`auto`: newest complete one in output_dir; a path; `none`), or None.
+
+    Refuses to start in an output_dir that holds anything but this run's own artifacts, so nothing a user made is
+    written over. Runs on every rank before anything is written; the answer is the same on all of them.
+    """
+    value = training_args.resume_from_checkpoint
+    out = Path(training_args.output_dir)
+    if value is not None and str(value).lower() not in ("auto", "none", "false", "true"):
+        path = Path(value)
+        if not path.is_dir():
+            raise ConfigError(f"`resume_from_checkpoint`: no such directory {value!r}.")
+        if not is_complete(path):
+            raise ConfigError(
+                f"`resume_from_checkpoint`: {value} has no {MARKER}, so it may be half-written (a job killed while "
+                "saving). Pick a complete checkpoint, or use `auto` to take the newest complete one."
+            )
+        return str(path)
+    auto = value is not None and str(value).lower() in ("auto", "true")
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    foreign = _foreign_entries(out)
+    complete = [c for c in checkpoints(out) if is_complete(c)]
+    if not auto or foreign:
+        what = foreign or [p.name for p in sorted(out.iterdir())]
+        raise ConfigError(
+            f"`output_dir` {str(out)!r} already holds {', '.join(what[:4])}{', ...' if len(what) > 4 else ''}. sft "
+            "does not write over a previous run: choose a new --output_dir or move that one away yourself"
+            + (", or resume it with --resume_from_checkpoint auto." if complete and not auto else ".")
+        )
+    newest = complete[-1] if complete else None
+    for c in checkpoints(out):
+        if is_complete(c) or (newest is not None and _step(c) < _step(newest)):
+            continue
+        logger.warning("Ignoring %s: it has no %s (its save did not finish).", c, MARKER)
+    if newest is None:
+        logger.warning("No complete checkpoint in %s: starting from step 0.", out)
+    return str(newest) if newest else None
+
+
+def _step(checkpoint: Path) -> int:
+    return int(CHECKPOINT_RE.match(checkpoint.name).group(1))
+
+
+def set_aside_incomplete(output_dir: str, resume_from: str | None) -> None:
+    """Move checkpoints without a marker that are newer than the resume point into `incomplete/` (main process)."""
+    start = _step(Path(resume_from)) if resume_from else -1
+    for c in checkpoints(output_dir):
+        if not is_complete(c) and _step(c) > start:
+            target = Path(output_dir) / INCOMPLETE_DIR / f"{c.name}.{int(time.time())}"
+            target.parent.mkdir(exist_ok=True)
+            os.replace(c, target)
+            logger.warning("Moved the incomplete %s to %s.", c, target)
+
+
+def rotate(output_dir: str, limit: int | None, keep: set[str]) -> None:
+    """Delete the oldest complete checkpoints beyond `limit`, never the newest one nor any in `keep`."""
+    if not limit:
+        return
+    complete = [c for c in checkpoints(output_dir) if is_complete(c)]
+    excess = len(complete) - max(limit, 1)
+    for c in complete[:-1]:
+        if excess <= 0:
+            break
+        if str(c.resolve()) in keep:
+            continue
+        logger.info("Deleting %s (save_total_limit=%d)", c, limit)
+        shutil.rmtree(c)
+        excess -= 1
+
+
+def ensure_universal(checkpoint: str) -> None:
+    """Convert a ZeRO checkpoint with DeepSpeed's `ds_to_universal` (once; the result stays beside the original)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    ckpt = Path(checkpoint)
+    if (ckpt / "latest_universal").is_file():
+        return
+    tag = (ckpt / "latest").read_text().strip()
+    args = argparse.Namespace(  # the options of `python -m deepspeed.checkpoint.ds_to_universal`
+        input_folder=str(ckpt / tag),
+        output_folder=str(ckpt / f"{tag}_universal"),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # plain (non-Megatron) DeepSpeed clients do not write the universal info
+    )
+    logger.info("Converting %s to a universal checkpoint for a different number of processes", ckpt / tag)
+    ds_to_universal.main(args)
+
+
+def adapt_geometry(training_args, saved: dict, checkpoint: str):
+    """Keep the checkpoint's global batch on the current number of processes; returns the (new) training args."""
+    world, micro = training_args.world_size, training_args.per_device_train_batch_size
+    global_batch = saved["global_batch"]
+    gas = global_batch // (world * micro) if global_batch % (world * micro) == 0 else None
+    if gas is None:
+        feasible = [m for m in range(1, global_batch + 1) if global_batch % (world * m) == 0]
+        raise ConfigError(
+            f"{checkpoint} was trained with a global batch of {global_batch} ({saved['world_size']} processes x "
+            f"{saved['per_device_train_batch_size']} x {saved['gradient_accumulation_steps']} accumulation); "
+            f"{world} processes x per_device_train_batch_size {micro} cannot make {global_batch}. Use "
+            f"--per_device_train_batch_size in {feasible or 'none'} or a process count that divides {global_batch}."
+        )
+    changes = {}
+    if gas != training_args.gradient_accumulation_steps:
+        changes["gradient_accumulation_steps"] = gas
+    if world != saved["world_size"] and training_args.deepspeed:
+        with training_args.main_process_first(desc="universal checkpoint conversion"):
+            if training_args.process_index == 0:
+                ensure_universal(checkpoint)
+        ds_config = json.loads(Path(training_args.deepspeed).read_text())
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        changes["deepspeed"] = ds_config
+    if not changes:
+        return training_args
+    logger.warning(
+        "Resuming %s on %d processes (was %d): global batch %d = %d x %d x %d accumulation%s",
+        checkpoint,
+        world,
+        saved["world_size"],
+        global_batch,
+        world,
+        micro,
+        gas,
+        ", loading the ZeRO state as a universal checkpoint" if "deepspeed" in changes else "",
+    )
+    return dataclasses.replace(training_args, **changes)
