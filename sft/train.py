@@ -27,7 +27,8 @@ def setup_logging(training_args) -> None:
 
     level = training_args.get_process_log_level()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
-    logger.setLevel(level)
+    # sft's own messages: info and up from the main process, errors only from the other ranks
+    logger.setLevel(logging.INFO if training_args.process_index == 0 else logging.ERROR)
     datasets.utils.logging.set_verbosity(level)
     transformers.utils.logging.set_verbosity(level)
     if training_args.process_index != 0:

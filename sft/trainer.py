@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -15,6 +16,7 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
+from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ class Trainer(SFTTrainer):
         if resume_from_checkpoint:
             saved = ckpt.read_state(resume_from_checkpoint)
             step = saved["global_step"]
+            self._refuse_finished(step, resume_from_checkpoint)
             self._total_train_tokens = saved["total_train_tokens"]
             for mode, values in saved["metrics"].items():
                 self._metrics[mode].update({k: list(v) for k, v in values.items()})
@@ -126,6 +129,20 @@ class Trainer(SFTTrainer):
         self._trace_keep_until(step)
         self.preemption.install()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _refuse_finished(self, step: int, checkpoint: str) -> None:
+        """transformers "finishes" at once when the checkpoint is already at the last step; say so instead."""
+        if self.args.max_steps > 0:
+            total, what = self.args.max_steps, f"max_steps {self.args.max_steps}"
+        else:
+            per_epoch = max(len(self.get_train_dataloader()) // self.args.gradient_accumulation_steps, 1)
+            total = math.ceil(per_epoch * self.args.num_train_epochs)
+            what = f"num_train_epochs {self.args.num_train_epochs} ({total} steps)"
+        if step >= total:
+            raise ConfigError(
+                f"{checkpoint} is at step {step} and the run asks for {what}: nothing is left to train. Raise "
+                "max_steps/num_train_epochs to train further, or use a new --output_dir for a new run."
+            )
 
     def _save_checkpoint(self, model, trial):
         limit = self.args.save_total_limit

@@ -30,7 +30,9 @@ def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600):
+def run_cli(
+    args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600, env: dict | None = None
+):
     """Run sft/train.py: nproc=0 as `python sft/train.py`, else under `torchrun --nproc_per_node nproc`."""
     script = str(ROOT / "sft" / "train.py")
     if nproc:
@@ -38,7 +40,12 @@ def run_cli(args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeo
     else:
         cmd = [sys.executable, script]
     return subprocess.run(
-        cmd + list(args), cwd=ROOT, env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout
+        cmd + list(args),
+        cwd=ROOT,
+        env={**cli_env(tmp_path), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

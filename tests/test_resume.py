@@ -1,0 +1,238 @@
+"""Exact resume, proven with real SIGKILLs of real multi-process runs (2 gloo processes, demo model with dropout on).
+
+The reference is one uninterrupted run; each test kills or stops the same command and runs it again, and compares
+per-step loss, learning rate, grad norm and token counts in metrics.jsonl, and the final weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+
+from sft.checkpoint import MARKER, PREEMPTED_EXIT_CODE
+from sft.trainer import KILL_DURING_SAVE_ENV
+from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
+
+pytestmark = pytest.mark.multiproc
+STEPS = 12
+# per-device batch 1 x accumulation 2 x 2 processes = global batch 4 packed rows; 2 dataloader workers
+ARGS = [
+    "--config", str(ROOT / "recipes" / "demo.yaml"),
+    "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2",
+    "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "1",
+    "--gradient_accumulation_steps", "2", "--dataloader_num_workers", "2", "--max_length", "256",
+]  # fmt: skip
+STAGES = {"none": "none", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The demo model directory with attention dropout on, so that RNG restore matters."""
+    path = tmp_path_factory.mktemp("model")
+    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
+        shutil.copy(f, path)
+    config = json.loads((path / "config.json").read_text())
+    config["attention_dropout"] = 0.1
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def args_for(model_dir: Path, out: Path, stage: str) -> list[str]:
+    return ARGS + ["--model_name_or_path", str(model_dir), "--output_dir", str(out), "--deepspeed", STAGES[stage]]
+
+
+def train_records(out: Path) -> list[dict]:
+    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(out / "model.safetensors")
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, result.stderr[-5000:]
+
+
+def assert_same_run(reference: Path, resumed: Path) -> None:
+    """Bit-identical per-step loss, learning rate, grad norm and tokens, and equal final weights."""
+    ref, res = train_records(reference), train_records(resumed)
+    assert [r["step"] for r in res] == list(range(1, STEPS + 1)), "metrics.jsonl must read as one run"
+    for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
+        assert [r[key] for r in ref] == [r[key] for r in res], key
+    a, b = weights(reference), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and all its descendants (torchrun starts its workers in sessions of their own)."""
+    parent = psutil.Process(pid)
+    for proc in [*parent.children(recursive=True), parent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+
+
+def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2) -> None:
+    """Start the CLI and SIGKILL the launcher and every worker once checkpoint-<step> is complete."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.Popen(
+        cmd + [str(ROOT / "sft" / "train.py"), *args],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = out / f"checkpoint-{step}" / MARKER
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    kill_tree(proc.pid)
+    proc.wait()
+    assert marker.exists(), "the run never completed the checkpoint it was to be killed after"
+    assert not (out / "model.safetensors").exists(), "the run finished before the kill; the test proves nothing"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dir):
+    """Uninterrupted runs, made on first use: (stage, nproc) -> output dir."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(stage: str, nproc: int = 2) -> Path:
+        if (stage, nproc) not in made:
+            out = tmp_path_factory.mktemp(f"ref-{stage}-{nproc}") / "out"
+            assert_ok(run_cli(args_for(model_dir, out, stage), nproc=nproc))
+            made[stage, nproc] = out
+        return made[stage, nproc]
+
+    return get
+
+
+@pytest.mark.parametrize("stage", ["none", "zero2", "zero3"])
+def test_sigkill_then_same_command_is_bit_exact(stage, reference, model_dir, tmp_path):
+    out = tmp_path / "out"
+    kill_after_checkpoint(args_for(model_dir, out, stage), out, step=4)
+    result = run_cli(args_for(model_dir, out, stage), nproc=2)
+    assert_ok(result)
+    assert_same_run(reference(stage), out)
+    resumed = re.search(r"Resuming from \S+/(checkpoint-\d+): step", result.stderr).group(1)
+    # save_total_limit 2 keeps the newest checkpoint and the one resumed from
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({"checkpoint-12", resumed})
+
+
+def test_sigkill_during_checkpoint_write(reference, model_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
+    assert result.returncode != 0
+    assert (out / "checkpoint-4" / MARKER).exists() and not (out / "checkpoint-8" / MARKER).exists()
+    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2)
+    assert_ok(result)
+    assert "Ignoring" in result.stderr and "checkpoint-8" in result.stderr  # the half-written one was skipped
+    assert list((out / "incomplete").glob("checkpoint-8.*")), "the half-written checkpoint is kept aside, not deleted"
+    assert_same_run(reference("zero2"), out)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_different_process_count(stage, before, after, reference, model_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(args_for(model_dir, out, stage), nproc=before, env={KILL_DURING_SAVE_ENV: "8"})
+    assert result.returncode != 0 and (out / "checkpoint-4" / MARKER).exists()
+    result = run_cli(args_for(model_dir, out, stage), nproc=after)
+    assert_ok(result)
+    assert f"on {after} processes (was {before}): global batch {2 * before} " in result.stderr
+    ref, res = train_records(reference(stage, before)), train_records(out)
+    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
+    assert [r["learning_rate"] for r in ref] == [r["learning_rate"] for r in res]  # same LR schedule
+    assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]  # same samples at every step
+    assert [r["loss"] for r in ref[:4]] == [r["loss"] for r in res[:4]]
+    # After the change: other summation order and other dropout masks (per-rank RNG streams differ)
+    for a, b in zip(ref[4:], res[4:], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=0.05), (a["step"], a["loss"], b["loss"])
+
+
+def test_global_batch_that_cannot_be_kept_is_refused(model_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
+    assert (out / "checkpoint-4" / MARKER).exists()
+    result = run_cli(args_for(model_dir, out, "zero2") + ["--per_device_train_batch_size", "3"], nproc=1)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "global batch of 4" in result.stderr and "per_device_train_batch_size in [1, 2, 4]" in result.stderr
+
+
+def test_torchrun_max_restarts_continues_by_itself(reference, model_dir, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    proc = subprocess.Popen(
+        cmd + [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    marker = out / "checkpoint-4" / MARKER
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert workers, "no worker to kill"
+    os.kill(int(workers[-1]), signal.SIGKILL)  # one worker dies; the agent restarts the group, which resumes
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-5000:]
+    assert "Resuming from" in stderr
+    assert_same_run(reference("zero2"), out)
+
+
+def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
+    out = tmp_path / "out"
+    args = args_for(model_dir, out, "none")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "sft" / "train.py"), *args],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not (out / "metrics.jsonl").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    complete = [p for p in out.glob("checkpoint-*") if (p / MARKER).exists()]
+    assert complete, "no complete checkpoint after SIGTERM"
+    stopped_at = max(int(p.name.split("-")[1]) for p in complete)
+    assert stopped_at < STEPS and not (out / "model.safetensors").exists()
+    reference_out = tmp_path / "ref"
+    assert_ok(run_cli(args_for(model_dir, reference_out, "none")))
+    assert_ok(run_cli(args))
+    assert_same_run(reference_out, out)
+
+
+def test_stale_checkpoint_of_another_run_is_refused(model_dir, tmp_path):
+    out = tmp_path / "out"
+    run_cli(args_for(model_dir, out, "none"), env={KILL_DURING_SAVE_ENV: "8"})
+    assert (out / "checkpoint-4" / MARKER).exists()
+    result = run_cli(args_for(model_dir, out, "none") + ["--seed", "7"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "belongs to a different run (seed: checkpoint 42 vs now 7)" in result.stderr
+
+
+def test_finished_run_is_not_silently_finished_again(model_dir, tmp_path):
+    out = tmp_path / "out"
+    run_cli(args_for(model_dir, out, "none"), env={KILL_DURING_SAVE_ENV: "8"})
+    result = run_cli(args_for(model_dir, out, "none") + ["--max_steps", "4"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is at step 4 and the run asks for max_steps 4: nothing is left to train" in result.stderr
