@@ -37,7 +37,9 @@ def setup_logging(training_args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config import parse_args
+    from sft.distributed import init_process_group
 
+    init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
     setup_logging(training_args)
 

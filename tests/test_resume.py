@@ -160,7 +160,7 @@ def test_different_process_count(stage, before, after, reference, model_dir, tmp
     assert [r["loss"] for r in ref[:4]] == [r["loss"] for r in res[:4]]
     # After the change: other summation order and other dropout masks (per-rank RNG streams differ)
     for a, b in zip(ref[4:], res[4:], strict=True):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=0.05), (a["step"], a["loss"], b["loss"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a["step"], a["loss"], b["loss"])
 
 
 def test_global_batch_that_cannot_be_kept_is_refused(model_dir, tmp_path):
@@ -168,7 +168,7 @@ def test_global_batch_that_cannot_be_kept_is_refused(model_dir, tmp_path):
     result = run_cli(args_for(model_dir, out, "zero2"), nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
     assert (out / "checkpoint-4" / MARKER).exists()
     result = run_cli(args_for(model_dir, out, "zero2") + ["--per_device_train_batch_size", "3"], nproc=1)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.returncode != 0 and "sft: error:" in result.stderr
     assert "global batch of 4" in result.stderr and "per_device_train_batch_size in [1, 2, 4]" in result.stderr
 
 
@@ -236,3 +236,16 @@ def test_finished_run_is_not_silently_finished_again(model_dir, tmp_path):
     result = run_cli(args_for(model_dir, out, "none") + ["--max_steps", "4"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "is at step 4 and the run asks for max_steps 4: nothing is left to train" in result.stderr
+
+
+def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29743"]
+    cmd += [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")]
+    killed = subprocess.run(
+        cmd, cwd=ROOT, env={**cli_env(), KILL_DURING_SAVE_ENV: "8"}, capture_output=True, text=True
+    )
+    assert killed.returncode != 0 and (out / "checkpoint-4" / MARKER).exists()
+    resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert_same_run(reference("zero2"), out)
