@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, T
 from trl.scripts.utils import DatasetConfig
 
 from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,11 +78,21 @@ class ModelArguments(ModelConfig):
         from_scratch (`bool`, *optional*, defaults to `False`):
             Build the model from `config.json` in `model_name_or_path` with freshly initialised weights instead of
             loading weights. Used by the demo and the benchmarks; the tokenizer still comes from that directory.
+        attn_implementation (`str`, *optional*, defaults to `"auto"`):
+            TRL's field with a new default: `auto` picks the fastest backend that keeps packed samples apart
+            (see `sft.attention`).
     """
 
     from_scratch: bool = field(
         default=False,
         metadata={"help": "Build the model from `config.json` in `model_name_or_path` with random weights."},
+    )
+    attn_implementation: str | None = field(
+        default="auto",
+        metadata={
+            "help": "`auto`: flash_attention_2 if flash-attn is installed, else PyTorch's varlen FlashAttention-2 "
+            "(`sft_varlen`) on CUDA, else sdpa. Or any transformers backend name."
+        },
     )
 
 
@@ -120,6 +133,9 @@ class TrainConfig(SFTConfig):
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
+        if self.use_liger_kernel and not torch.cuda.is_available():
+            logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")
+            self.use_liger_kernel = False
         if not self.use_cpu and not torch.cuda.is_available():
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import set_seed as hf_set_seed
 from trl import get_quantization_config
 
+from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.errors import ConfigError
 
@@ -57,12 +58,24 @@ def init_distributed_for_zero3(training_args: TrainConfig) -> None:
 
 
 def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
+    padding_free = training_args.padding_free or (
+        training_args.packing and training_args.packing_strategy in {"bfd", "bfd_split"}
+    )
+    attn_implementation = resolve_attn_implementation(model_args.attn_implementation)
+    check_packing(attn_implementation, padding_free, training_args.model_init_kwargs)
     init_distributed_for_zero3(training_args)
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
+    model = _build(model_args, training_args, attn_implementation)
+    if padding_free:
+        model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
+    return model
+
+
+def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None):
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
+        "attn_implementation": attn_implementation,
         "dtype": _dtype(model_args),
     }
     if training_args.model_init_kwargs:

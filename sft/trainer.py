@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
+from sft.attention import check_batch
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Trainer(SFTTrainer):
         self.add_callback(self.metrics_log)
         self.add_callback(self.preemption)
         self.resumed_from: str | None = None
+        self._last_logged = (0, 0)  # (global step, tokens) at the last training log
 
     @property
     def preempted(self) -> bool:
@@ -124,6 +126,7 @@ class Trainer(SFTTrainer):
                 saved["total_train_tokens"],
             )
         self.resumed_from = resume_from_checkpoint
+        self._last_logged = (step, self._total_train_tokens)
         if self.args.process_index == 0:
             self.metrics_log.keep_until(step)
         self._trace_keep_until(step)
@@ -175,9 +178,24 @@ class Trainer(SFTTrainer):
             ckpt.rotate(self.args.output_dir, limit, keep)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.padding_free:
+            check_batch(inputs)
+            if self.args.max_length:  # real tokens / (rows x max_length) of this micro-batch, on this rank
+                rows = self.args.per_device_train_batch_size
+                self._metrics["train"]["packing_efficiency"].append(
+                    inputs["input_ids"].numel() / (rows * self.args.max_length)
+                )
         if getattr(self.args, "trace_data", False):
             self._trace_batch(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: real (non-pad) tokens per optimizer step, all ranks, since the last one
+            steps = self.state.global_step - self._last_logged[0]
+            if steps > 0:
+                logs["tokens_per_step"] = (self._total_train_tokens - self._last_logged[1]) / steps
+            self._last_logged = (self.state.global_step, self._total_train_tokens)
+        super().log(logs, start_time)
 
     def _trace_path(self) -> Path:
         return Path(self.args.output_dir) / DATA_TRACE_DIR / f"rank{self.args.process_index}.jsonl"

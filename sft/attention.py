@@ -1,0 +1,147 @@
+"""The attention backend for padding-free packed batches, and the checks that keep samples apart.
+
+`attn_implementation: auto` picks, in order: flash-attn's `flash_attention_2` (flash-attn installed, CUDA GPU of
+compute capability 8.0 or newer); PyTorch's own varlen FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`,
+CUDA), registered with transformers' `AttentionInterface` as `sft_varlen`; on CPU, `sdpa`, for which transformers
+builds a block-diagonal mask from the packed `position_ids`.
+
+transformers has no varlen backend of PyTorch's own, which is why `sft_varlen` is written here. It reads the sequence
+boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch, and falls back
+to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+
+import torch
+
+from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+VARLEN = "sft_varlen"
+# Backends that keep packed samples apart: the flash kernels through sequence boundaries, sdpa/eager/flex through the
+# block mask transformers derives from position_ids.
+PACKING_SAFE = {
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    VARLEN,
+    "sdpa",
+    "eager",
+    "flex_attention",
+}
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _causal_kwargs(fn) -> dict:
+    """torch 2.9 spelled causal masking `is_causal=True`; later releases `window_size=(-1, 0)`."""
+    params = inspect.signature(fn).parameters
+    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok)."""
+    varlen_attn = _varlen_attn()
+    batch, heads, seq, dim = query.shape
+    if query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast (RoPE upcasts): as flash does
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        query, key, value = query.to(half), key.to(half), value.to(half)
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
+    keep = None
+    if kwargs.get("cu_seq_lens_q") is not None:  # packed: TRL's collator gives the boundaries
+        cu_q, cu_k = (
+            kwargs["cu_seq_lens_q"].to(q.device, torch.int32),
+            kwargs["cu_seq_lens_k"].to(q.device, torch.int32),
+        )
+        max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    elif attention_mask is not None and attention_mask.dim() == 2:  # right- or left-padded rows: drop the padding
+        keep = attention_mask.flatten().bool()
+        lengths = attention_mask.sum(-1, dtype=torch.int32)
+        cu_q = cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        max_q = max_k = int(lengths.max())
+        q, k, v = q[keep], k[keep], v[keep]
+    else:  # one whole sequence per row
+        cu_q = cu_k = torch.arange(0, (batch + 1) * seq, seq, device=q.device, dtype=torch.int32)
+        max_q = max_k = seq
+    if dropout and module.training:
+        logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **_causal_kwargs(varlen_attn))
+    if keep is not None:
+        full = out.new_zeros(batch * seq, heads, dim)
+        full[keep] = out
+        out = full
+    return out.reshape(batch, seq, heads, dim), None
+
+
+def register_varlen() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    # the mask function of the flash kernels: a 2D padding mask or none, never a dense 4D mask
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, flash_attention_mask)
+
+
+def resolve_attn_implementation(requested: str | None) -> str | None:
+    """The backend for `attn_implementation` (`auto` or unset: the fastest available one); logs the choice."""
+    if requested not in (None, "auto"):
+        if requested == VARLEN:
+            if _varlen_attn() is None or not torch.cuda.is_available():
+                raise ConfigError(
+                    f"`attn_implementation: {VARLEN}` needs a CUDA GPU and torch.nn.attention.varlen (torch >= 2.9). "
+                    "Use `auto` to pick the best available backend."
+                )
+            register_varlen()
+        return requested
+    if torch.cuda.is_available():
+        major, _ = torch.cuda.get_device_capability()
+        if importlib.util.find_spec("flash_attn") is not None and major >= 8:
+            chosen, why = "flash_attention_2", "flash-attn is installed"
+        elif _varlen_attn() is not None:
+            register_varlen()
+            chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
+        else:
+            chosen, why = "sdpa", "no varlen kernel in this torch and no flash-attn"
+    else:
+        chosen, why = "sdpa", "no GPU; packed sequences are kept apart by a block mask from position_ids"
+    logger.info("Attention backend: %s (%s)", chosen, why)
+    return chosen
+
+
+def check_packing(attn_implementation: str | None, padding_free: bool, model_init_kwargs: dict | None) -> None:
+    """Refuse settings that would let packed samples attend to each other."""
+    if not padding_free:
+        return
+    if attn_implementation not in PACKING_SAFE:
+        raise ConfigError(
+            f"`attn_implementation: {attn_implementation}` cannot keep packed samples apart. Use `auto` (or one of "
+            f"{sorted(PACKING_SAFE)}), or set `packing: false` and `padding_free: false`."
+        )
+    if (model_init_kwargs or {}).get("use_cache"):
+        raise ConfigError(
+            "`model_init_kwargs.use_cache: true` with packing: a KV cache during training makes transformers skip "
+            "the packed-sequence mask, so samples would attend to each other. Remove `use_cache` (sft turns it off)."
+        )
+
+
+def check_batch(inputs: dict) -> None:
+    """A packed batch must not carry an attention_mask: the backends would mask padding, not sample boundaries."""
+    position_ids = inputs.get("position_ids")
+    if position_ids is None or "attention_mask" not in inputs:
+        return
+    if bool((position_ids[..., 1:] == 0).any()):
+        raise ConfigError(
+            "A packed batch (position_ids restart inside a row) came with an `attention_mask`; the attention would "
+            "mix samples. Use TRL's padding-free collator (no custom `data_collator`) or drop the attention_mask."
+        )
