@@ -4,7 +4,8 @@
 
 For Llama- and Qwen2-shaped random models with grouped-query attention, in bf16: the packed row's logits and the
 gradients of the summed token loss, against the same samples run one at a time through sdpa. Both are also compared
-with an fp32 per-sample sdpa run, so the bf16 differences are read against bf16's own error.
+with an fp32 per-sample sdpa run, so the bf16 differences are read against bf16's own error. Unpacked batches
+(right-padded rows with an attention mask, and full rows) are compared with sdpa on the same batch.
 """
 
 from __future__ import annotations
@@ -84,6 +85,22 @@ def main() -> None:
             "rel_grad_diff_sdpa_bf16_vs_fp32": rel(sdpa_grads, ref_grads),
             "rel_grad_diff_varlen_bf16_vs_fp32": rel(var_grads, ref_grads),
         }
+        # unpacked batches: right-padded rows with a 2D attention_mask, and full rows without one
+        model.set_attn_implementation("sdpa")
+        ids = torch.randint(10, 32000, (3, 256), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[1, 200:] = 0
+        mask[2, 31:] = 0
+        with torch.no_grad():
+            for label, kwargs in (("padded", {"attention_mask": mask}), ("full_rows", {})):
+                model.set_attn_implementation("sdpa")
+                ref = model(input_ids=ids, **kwargs).logits.float()
+                model.set_attn_implementation(VARLEN)
+                out = model(input_ids=ids, **kwargs).logits.float()
+                keep = mask.bool() if kwargs else torch.ones_like(mask, dtype=torch.bool)
+                results[name][f"max_abs_logit_diff_unpacked_{label}_varlen_vs_sdpa_bf16"] = (
+                    (out - ref)[keep].abs().max().item()
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "varlen_exactness.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

@@ -40,10 +40,15 @@ SHAREGPT_ROLES = {
     "model": "assistant",
     "tool": "tool",
 }
-FORMATS = "messages, conversations (ShareGPT from/value), instruction/output (Alpaca), prompt/completion, text"
+FORMATS = (
+    "messages, conversations (ShareGPT from/value), instruction/output (Alpaca), prompt/completion, text, "
+    "input_ids (already tokenised)"
+)
 
 
 def detect_format(columns: list[str], text_field: str) -> str | None:
+    if "input_ids" in columns:
+        return "tokenized"
     if "messages" in columns:
         return "messages"
     if "conversations" in columns:
@@ -95,6 +100,11 @@ def check_record(record: dict, fmt: str, text_field: str = "text") -> str | None
         if problem is None and record.get("input") is not None and not isinstance(record["input"], str):
             problem = f"`input` must be a string, got {type(record['input']).__name__}"
         return problem
+    if fmt == "tokenized":
+        ids = record.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return "`input_ids` must be a non-empty list of token ids"
+        return None
     if fmt == "prompt_completion":
         for key in ("prompt", "completion"):
             value = record.get(key)
@@ -122,6 +132,8 @@ def to_canonical(record: dict, fmt: str, text_field: str = "text") -> dict:
         return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]}
     if fmt == "prompt_completion":
         return {"prompt": record["prompt"], "completion": record["completion"]}
+    if fmt == "tokenized":  # already tokenised: SFTTrainer only truncates and packs it
+        return {"input_ids": record["input_ids"]}
     return {text_field: record[text_field]}
 
 

@@ -103,7 +103,7 @@ class Trainer(SFTTrainer):
         self.add_callback(self.metrics_log)
         self.add_callback(self.preemption)
         self.resumed_from: str | None = None
-        self._last_logged = (0, 0)  # (global step, tokens) at the last training log
+        self._last_logged = (0, 0, time.perf_counter())  # (global step, tokens, time) at the last training log
 
     @property
     def preempted(self) -> bool:
@@ -126,7 +126,7 @@ class Trainer(SFTTrainer):
                 saved["total_train_tokens"],
             )
         self.resumed_from = resume_from_checkpoint
-        self._last_logged = (step, self._total_train_tokens)
+        self._last_logged = (step, self._total_train_tokens, time.perf_counter())
         if self.args.process_index == 0:
             self.metrics_log.keep_until(step)
         self._trace_keep_until(step)
@@ -190,11 +190,15 @@ class Trainer(SFTTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: real (non-pad) tokens per optimizer step, all ranks, since the last one
-            steps = self.state.global_step - self._last_logged[0]
+        if "loss" in logs:  # a training log: real (non-pad) tokens of all ranks since the last one
+            last_step, last_tokens, last_time = self._last_logged
+            now, steps, tokens = time.perf_counter(), self.state.global_step - last_step, self._total_train_tokens
             if steps > 0:
-                logs["tokens_per_step"] = (self._total_train_tokens - self._last_logged[1]) / steps
-            self._last_logged = (self.state.global_step, self._total_train_tokens)
+                logs["tokens_per_step"] = (tokens - last_tokens) / steps
+                logs["tokens_per_second_per_gpu"] = (tokens - last_tokens) / (now - last_time) / self.args.world_size
+            if torch.cuda.is_available():
+                logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            self._last_logged = (self.state.global_step, tokens, now)
         super().log(logs, start_time)
 
     def _trace_path(self) -> Path:

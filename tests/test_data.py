@@ -20,6 +20,7 @@ FORMATS = {
     "alpaca": {"instruction": "upper:", "input": "ab", "output": "AB"},
     "prompt_completion": {"prompt": "upper: ab", "completion": "AB"},
     "text": {"text": "upper: ab AB"},
+    "tokenized": {"input_ids": [5, 17, 20]},
 }
 EXPECTED = {
     "messages": {"messages": CHAT},
@@ -27,6 +28,7 @@ EXPECTED = {
     "alpaca": {"messages": [{"role": "user", "content": "upper:\n\nab"}, {"role": "assistant", "content": "AB"}]},
     "prompt_completion": {"prompt": "upper: ab", "completion": "AB"},
     "text": {"text": "upper: ab AB"},
+    "tokenized": {"input_ids": [5, 17, 20]},
 }
 
 
