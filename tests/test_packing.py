@@ -91,6 +91,7 @@ def test_a_kv_cache_in_training_would_mix_samples():
     assert not torch.allclose(safe[0, first:], mixed[0, first:], atol=1e-3)  # the others see their predecessors
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU choice; tests/test_gpu.py checks the GPU one")
 def test_auto_backend_on_cpu_is_sdpa():
     assert resolve_attn_implementation("auto") == "sdpa"
     assert resolve_attn_implementation("eager") == "eager"
@@ -107,3 +108,39 @@ def test_unsafe_settings_are_refused():
     with pytest.raises(ConfigError, match="came with an `attention_mask`"):
         check_batch({**packed, "attention_mask": torch.ones_like(packed["input_ids"])})
     assert {"sdpa", "flash_attention_2", "sft_varlen"} <= PACKING_SAFE
+
+
+def test_assistant_only_mask_survives_packing(tmp_path):
+    """Through sft's data path and TRL's packing: in every packed row, exactly the answers and their end tokens
+    are trained, sample by sample."""
+    import json
+
+    from transformers import AutoTokenizer
+    from trl import ScriptArguments
+    from trl.scripts.utils import DatasetConfig
+
+    from sft.config import DataArguments, TrainConfig
+    from sft.data import load_datasets
+    from sft.trainer import Trainer
+
+    records = [json.loads(line) for line in (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = TrainConfig(
+        output_dir=str(tmp_path / "out"), packing=True, max_length=128, assistant_only_loss=True, report_to="none"
+    )
+    train, _ = load_datasets(ScriptArguments(), DataArguments(datasets=[DatasetConfig(path=str(path))]), args)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=train, processing_class=tokenizer)
+    rows = trainer.train_dataset
+    assert len(rows) < len(records)  # packed
+    answers = []
+    for row in rows:
+        start = 0
+        for length in row["seq_lengths"]:
+            ids, labels = row["input_ids"][start : start + length], row["labels"][start : start + length]
+            trained = tokenizer.decode([t for t in labels if t != -100])
+            assert tokenizer.decode(ids).startswith("<|user|>") and trained.endswith("<|end|>")
+            answers.append(trained.removesuffix("<|end|>"))
+            start += length
+    assert sorted(answers) == sorted(r["messages"][1]["content"] for r in records)

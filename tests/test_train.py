@@ -62,8 +62,12 @@ def test_zero_demo_learns_and_logs_every_step(zero_runs, stage):
     assert [r["step"] for r in train] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))  # one line per logged step
     for r in train:
         assert {"loss", "learning_rate", "grad_norm", "num_tokens", "epoch"} <= set(r)
+        assert {"tokens_per_step", "tokens_per_second_per_gpu", "packing_efficiency"} <= set(r)
+        assert 0.5 < r["packing_efficiency"] <= 1.0
     tokens = [r["num_tokens"] for r in train]
     assert tokens == sorted(tokens) and tokens[0] > 0
+    for before, after in zip(train, train[1:], strict=False):  # real tokens of all ranks per optimizer step
+        assert after["tokens_per_step"] == (after["num_tokens"] - before["num_tokens"]) / LOG_EVERY
     assert [r["step"] for r in records if "eval_loss" in r] == [STEPS]
     losses = train_losses(out)
     assert losses[-1] < 0.8 * losses[0], losses
