@@ -249,3 +249,27 @@ def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, 
     resumed = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert_same_run(reference("zero2"), out)
+
+
+def test_sigusr1_on_one_rank_stops_all_ranks_at_the_same_step(reference, model_dir, tmp_path):
+    """SLURM's --signal reaches one process here: the ranks agree, save one complete checkpoint and exit 75."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        cmd + [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not (out / "metrics.jsonl").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT_CODE}" in stderr, stderr[-3000:]
+    complete = [p for p in out.glob("checkpoint-*") if (p / MARKER).exists()]
+    assert len(complete) >= 1 and not (out / "model.safetensors").exists()
+    assert_ok(run_cli(args_for(model_dir, out, "zero2"), nproc=2))
+    assert_same_run(reference("zero2"), out)
