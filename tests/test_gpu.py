@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,3 +38,33 @@ def test_auto_backend_is_varlen_or_flash_and_matches_sdpa_per_sample():
             [model(input_ids=batch["input_ids"][:, lo:hi]).logits[0].float() for lo, hi in itertools.pairwise(bounds)]
         )
     assert (packed - alone).abs().max().item() < 0.1  # bf16 rounding; fp32 would be ~1e-5
+
+
+LIGER_CHECK = """
+import sys, torch
+from liger_kernel.transformers import LigerRMSNorm
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations.liger import apply_liger_kernel
+
+config = AutoConfig.from_pretrained(sys.argv[1]).to_dict()
+config.update(model_type=sys.argv[2], architectures=None, head_dim=32, use_sliding_window=False)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).cuda()
+ids = torch.randint(10, 100, (2, 64), device="cuda")
+before = model(input_ids=ids, labels=ids).loss.item()
+apply_liger_kernel(model, {"fused_linear_cross_entropy": False})  # as TRL configures it
+norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+assert norms and all(getattr(m.forward, "__func__", None) is LigerRMSNorm.forward for m in norms), "not patched"
+after = model(input_ids=ids, labels=ids)
+after.loss.backward()
+assert abs(after.loss.item() - before) < 0.02 * before, (before, after.loss.item())
+"""
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_liger_patches_the_model_and_keeps_its_loss(model_type):
+    """What `use_liger_kernel: true` does through transformers (TRL keeps its own fused LM-head loss). In a process
+    of its own: Liger patches the modeling modules globally."""
+    model_dir = str(ROOT / "recipes" / "demo" / "model")
+    result = subprocess.run([sys.executable, "-c", LIGER_CHECK, model_dir, model_type], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
