@@ -194,7 +194,7 @@ def _step(checkpoint: Path) -> int:
 
 def set_aside_incomplete(output_dir: str, resume_from: str | None) -> None:
     """Move checkpoints without a marker that are newer than the resume point into `incomplete/` (main process)."""
-    start = _step(Path(resume_from)) if resume_from else -1
+    start = read_state(resume_from)["global_step"] if resume_from else -1
     for c in checkpoints(output_dir):
         if not is_complete(c) and _step(c) > start:
             target = Path(output_dir) / INCOMPLETE_DIR / f"{c.name}.{int(time.time())}"
