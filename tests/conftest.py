@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,39 @@ def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
     return env
 
 
+def cli_command(nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """`python sft/train.py` (nproc=0), else torchrun with nproc processes and `launcher_args`."""
+    script = str(ROOT / "sft" / "train.py")
+    if not nproc:
+        return [sys.executable, script]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, *launcher_args, script]
+
+
+def start_cli(args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start the CLI in the background; its stderr is kept (text) for the test to read."""
+    return subprocess.Popen(
+        cli_command(nproc, launcher_args) + list(args),
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Poll until `path` exists, the process ends, or the time is up."""
+    deadline = time.time() + timeout
+    while not path.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def run_cli(
     args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600, env: dict | None = None
 ):
-    """Run sft/train.py: nproc=0 as `python sft/train.py`, else under `torchrun --nproc_per_node nproc`."""
-    script = str(ROOT / "sft" / "train.py")
-    if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    else:
-        cmd = [sys.executable, script]
+    """Run sft/train.py to the end: nproc=0 as `python sft/train.py`, else under torchrun with nproc processes."""
+    cmd = cli_command(nproc)
     return subprocess.run(
         cmd + list(args),
         cwd=ROOT,

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -25,7 +24,7 @@ import torch
 
 from sft.checkpoint import MARKER, PREEMPTED_EXIT_CODE
 from sft.trainer import KILL_DURING_SAVE_ENV
-from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
+from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, start_cli, wait_for
 
 pytestmark = pytest.mark.multiproc
 STEPS = 12
@@ -87,20 +86,11 @@ def kill_tree(pid: int) -> None:
 
 def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2) -> None:
     """Start the CLI and SIGKILL the launcher and every worker once checkpoint-<step> is complete."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.Popen(
-        cmd + [str(ROOT / "sft" / "train.py"), *args],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_cli(args, nproc=nproc)
     marker = out / f"checkpoint-{step}" / MARKER
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for(marker, proc)
     kill_tree(proc.pid)
-    proc.wait()
+    proc.communicate()
     assert marker.exists(), "the run never completed the checkpoint it was to be killed after"
     assert not (out / "model.safetensors").exists(), "the run finished before the kill; the test proves nothing"
 
@@ -174,18 +164,8 @@ def test_global_batch_that_cannot_be_kept_is_refused(model_dir, tmp_path):
 
 def test_torchrun_max_restarts_continues_by_itself(reference, model_dir, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
-    proc = subprocess.Popen(
-        cmd + [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    marker = out / "checkpoint-4" / MARKER
-    while not marker.exists() and proc.poll() is None:
-        time.sleep(0.05)
+    proc = start_cli(args_for(model_dir, out, "zero2"), nproc=2, launcher_args=("--max-restarts=1",))
+    wait_for(out / "checkpoint-4" / MARKER, proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert workers, "no worker to kill"
     os.kill(int(workers[-1]), signal.SIGKILL)  # one worker dies; the agent restarts the group, which resumes
@@ -198,16 +178,8 @@ def test_torchrun_max_restarts_continues_by_itself(reference, model_dir, tmp_pat
 def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
     out = tmp_path / "out"
     args = args_for(model_dir, out, "none")
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "sft" / "train.py"), *args],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    while not (out / "metrics.jsonl").exists() and proc.poll() is None:
-        time.sleep(0.05)
+    proc = start_cli(args)
+    wait_for(out / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
@@ -254,17 +226,8 @@ def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, 
 def test_sigusr1_on_one_rank_stops_all_ranks_at_the_same_step(reference, model_dir, tmp_path):
     """SLURM's --signal reaches one process here: the ranks agree, save one complete checkpoint and exit 75."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen(
-        cmd + [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    while not (out / "metrics.jsonl").exists() and proc.poll() is None:
-        time.sleep(0.05)
+    proc = start_cli(args_for(model_dir, out, "zero2"), nproc=2)
+    wait_for(out / "metrics.jsonl", proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only
     _, stderr = proc.communicate(timeout=300)
