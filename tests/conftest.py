@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,15 +42,23 @@ def cli_command(nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> list[str
 
 
 def start_cli(args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start the CLI in the background; its stderr is kept (text) for the test to read."""
-    return subprocess.Popen(
-        cli_command(nproc, launcher_args) + list(args),
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    """Start the CLI in the background. Its stderr goes to a file, not a pipe: nobody reads a pipe while the test
+    polls, and a full pipe would block the training processes."""
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: `finish` reads and closes it)
+    proc = subprocess.Popen(
+        cli_command(nproc, launcher_args) + list(args), cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=log
     )
+    proc.log = log
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """Wait for a process from `start_cli`; return its stderr."""
+    proc.wait(timeout=timeout)
+    proc.log.seek(0)
+    text = proc.log.read()
+    proc.log.close()
+    return text
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:

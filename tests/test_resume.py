@@ -24,7 +24,7 @@ import torch
 
 from sft.checkpoint import MARKER, PREEMPTED_EXIT_CODE
 from sft.trainer import KILL_DURING_SAVE_ENV
-from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, start_cli, wait_for
+from tests.conftest import ROOT, cli_env, finish, read_jsonl, run_cli, start_cli, wait_for
 
 pytestmark = pytest.mark.multiproc
 STEPS = 12
@@ -90,7 +90,7 @@ def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2)
     marker = out / f"checkpoint-{step}" / MARKER
     wait_for(marker, proc)
     kill_tree(proc.pid)
-    proc.communicate()
+    finish(proc)
     assert marker.exists(), "the run never completed the checkpoint it was to be killed after"
     assert not (out / "model.safetensors").exists(), "the run finished before the kill; the test proves nothing"
 
@@ -169,7 +169,7 @@ def test_torchrun_max_restarts_continues_by_itself(reference, model_dir, tmp_pat
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert workers, "no worker to kill"
     os.kill(int(workers[-1]), signal.SIGKILL)  # one worker dies; the agent restarts the group, which resumes
-    _, stderr = proc.communicate(timeout=600)
+    stderr = finish(proc)
     assert proc.returncode == 0, stderr[-5000:]
     assert "Resuming from" in stderr
     assert_same_run(reference("zero2"), out)
@@ -181,7 +181,7 @@ def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
     proc = start_cli(args)
     wait_for(out / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
+    stderr = finish(proc, timeout=300)
     assert proc.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
     complete = [p for p in out.glob("checkpoint-*") if (p / MARKER).exists()]
     assert complete, "no complete checkpoint after SIGTERM"
@@ -230,7 +230,7 @@ def test_sigusr1_on_one_rank_stops_all_ranks_at_the_same_step(reference, model_d
     wait_for(out / "metrics.jsonl", proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only
-    _, stderr = proc.communicate(timeout=300)
+    stderr = finish(proc, timeout=300)
     assert proc.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT_CODE}" in stderr, stderr[-3000:]
     complete = [p for p in out.glob("checkpoint-*") if (p / MARKER).exists()]
     assert len(complete) >= 1 and not (out / "model.safetensors").exists()
