@@ -99,12 +99,31 @@ class ModelArguments(ModelConfig):
 @dataclass
 class TrainConfig(SFTConfig):
     """
-    TRL's `SFTConfig`, checked early.
+    TRL's `SFTConfig`, checked early, with a global-batch target and a memory plan.
 
     Before transformers sets anything up, the DeepSpeed config file is checked (it exists and is JSON); right after,
     any non-`"auto"` DeepSpeed value that contradicts a training argument is reported with both values.
+    `sft.preflight` then turns `global_batch_size`/`tokens_per_step` into accumulation steps (`sft.batch`), sizes the
+    run with `sft.plan` and resolves the `auto` values below.
 
     Parameters:
+        per_device_train_batch_size (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+            Rows per GPU per forward pass. `auto`: the largest micro batch that the memory plan fits on this GPU
+            (and that divides the global batch); 1 without a GPU to plan for.
+        activation_checkpointing (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            Recompute activations in the backward pass. `auto`: only if the plan does not fit without it.
+        global_batch_size (`int`, *optional*):
+            Samples (packed rows) per optimizer step; accumulation steps are derived from the world size and micro
+            batch, so the same target gives the same global batch on any number of GPUs.
+        tokens_per_step (`int`, *optional*):
+            Tokens per optimizer step with packing (global batch x `max_length`); the alternative to
+            `global_batch_size`.
+        plan_gpu_memory_gib (`float`, *optional*):
+            GPU memory to plan for, in GiB. Defaults to the memory of this machine's GPU.
+        plan_headroom (`float`, *optional*, defaults to `0.1`):
+            Fraction of GPU memory the plan leaves free (CUDA context, NCCL, allocator fragmentation).
+        plan_check (`bool`, *optional*, defaults to `True`):
+            Refuse to start when the planned peak does not fit. The plan is an estimate: `false` starts anyway.
         resume_from_checkpoint (`str`, *optional*, defaults to `"auto"`):
             `auto`: resume from the newest complete checkpoint in `output_dir`, or start fresh if there is none;
             a path: resume from that checkpoint; `none`: start fresh (in an empty or new `output_dir`).
@@ -123,8 +142,73 @@ class TrainConfig(SFTConfig):
         default=False,
         metadata={"help": "Log a hash of every micro-batch per rank to `<output_dir>/data_trace/` (audits sharding)."},
     )
+    per_device_train_batch_size: str = field(
+        default="auto",
+        metadata={"help": "Rows per GPU per forward pass, or `auto` (the largest the memory plan fits)."},
+    )
+    activation_checkpointing: str | None = field(
+        default="auto",
+        metadata={
+            "help": "Recompute activations in backward: true, false, or `auto` (only if the plan needs it).",
+            "nargs": "?",
+            "const": "true",
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (TRL's default True is not applied)."},
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Samples per optimizer step; sets gradient_accumulation_steps for any world size."},
+    )
+    tokens_per_step: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per optimizer step with packing (rows x max_length); or use global_batch_size."},
+    )
+    plan_gpu_memory_gib: float | None = field(
+        default=None, metadata={"help": "GPU memory to plan for, in GiB (default: this machine's GPU)."}
+    )
+    plan_headroom: float = field(default=0.1, metadata={"help": "Fraction of GPU memory the memory plan leaves free."})
+    plan_check: bool = field(
+        default=True, metadata={"help": "Refuse to start when the planned peak memory does not fit the GPU."}
+    )
 
     def __post_init__(self):
+        self.auto_settings = set()  # fields left `auto`, resolved by sft.preflight
+        micro = self.per_device_train_batch_size
+        if isinstance(micro, str):
+            if micro.strip().lower() == "auto":
+                self.auto_settings.add("per_device_train_batch_size")
+                micro = 1  # a placeholder until the plan chooses
+            elif micro.strip().isdigit():
+                micro = int(micro)
+            else:
+                raise ConfigError(
+                    f"`per_device_train_batch_size` must be a positive integer or `auto`, got {micro!r}."
+                )
+        self.per_device_train_batch_size = micro
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, str):
+            value = checkpointing.strip().lower()
+            if value == "auto" and self.gradient_checkpointing is not None:
+                checkpointing = bool(self.gradient_checkpointing)  # the deprecated name, set explicitly
+            elif value == "auto":
+                self.auto_settings.add("activation_checkpointing")
+                checkpointing = False
+            elif value in ("true", "1", "yes"):
+                checkpointing = True
+            elif value in ("false", "0", "no"):
+                checkpointing = False
+            else:
+                raise ConfigError(f"`activation_checkpointing` must be true, false or `auto`, got {checkpointing!r}.")
+        self.activation_checkpointing = checkpointing
+        for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"`{name}` must be > 0 (or unset), got {value}.")
+        if not 0 <= self.plan_headroom < 1:
+            raise ConfigError(f"`plan_headroom` must be a fraction in [0, 1), got {self.plan_headroom}.")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if value < 1:

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N sft/train.py --config recipes/demo.yaml [--deepspeed ds_configs/zero3.json] [--flag v]
     deepspeed sft/train.py --config ...        python sft/train.py --config ...
 
-Parse the recipe, load and check the data, build the model, build the trainer, train, save.
+Parse the recipe, plan batch and memory, load and check the data, build the model, build the trainer, train, save.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     from sft import checkpoint as ckpt
     from sft.data import load_datasets
     from sft.model import load_model, load_tokenizer
+    from sft.preflight import preflight
     from sft.trainer import Trainer
 
+    training_args = preflight(training_args, model_args)  # batch and memory plan, before any expensive work
     resume_from = ckpt.resolve_resume(training_args)
     training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
     if training_args.process_index == 0:

@@ -1,0 +1,402 @@
+"""Pre-flight memory planner: per-GPU and host memory of a setting, whether it fits, and the fastest that does.
+
+    python -m sft.plan --model meta-llama/Llama-3.1-8B --gpus 8 --seq-len 4096 --micro-batch 2 --zero 3
+    python -m sft.plan --model recipes/demo/model --gpus 2 --gpu-memory 80 --suggest
+
+Model states (weights, gradients, optimizer) per ZeRO stage are DeepSpeed's own memory equations
+(`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`; tests hold the planner to them).
+The peak adds what those leave out, each as its own line:
+
+- activations: what autograd keeps per token and decoder layer for the transformers Llama-style decoder, counted
+  tensor by tensor (with and without Liger's RMSNorm/SwiGLU/RoPE kernels, FlashAttention-2 varlen, bf16), plus a
+  per-token allowance for the loss and backward working set; with activation checkpointing, each layer's input plus
+  one layer recomputed;
+- the loss: TRL's fused LM head never builds the logits, but its backward holds the head's gradient in fp32 and bf16
+  and a [4096 x 32768] tile;
+- DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
+  ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step.
+
+Those extra terms were measured on H200s (benchmarks/memory_plan.py, benchmarks/results/memory_plan.md); the per-token
+allowance is the one figure fitted to those measurements. ZeRO-0/1, CPU offload, LoRA and QLoRA use the same
+equations but have not been measured on a GPU yet. `max_memory_allocated` does not count the CUDA context, NCCL's
+buffers or allocator fragmentation, so a plan fits when its peak is under (1 - headroom) of the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GiB = 2**30
+# TRL's fused LM head (trl.kernels.chunked_logprob): tiles of TOKEN_CHUNK_SIZE tokens x this many vocabulary entries
+TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
+# Per-token bytes beyond the decoder layers' saved tensors, in units of hidden_size: final norm, the loss's inputs and
+# gradients, the backward's working set. Fitted on H200 (1B/8B shapes, benchmarks/results/memory_plan_measured.json).
+EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
+MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory equations need from a model, read from its config (the model is built on the meta device)."""
+
+    model_type: str
+    n_params: int
+    largest_module_params: int  # DeepSpeed's "largest layer": the most parameters held directly by one module
+    decoder_layer_params: int
+    linear_params: int  # in the decoder layers' nn.Linear modules: what QLoRA stores in 4 bits
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    def lora_params(self, r: int) -> int:
+        """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
+        h, hq, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        per_layer = (h + hq) + 2 * (h + kv) + (hq + h) + 2 * (h + i) + (i + h)
+        return r * per_layer * self.layers
+
+
+def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
+    """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model)
+    try:
+        if path.is_file():
+            config = AutoConfig.for_model(**json.loads(path.read_text()))
+        else:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"memory plan: cannot read a model config from {model!r} ({e}). Give a config.json, a model directory "
+            "or a hub id."
+        ) from e
+    text = config.get_text_config()
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    unique = {id(p): p.numel() for p in built.parameters()}
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+    decoder_layers = [m for m in built.modules() if type(m).__name__.endswith("DecoderLayer")]
+    layer_params = sum(p.numel() for p in decoder_layers[0].parameters()) if decoder_layers else 0
+    linear = sum(
+        m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
+    )
+    heads = text.num_attention_heads
+    return ModelShape(
+        model_type=text.model_type,
+        n_params=sum(unique.values()),
+        largest_module_params=largest,
+        decoder_layer_params=layer_params,
+        linear_params=linear,
+        hidden=text.hidden_size,
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        intermediate=text.intermediate_size,
+        vocab=text.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One training setting to size. `zero_stage` None means no DeepSpeed (plain DDP)."""
+
+    gpus: int = 1  # data-parallel processes in all (nodes x GPUs per node)
+    gpus_per_node: int | None = None  # defaults to gpus (one node)
+    zero_stage: int | None = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    micro_batch: int = 1
+    seq_len: int = 2048  # tokens per row: max_length (with packing every row is full)
+    activation_checkpointing: bool = False
+    liger: bool = False
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_dropout: float = 0.0
+    qlora: bool = False
+    dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def describe(self) -> str:
+        zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
+        if self.offload_optimizer or self.offload_params:
+            zero += " + offload " + "+".join(
+                n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on
+            )
+        method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
+        ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
+        return (
+            f"{zero}, {self.gpus} GPU(s), micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
+            f"checkpointing {ckpt}, Liger {liger}, {method}"
+        )
+
+
+@dataclass
+class Estimate:
+    setting: Setting
+    items: dict[str, float]  # bytes per GPU at the peak, by line
+    model_states: float  # DeepSpeed's estimator figure (weights + gradients + optimizer), bytes per GPU
+    peak: float
+    peak_phase: str  # "forward/backward" or "optimizer step"
+    host: float  # bytes per node (DeepSpeed's estimate)
+    at_backward: float = 0.0  # peak of forward + backward
+    at_step: float = 0.0  # peak of the optimizer step
+
+    def fits(self, gpu_memory: float, headroom: float) -> bool:
+        return self.peak <= gpu_memory * (1 - headroom)
+
+    def table(self) -> str:
+        lines = [f"  {name:<44} {value / GiB:8.2f} GiB" for name, value in self.items.items()]
+        lines.append(f"  {'peak per GPU (' + self.peak_phase + ')':<44} {self.peak / GiB:8.2f} GiB")
+        lines.append(f"  {'model states (DeepSpeed estimator)':<44} {self.model_states / GiB:8.2f} GiB")
+        lines.append(f"  {'host memory per node (DeepSpeed estimator)':<44} {self.host / GiB:8.2f} GiB")
+        return "\n".join(lines)
+
+
+def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes autograd keeps per token for the whole model (the saved tensors of every layer, or with checkpointing
+    the layers' inputs and one layer recomputed), plus the per-token working set."""
+    b = s.dtype_bytes
+    h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    attention = b * (2 * hq + 2 * kv) + 4 * shape.heads  # q, k, v and the output; fp32 log-sum-exp per head
+    # Liger: each RMSNorm keeps its input and an fp32 rstd, SwiGLU keeps gate and up, RoPE keeps only cos/sin.
+    # transformers: each RMSNorm keeps an fp32 copy and the normalised input; SiLU's input, its output, up_proj's
+    # output and down_proj's input. Both: each norm's output is kept by the projections that read it.
+    norms = 2 * (2 * b * h + 4) if s.liger else 2 * (4 * h + 2 * b * h)
+    layer = attention + norms + (3 if s.liger else 4) * b * i
+    if s.lora_r and s.lora_dropout > 0:  # PEFT's dropout makes a copy of each adapted layer's input
+        layer += b * (5 * h + hq + i)
+    extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * h
+    if s.activation_checkpointing:
+        return shape.layers * b * h + layer + extra
+    return shape.layers * layer + extra
+
+
+def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
+    """(GPU bytes per GPU, host bytes per node) for weights, gradients and optimizer: DeepSpeed's equations."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    per_node = s.gpus_per_node or s.gpus
+    nodes = max(s.gpus // per_node, 1)
+    p = trainable(shape, s)
+    frozen = frozen_weight_bytes(shape, s)
+    if s.zero_stage == 3:
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
+        )
+        return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
+    if s.zero_stage == 2:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
+        return gpu + frozen, cpu
+    if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
+        return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
+    # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
+    return 16 * p + frozen, 4 * p * per_node * 1.5
+
+
+def trainable(shape: ModelShape, s: Setting) -> int:
+    return shape.lora_params(s.lora_r) if s.lora_r else shape.n_params
+
+
+def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
+    """LoRA: the frozen base weights (16-bit, or 4-bit NF4 with double-quantised constants for QLoRA's linears)."""
+    if not s.lora_r:
+        return 0.0
+    if s.qlora:
+        return shape.linear_params * (0.5 + 1 / 64 + 4 / (64 * 256)) + (shape.n_params - shape.linear_params) * 2
+    return shape.n_params * s.dtype_bytes
+
+
+def estimate(shape: ModelShape, s: Setting) -> Estimate:
+    if s.zero_stage not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {s.zero_stage}.")
+    if (s.offload_optimizer or s.offload_params) and s.zero_stage not in (2, 3):
+        raise ConfigError("CPU offload needs ZeRO-2 (optimizer) or ZeRO-3 (optimizer and/or parameters).")
+    if s.offload_params and s.zero_stage != 3:
+        raise ConfigError("Parameter offload needs ZeRO-3.")
+    if s.qlora and not s.lora_r:
+        raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
+    b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
+    p = trainable(shape, s)
+    full = not s.lora_r
+    states_gpu, host = model_states(shape, s)
+    frozen = frozen_weight_bytes(shape, s)
+    items: dict[str, float] = {}
+    step: dict[str, float] = {}
+    # What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning)
+    if s.zero_stage == 3:
+        items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
+        items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
+        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
+        step["fp32 gradients of one sub-group (optimizer step)"] = (
+            0 if s.offload_optimizer else 6 * min(p / n, SUB_GROUP_SIZE)
+        )
+    elif s.zero_stage == 2:
+        items["weights (16-bit)"] = b * p + frozen
+        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
+        step["gradient partition, flat copy and fp32 (step)"] = 0 if s.offload_optimizer else 8 * p / n
+    elif s.zero_stage == 1:
+        items["weights (16-bit)"] = b * p + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * p / n
+        step["gradients 16-bit + fp32 partition (step)"] = b * p + 4 * p / n
+    else:
+        items["weights (16-bit)"] = b * p + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * p
+        step["gradients 16-bit + fp32 (step)"] = b * p + 4 * p
+    static = sum(items.values())
+
+    # Forward/backward: activations plus the largest of the buffers that live at the start of backward
+    backward: dict[str, float] = {"activations": s.tokens * activation_bytes_per_token(shape, s)}
+    tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
+    head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
+    if s.zero_stage == 3:
+        backward["LM head gathered + its gradient + loss tile"] = b * v_h + head_grad + tile
+        backward["decoder layers gathered (current + prefetch)"] = 2 * b * shape.decoder_layer_params
+        if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
+            backward["tied embedding: second copy + gradient"] = b * v_h * (2 if full else 1)
+    elif s.zero_stage == 2:
+        partition = 0 if s.offload_optimizer else b * p / n
+        buckets = 2 * b * shape.hidden**2  # reduce_bucket_size "auto" = hidden^2, double-buffered (overlap_comm)
+        during = max(partition + (b * v_h if full else 0), head_grad + tile)
+        backward["gradient partition / LM head gradient"] = during + buckets
+    else:
+        backward["gradients (16-bit) + loss tile"] = b * p + tile
+    if s.qlora:
+        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
+        backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
+    at_backward = static + sum(backward.values())
+    at_step = static + sum(step.values())
+    if at_backward >= at_step:
+        items.update(backward)
+        phase, peak = "forward/backward", at_backward
+    else:
+        items.update(step)
+        phase, peak = "optimizer step", at_step
+    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step)
+
+
+def ladder(base: Setting) -> list[Setting]:
+    """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters."""
+    plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
+    return plain + [
+        dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),
+        dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=False),
+        dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=True),
+    ]
+
+
+def suggest(
+    shape: ModelShape,
+    base: Setting,
+    gpu_memory: float,
+    headroom: float = 0.1,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    candidates: list[Setting] | None = None,
+    checkpointing: tuple[bool, ...] = (False, True),
+) -> Estimate | None:
+    """The fastest setting that fits: the first of `candidates` (default: `ladder(base)`) that fits, activation
+    checkpointing only if needed, the largest micro batch. None if nothing fits."""
+    for candidate in ladder(base) if candidates is None else candidates:
+        for ckpt in checkpointing:
+            for micro in sorted(micro_batches, reverse=True):
+                e = estimate(shape, dataclasses.replace(candidate, micro_batch=micro, activation_checkpointing=ckpt))
+                if e.fits(gpu_memory, headroom):
+                    return e
+    return None
+
+
+def detected_gpu_memory() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sft.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
+    parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
+    parser.add_argument("--zero", default="2", choices=["none", "0", "1", "2", "3"], help="DeepSpeed ZeRO stage")
+    parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
+    parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
+    parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per row (max_length)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--liger", action="store_true", help="Liger kernels (RMSNorm, SwiGLU, RoPE)")
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: this machine's GPU)")
+    parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of GPU memory left free")
+    parser.add_argument("--suggest", action="store_true", help="Also search for the fastest setting that fits")
+    args = parser.parse_args(argv)
+    try:
+        shape = load_shape(args.model)
+        setting = Setting(
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            zero_stage=None if args.zero == "none" else int(args.zero),
+            offload_optimizer=args.offload != "none",
+            offload_params=args.offload == "optimizer+params",
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            activation_checkpointing=args.activation_checkpointing,
+            liger=args.liger,
+            lora_r=args.lora_r,
+            lora_dropout=args.lora_dropout,
+            qlora=args.qlora,
+            dtype_bytes=4 if args.dtype == "float32" else 2,
+        )
+        result = estimate(shape, setting)
+    except ConfigError as e:
+        print(f"sft.plan: {e}", file=sys.stderr)
+        return 2
+    memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
+    print(f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters")
+    print(setting.describe())
+    print(result.table())
+    rc = 0
+    if memory is None:
+        print("No GPU here and no --gpu-memory: cannot say whether it fits.")
+    else:
+        usable = memory * (1 - args.headroom)
+        fits = result.fits(memory, args.headroom)
+        rc = 0 if fits else 1
+        print(
+            f"{'fits' if fits else 'does NOT fit'}: {result.peak / GiB:.2f} GiB of {usable / GiB:.2f} GiB usable "
+            f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%})"
+        )
+        if args.suggest or not fits:
+            best = suggest(shape, setting, memory, args.headroom)
+            if best is None:
+                print("Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA.")
+            else:
+                print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
