@@ -88,8 +88,15 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
             "or a hub id."
         ) from e
     text = config.get_text_config()
-    with torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref  # under ZeRO-3 from_config would build inside zero.Init
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = live
     unique = {id(p): p.numel() for p in built.parameters()}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
     decoder_layers = [m for m in built.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -161,6 +168,7 @@ class Estimate:
     host: float  # bytes per node (DeepSpeed's estimate)
     at_backward: float = 0.0  # peak of forward + backward
     at_step: float = 0.0  # peak of the optimizer step
+    states_own: float = 0.0  # weights + gradients + optimizer at the step by sft's equations (cf. model_states)
 
     def fits(self, gpu_memory: float, headroom: float) -> bool:
         return self.peak <= gpu_memory * (1 - headroom)
@@ -168,6 +176,7 @@ class Estimate:
     def table(self) -> str:
         lines = [f"  {name:<44} {value / GiB:8.2f} GiB" for name, value in self.items.items()]
         lines.append(f"  {'peak per GPU (' + self.peak_phase + ')':<44} {self.peak / GiB:8.2f} GiB")
+        lines.append(f"  {'model states (these equations)':<44} {self.states_own / GiB:8.2f} GiB")
         lines.append(f"  {'model states (DeepSpeed estimator)':<44} {self.model_states / GiB:8.2f} GiB")
         lines.append(f"  {'host memory per node (DeepSpeed estimator)':<44} {self.host / GiB:8.2f} GiB")
         return "\n".join(lines)
@@ -249,21 +258,29 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
         items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
         items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
-        step["fp32 gradients of one sub-group (optimizer step)"] = (
-            0 if s.offload_optimizer else 6 * min(p / n, SUB_GROUP_SIZE)
-        )
+        sub_group = 0 if s.offload_optimizer else min(p / n, SUB_GROUP_SIZE)
+        step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
+        step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
+        # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
+        states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
     elif s.zero_stage == 2:
         items["weights (16-bit)"] = b * p + frozen
         items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
-        step["gradient partition, flat copy and fp32 (step)"] = 0 if s.offload_optimizer else 8 * p / n
+        on_gpu = 0 if s.offload_optimizer else p / n
+        step["gradient partition (16-bit)"] = b * on_gpu
+        step["fp32 gradient partition (step)"] = 4 * on_gpu
+        step["flattened gradient copy (step)"] = b * on_gpu
+        states_own = sum(items.values()) + (b + 4) * on_gpu
     elif s.zero_stage == 1:
         items["weights (16-bit)"] = b * p + frozen
         items["optimizer: fp32 master + Adam moments"] = 12 * p / n
         step["gradients 16-bit + fp32 partition (step)"] = b * p + 4 * p / n
+        states_own = sum(items.values()) + sum(step.values())
     else:
         items["weights (16-bit)"] = b * p + frozen
         items["optimizer: fp32 master + Adam moments"] = 12 * p
         step["gradients 16-bit + fp32 (step)"] = b * p + 4 * p
+        states_own = sum(items.values()) + sum(step.values())
     static = sum(items.values())
 
     # Forward/backward: activations plus the largest of the buffers that live at the start of backward
@@ -293,7 +310,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     else:
         items.update(step)
         phase, peak = "optimizer step", at_step
-    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step)
+    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own)
 
 
 def ladder(base: Setting) -> list[Setting]:

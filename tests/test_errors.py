@@ -132,3 +132,21 @@ def test_output_dir_not_overwritten(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path))])
     expect_error(result, "already holds model.safetensors", "does not write over a previous run")
     assert (out / "model.safetensors").read_text() == "a previous run"
+
+
+def test_plan_does_not_fit(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--plan_gpu_memory_gib", "0.001"])
+    expect_error(result, "The memory plan does not fit", "micro batch 2 x 512 tokens", "plan_check: false")
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_unreachable_global_batch(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--global_batch_size", "7"])
+    expect_error(
+        result, "global batch 7 cannot be reached", "Nearest reachable: 6 (accumulation 3), 8 (accumulation 4)"
+    )
+
+
+def test_bad_auto_value(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--activation_checkpointing", "sometimes"])
+    expect_error(result, "`activation_checkpointing` must be true, false or `auto`, got 'sometimes'")
