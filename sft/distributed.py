@@ -15,11 +15,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sft.errors import ConfigError
 
-def init_process_group(timeout_s: int = 1800) -> None:
-    """Start the default process group of a torchrun/deepspeed launch (no-op for a single process)."""
+
+def init_process_group(timeout_s: int | None = None) -> None:
+    """Start the default process group of a torchrun/deepspeed launch (no-op for a single process).
+
+    The timeout of every collective (NCCL/gloo) is `SFT_DIST_TIMEOUT` seconds (default 1800; the launchers in
+    launch/ set it from DIST_TIMEOUT): the group exists before the recipe is parsed, so it cannot come from there.
+    """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
+    if timeout_s is None:
+        raw = os.environ.get("SFT_DIST_TIMEOUT", "1800")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigError(f"SFT_DIST_TIMEOUT must be a whole number of seconds >= 1, got {raw!r}.")
+        timeout_s = int(raw)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -41,3 +52,43 @@ def init_process_group(timeout_s: int = 1800) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+PER_RANK_FIELDS = {"local_rank", "logging_dir"}
+
+
+def check_ranks_agree(fingerprint: dict, *arguments) -> None:
+    """Every rank must have read the same recipe, arguments, data, tokenizer and library versions.
+
+    A node with another copy of the recipe, a different data snapshot or other library versions would otherwise
+    train silently on something else; each rank raises the same error, naming the first rank and host that differs.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    import dataclasses
+    import socket
+
+    mine = dict(fingerprint)
+    for args in arguments:
+        fields = {
+            f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name not in PER_RANK_FIELDS
+        }
+        mine[type(args).__name__] = fields
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), mine))
+    host0, reference = everyone[0]
+    for rank, (host, other) in enumerate(everyone):
+        differ = [k for k in sorted(set(reference) | set(other)) if reference.get(k) != other.get(k)]
+        for key in [k for k in differ if isinstance(reference.get(k), dict) and k[0].isupper()]:
+            differ.remove(key)  # an argument dataclass: name its differing fields, not the whole class
+            a, b = reference[key], other.get(key, {})
+            differ += [f for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+            reference = {**reference, **{f: a.get(f) for f in a}}
+            other = {**other, **{f: b.get(f) for f in b}}
+        if differ:
+            details = "; ".join(f"{k}: rank 0 {reference.get(k)!r} vs rank {rank} {other.get(k)!r}" for k in differ)
+            raise ConfigError(
+                f"The ranks disagree: rank {rank} on {host} has a different configuration or data than rank 0 on "
+                f"{host0} ({details}). Every node must run the same recipe and arguments on the same data with the "
+                "same library versions; check the command and the files on that node."
+            )

@@ -37,7 +37,7 @@ def setup_logging(training_args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config import parse_args
-    from sft.distributed import init_process_group
+    from sft.distributed import check_ranks_agree, init_process_group
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
     fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
+    check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
     if resume_from:
         saved = ckpt.read_state(resume_from)["fingerprint"]
         ckpt.compare_fingerprints(saved, fingerprint, resume_from)
