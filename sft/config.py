@@ -305,6 +305,12 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
         raise ConfigError("No training data: set `datasets` (a list of sources) or `dataset_name` in the recipe.")
     if not model_args.model_name_or_path:
         raise ConfigError("`model_name_or_path` is not set: give a hub id or a local model directory.")
+    if model_args.from_scratch and model_args.use_peft:
+        raise ConfigError(
+            "`use_peft` trains LoRA adapters on a base model's weights, but `from_scratch` makes random base weights "
+            "that are never saved, so the adapter could not be used or merged. Train the base first (e.g. the demo), "
+            "then point `model_name_or_path` at its output with `from_scratch: false`."
+        )
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

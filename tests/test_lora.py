@@ -1,0 +1,122 @@
+"""LoRA through TRL's ModelConfig flags: ZeRO-2/3, checkpointing, packing, resume, and `python -m sft.merge`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli_env, read_jsonl, run_cli
+from peft import PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from sft.checkpoint import MARKER
+from sft.trainer import KILL_DURING_SAVE_ENV
+
+pytestmark = pytest.mark.multiproc
+STEPS = 12
+ARGS = [
+    "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--use_peft", "--lora_r", "8",
+    "--lora_alpha", "16", "--lora_target_modules", "all-linear", "--max_steps", str(STEPS), "--logging_steps", "1",
+    "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "no", "--learning_rate", "1e-2",
+    "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "256",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A demo-shaped base model with saved (random) weights: LoRA needs a base that exists on disk."""
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "recipes" / "demo" / "model")).save_pretrained(
+        path
+    )
+    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(base, tmp_path_factory) -> dict[str, Path]:
+    work = tmp_path_factory.mktemp("lora")
+    out = {}
+    for name, extra in (
+        ("zero2", ["--deepspeed", "ds_configs/zero2.json"]),
+        ("zero3_ckpt", ["--deepspeed", "ds_configs/zero3.json", "--activation_checkpointing", "true"]),
+    ):
+        out[name] = work / name
+        result = run_cli([*ARGS, "--model_name_or_path", str(base), "--output_dir", str(out[name]), *extra], nproc=2)
+        assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def merge(adapter: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sft.merge", "--adapter", str(adapter), "--output", str(output), "--dtype", "float32",
+         *extra], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def test_lora_trains_under_zero2_and_zero3_with_checkpointing(runs):
+    zero2, zero3 = losses(runs["zero2"]), losses(runs["zero3_ckpt"])
+    assert len(zero2) == len(zero3) == STEPS
+    assert sum(zero2[-3:]) < 0.97 * sum(zero2[:3])  # the adapter learns
+    assert zero3 == pytest.approx(zero2, rel=1e-4)  # ZeRO-3 + activation checkpointing trains the same adapter
+    for out in runs.values():
+        assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+
+
+def test_merge_equals_base_plus_adapter(runs, base, tmp_path):
+    result = merge(runs["zero3_ckpt"], tmp_path / "merged")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.randint(5, 60, (2, 48))
+    with_adapter = logits(
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), runs["zero3_ckpt"]), ids
+    )
+    merged = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids)
+    assert (merged - with_adapter).abs().max() < 1e-5
+    assert (merged - logits(AutoModelForCausalLM.from_pretrained(base), ids)).abs().max() > 1e-2  # it did change
+    again = merge(runs["zero3_ckpt"], tmp_path / "merged")
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def test_merge_from_a_zero3_checkpoint_without_adapter_files(runs, base, tmp_path):
+    """DeepSpeed's zero_to_fp32 rebuilds the adapter from the ZeRO-3 shards: the same merged model."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(runs["zero3_ckpt"] / f"checkpoint-{STEPS}", checkpoint)
+    (checkpoint / "adapter_model.safetensors").unlink()
+    assert merge(checkpoint, tmp_path / "from_shards").returncode == 0
+    assert merge(runs["zero3_ckpt"] / f"checkpoint-{STEPS}", tmp_path / "from_adapter").returncode == 0
+    ids = torch.randint(5, 60, (2, 48))
+    a = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_shards"), ids)
+    b = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_adapter"), ids)
+    assert (a - b).abs().max() < 1e-6
+
+
+def test_lora_resume_after_a_kill_matches(runs, base, tmp_path):
+    out = tmp_path / "out"
+    args = [*ARGS, "--model_name_or_path", str(base), "--output_dir", str(out), "--deepspeed", "ds_configs/zero2.json"]
+    killed = run_cli(args, nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
+    assert killed.returncode != 0 and (out / "checkpoint-4" / MARKER).exists()
+    resumed = run_cli(args, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "Resuming from" in resumed.stderr
+    assert losses(out) == losses(runs["zero2"])
+
+
+def test_lora_on_random_weights_is_refused(tmp_path):
+    result = run_cli([*ARGS, "--from_scratch", "true", "--output_dir", str(tmp_path / "out")])
+    assert result.returncode == 2 and "`from_scratch` makes random base weights" in result.stderr
