@@ -25,6 +25,7 @@ METRICS_FILE = "metrics.jsonl"
 DISCARDED_METRICS_FILE = "metrics.discarded.jsonl"
 DATA_TRACE_DIR = "data_trace"
 # Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
+WANDB_RUN_FILE = "wandb_run.json"
 KILL_DURING_SAVE_ENV = "SFT_TEST_KILL_DURING_SAVE"
 
 
@@ -200,6 +201,21 @@ class Trainer(SFTTrainer):
                 logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self._last_logged = (self.state.global_step, tokens, now)
         super().log(logs, start_time)
+        self._record_wandb_run()
+
+    def _record_wandb_run(self) -> None:
+        """Write <output_dir>/wandb_run.json once, so that eval/run.py can log to this training run."""
+        if getattr(self, "_wandb_recorded", False) or not self.args.should_save or "wandb" not in self.args.report_to:
+            return
+        import wandb
+
+        if wandb.run is None:
+            return
+        run = {"id": wandb.run.id, "project": wandb.run.project, "entity": wandb.run.entity, "name": wandb.run.name}
+        path = Path(self.args.output_dir) / WANDB_RUN_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run) + "\n")
+        self._wandb_recorded = True
 
     def _trace_path(self) -> Path:
         return Path(self.args.output_dir) / DATA_TRACE_DIR / f"rank{self.args.process_index}.jsonl"

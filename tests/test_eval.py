@@ -1,0 +1,95 @@
+"""eval/run.py (lm-eval's simple_evaluate) and the lm_eval CLI on sft's output directories, with the local task."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, cli_env, run_cli
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("untrained")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "recipes" / "demo" / "model")).save_pretrained(
+        path
+    )
+    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The demo, 200 steps on 2 processes, logging to wandb (offline)."""
+    work = tmp_path_factory.mktemp("demo")
+    out = work / "out"
+    result = run_cli(
+        ["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), "--max_steps", "200",
+         "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "wandb"],
+        nproc=2, tmp_path=work,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def evaluate(model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = {**cli_env(), "WANDB_MODE": "offline"}
+    result = subprocess.run([sys.executable, "eval/run.py", "--model", str(model), "--tasks", "sft_demo",
+                             "--device", "cpu", "--batch-size", "16", *extra], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=900)  # fmt: skip
+    files = sorted((model / "eval").glob("results_*.json")) if (model / "eval").exists() else []
+    return result, json.loads(files[-1].read_text()) if files else None
+
+
+def test_eval_beats_the_untrained_model_and_logs_to_the_runs_wandb(trained, untrained):
+    done, results = evaluate(trained)
+    assert done.returncode == 0, done.stderr[-4000:]
+    accuracy = results["results"]["sft_demo"]["exact_match,none"]
+    _, before = evaluate(untrained)
+    untrained_accuracy = before["results"]["sft_demo"]["exact_match,none"]
+    print(f"sft_demo exact match: trained {accuracy:.3f}, untrained {untrained_accuracy:.3f}")
+    assert accuracy >= untrained_accuracy + 0.08
+    assert list((trained / "eval").glob("results_*.md"))[0].read_text().count("sft_demo") == 1
+    run_id = json.loads((trained / "wandb_run.json").read_text())["id"]
+    assert f"logged to wandb run {run_id}" in done.stdout
+    records = list((trained / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert records and b"eval/sft_demo/exact_match" in records[0].read_bytes()  # offline: the run's record file
+    again, _ = evaluate(trained, "--limit", "8")  # a second evaluation adds files, never replaces the first
+    assert again.returncode == 0 and len(list((trained / "eval").glob("results_*.json"))) == 2
+
+
+def test_lm_eval_cli_on_the_output_directory(trained):
+    result = subprocess.run(
+        ["lm_eval", "--model", "hf", "--model_args", f"pretrained={trained}", "--include_path", "eval/tasks",
+         "--tasks", "sft_demo", "--apply_chat_template", "--device", "cpu", "--limit", "40", "--batch_size", "8"],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("|sft_demo"))
+    assert "exact_match" in row
+
+
+def test_an_adapter_is_merged_then_evaluated(untrained, tmp_path):
+    adapter = tmp_path / "adapter"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(untrained),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))  # fmt: skip
+    model.save_pretrained(adapter)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(untrained / f, adapter)
+    done, results = evaluate(adapter, "--limit", "8")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (adapter / "merged" / "config.json").exists() and results["model"] == str(adapter / "merged")
+    bad, _ = evaluate(tmp_path / "missing")
+    assert bad.returncode == 2 and "no such directory" in bad.stderr and "Traceback" not in bad.stderr
