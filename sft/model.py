@@ -97,9 +97,15 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": training_args.local_process_index}  # each rank loads onto its own GPU
     try:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     except OSError as e:
         raise ConfigError(
             f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "
             "model directory or a reachable hub id; for a directory with only config.json, set `from_scratch: true`."
         ) from e
+    if quantization_config is not None:
+        quantized = sum(1 for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt"))
+        logger.info(
+            "Loaded %s quantized by bitsandbytes: %d linear layers in 4/8 bits", type(model).__name__, quantized
+        )
+    return model
