@@ -65,6 +65,18 @@ SETS = {
 STEPS_PER_PHASE = 2
 
 
+def model_dir(work: Path, shape: str) -> Path:
+    """<work>/<shape>: the shape's config.json with the demo's tokenizer files (the model is built from the config)."""
+    model = work / shape
+    if not model.exists():
+        model.mkdir()
+        for f in (ROOT / "recipes" / "demo" / "model").iterdir():
+            if f.name != "config.json":
+                shutil.copy(f, model)
+        (model / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    return model
+
+
 def worker(args) -> None:
     """One torchrun rank: train through sft's own stack, switching settings by phase, and record peak memory."""
     import deepspeed
@@ -152,13 +164,7 @@ def measure(args) -> dict:
         if args.only and shape not in args.only:
             continue
         name = f"{shape}_zero{stage}_{gpus}gpu_liger{int(liger)}"
-        model = work / shape
-        if not model.exists():
-            model.mkdir()
-            for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-                if f.name != "config.json":
-                    shutil.copy(f, model)
-            (model / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+        model = model_dir(work, shape)
         rng = np.random.default_rng(0)
         data = work / f"{name}.jsonl"
         with open(data, "w") as f:  # the sequential sampler hands rank r item (step * gpus + r)
@@ -227,12 +233,7 @@ def auto_check(args) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="memory_plan_auto_"))
     shape, gpus, memory_gib, seq, global_batch = "llama-8b", 2, 80.0, 4096, 16
-    model = work / shape
-    model.mkdir()
-    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, model)
-    (model / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    model = model_dir(work, shape)
     rng = np.random.default_rng(0)
     with open(work / "data.jsonl", "w") as f:
         for length in np.clip(rng.lognormal(np.log(1500), 0.8, size=400), 64, seq).astype(int):

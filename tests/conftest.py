@@ -90,3 +90,22 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture
 def demo_args():
     return list(DEMO)
+
+
+@pytest.fixture(scope="session")
+def saved_demo_model(tmp_path_factory) -> Path:
+    """The demo model with saved random weights (seed 0) and the demo tokenizer: a base that exists on disk, for LoRA
+    and for an untrained baseline."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("saved_demo_model")
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(ROOT / "recipes" / "demo" / "model")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, path)
+    return path

@@ -9,25 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import ROOT, cli_env, run_cli
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
-def untrained(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("untrained")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "recipes" / "demo" / "model")).save_pretrained(
-        path
-    )
-    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, path)
-    return path
+def untrained(saved_demo_model) -> Path:
+    return saved_demo_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, cli_env, read_jsonl, run_cli
 from peft import PeftModel
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from sft.checkpoint import MARKER
 from sft.trainer import KILL_DURING_SAVE_ENV
@@ -27,17 +27,8 @@ ARGS = [
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A demo-shaped base model with saved (random) weights: LoRA needs a base that exists on disk."""
-    path = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "recipes" / "demo" / "model")).save_pretrained(
-        path
-    )
-    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, path)
-    return path
+def base(saved_demo_model) -> Path:
+    return saved_demo_model
 
 
 @pytest.fixture(scope="module")
