@@ -68,23 +68,19 @@ def check_ranks_agree(fingerprint: dict, *arguments) -> None:
     import dataclasses
     import socket
 
-    mine = dict(fingerprint)
-    for args in arguments:
-        fields = {
-            f.name: repr(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name not in PER_RANK_FIELDS
-        }
-        mine[type(args).__name__] = fields
+    # one flat mapping: every argument field (repr, so any value compares) and the fingerprint's entries
+    mine = {
+        f.name: repr(getattr(args, f.name))
+        for args in arguments
+        for f in dataclasses.fields(args)
+        if f.name not in PER_RANK_FIELDS
+    }
+    mine.update(fingerprint)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (socket.gethostname(), mine))
     host0, reference = everyone[0]
     for rank, (host, other) in enumerate(everyone):
         differ = [k for k in sorted(set(reference) | set(other)) if reference.get(k) != other.get(k)]
-        for key in [k for k in differ if isinstance(reference.get(k), dict) and k[0].isupper()]:
-            differ.remove(key)  # an argument dataclass: name its differing fields, not the whole class
-            a, b = reference[key], other.get(key, {})
-            differ += [f for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
-            reference = {**reference, **{f: a.get(f) for f in a}}
-            other = {**other, **{f: b.get(f) for f in b}}
         if differ:
             details = "; ".join(f"{k}: rank 0 {reference.get(k)!r} vs rank {rank} {other.get(k)!r}" for k in differ)
             raise ConfigError(

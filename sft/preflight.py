@@ -67,7 +67,6 @@ def preflight(training_args, model_args):
     if training_args.tokens_per_step and training_args.max_length:
         target = training_args.tokens_per_step // training_args.max_length
     headroom = training_args.plan_headroom
-    estimate = None
     if memory is None:
         if auto:
             logger.info(
