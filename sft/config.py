@@ -8,6 +8,7 @@ a data set exists runs here, so a bad value fails in seconds with a message that
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import logging
 import os
@@ -127,6 +128,14 @@ class TrainConfig(SFTConfig):
         resume_from_checkpoint (`str`, *optional*, defaults to `"auto"`):
             `auto`: resume from the newest complete checkpoint in `output_dir`, or start fresh if there is none;
             a path: resume from that checkpoint; `none`: start fresh (in an empty or new `output_dir`).
+        use_liger_kernel (`bool`, *optional*):
+            transformers' field with a new default: unset means on when a CUDA GPU and liger-kernel are present
+            (Liger's RMSNorm, RoPE and SwiGLU kernels; TRL keeps its own fused LM-head loss), off otherwise.
+        peak_tflops (`float`, *optional*):
+            Peak TFLOP/s of one GPU that MFU is computed against. Defaults to the dense bf16 peak of the GPU found
+            (H100/H200 989, A100 312; see `sft.flops`); MFU is not logged for a GPU not on file unless this is set.
+        compile_decoder_layers (`bool`, *optional*, defaults to `False`):
+            `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`).
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
             `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
@@ -173,6 +182,17 @@ class TrainConfig(SFTConfig):
     plan_check: bool = field(
         default=True, metadata={"help": "Refuse to start when the planned peak memory does not fit the GPU."}
     )
+    use_liger_kernel: bool | None = field(
+        default=None,
+        metadata={"help": "Liger's Triton kernels; unset: on when a CUDA GPU and liger-kernel are present."},
+    )
+    compile_decoder_layers: bool = field(
+        default=False, metadata={"help": "torch.compile each decoder layer (not the whole model)."}
+    )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={"help": "Peak TFLOP/s per GPU for MFU (default: the dense bf16 peak of the GPU found)."},
+    )
 
     def __post_init__(self):
         self.auto_settings = set()  # fields left `auto`, resolved by sft.preflight
@@ -203,7 +223,7 @@ class TrainConfig(SFTConfig):
             else:
                 raise ConfigError(f"`activation_checkpointing` must be true, false or `auto`, got {checkpointing!r}.")
         self.activation_checkpointing = checkpointing
-        for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib"):
+        for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"`{name}` must be > 0 (or unset), got {value}.")
@@ -217,7 +237,9 @@ class TrainConfig(SFTConfig):
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
-        if self.use_liger_kernel and not torch.cuda.is_available():
+        if self.use_liger_kernel is None:
+            self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+        elif self.use_liger_kernel and not torch.cuda.is_available():
             logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")
             self.use_liger_kernel = False
         if not self.use_cpu and not torch.cuda.is_available():

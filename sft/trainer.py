@@ -18,6 +18,7 @@ from trl import SFTTrainer
 from sft import checkpoint as ckpt
 from sft.attention import check_batch
 from sft.errors import ConfigError
+from sft.flops import FlopCounter, detect_peak_tflops
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +91,27 @@ class PreemptionCallback(TrainerCallback):
         return control
 
 
+class ThroughputClockCallback(TrainerCallback):
+    """Start the throughput clock when the first step starts, after DeepSpeed and the data loader are set up."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        step, tokens, _ = self.trainer._last_logged
+        self.trainer._last_logged = (step, tokens, time.perf_counter())
+        self.trainer._paused_s = 0.0
+
+
 class Trainer(SFTTrainer):
     """TRL's `SFTTrainer` with sft's additions; packing, collation and loss are TRL's.
 
     `fingerprint` (from `sft.checkpoint.fingerprint`) is stored in every checkpoint so that a resume can be checked.
+
+    Every training log adds, over the steps since the previous one (time spent in evaluation and checkpointing left
+    out): `tokens_per_step` and `tokens_per_second_per_gpu` (real tokens, all ranks), `tflops_per_gpu` and `mfu`
+    (`sft.flops`: linear layers + causal attention over the real sample lengths, against `peak_tflops`),
+    `num_flops` (cumulative, like TRL's `num_tokens`; both survive a resume) and `peak_memory_gib`.
     """
 
     def __init__(self, *args, fingerprint: dict | None = None, **kwargs):
@@ -105,6 +123,31 @@ class Trainer(SFTTrainer):
         self.add_callback(self.preemption)
         self.resumed_from: str | None = None
         self._last_logged = (0, 0, time.perf_counter())  # (global step, tokens, time) at the last training log
+        self._paused_s = 0.0  # seconds in evaluation and checkpoint saves since the last training log
+        self.add_callback(ThroughputClockCallback(self))
+        self.flop_counter = FlopCounter(self.model)
+        self._total_train_flops = 0.0
+        self.peak_tflops = self._peak_tflops()
+
+    def _peak_tflops(self) -> float | None:
+        peak = getattr(self.args, "peak_tflops", None)
+        where = "given by `peak_tflops`"
+        if peak is None and torch.cuda.is_available():
+            name = torch.cuda.get_device_name()
+            peak, where = detect_peak_tflops(name), f"dense bf16 peak of the {name}"
+            if peak is None:
+                logger.warning("MFU is not logged: no peak on file for the %s; set `peak_tflops` to log it", name)
+        if peak is not None:
+            logger.info(
+                "MFU against %.0f TFLOP/s per GPU (%s); training FLOPs: %.4g per token in linear layers + "
+                "6 x %d layers x %d x sum(sample length^2) in causal attention",
+                peak,
+                where,
+                self.flop_counter.per_token,
+                self.flop_counter.layers,
+                self.flop_counter.width,
+            )
+        return peak
 
     @property
     def preempted(self) -> bool:
@@ -117,6 +160,7 @@ class Trainer(SFTTrainer):
             step = saved["global_step"]
             self._refuse_finished(step, resume_from_checkpoint)
             self._total_train_tokens = saved["total_train_tokens"]
+            self._total_train_flops = saved.get("total_train_flops", 0.0)
             for mode, values in saved["metrics"].items():
                 self._metrics[mode].update({k: list(v) for k, v in values.items()})
             logger.info(
@@ -148,7 +192,21 @@ class Trainer(SFTTrainer):
                 "max_steps/num_train_epochs to train further, or use a new --output_dir for a new run."
             )
 
+    def evaluate(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._paused_s += time.perf_counter() - start
+
     def _save_checkpoint(self, model, trial):
+        start = time.perf_counter()
+        try:
+            self._save_complete_checkpoint(model, trial)
+        finally:
+            self._paused_s += time.perf_counter() - start
+
+    def _save_complete_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # rotate only after the new checkpoint is marked complete
         try:
@@ -165,6 +223,7 @@ class Trainer(SFTTrainer):
                     "global_step": step,
                     "samples_seen": step * global_batch,
                     "total_train_tokens": int(self._total_train_tokens),
+                    "total_train_flops": self._total_train_flops,
                     "metrics": {mode: dict(values) for mode, values in self._metrics.items()},
                     "fingerprint": self.fingerprint,
                 },
@@ -188,20 +247,37 @@ class Trainer(SFTTrainer):
                 )
         if getattr(self.args, "trace_data", False):
             self._trace_batch(inputs)
+        self.flop_counter.add(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: real (non-pad) tokens of all ranks since the last one
-            last_step, last_tokens, last_time = self._last_logged
-            now, steps, tokens = time.perf_counter(), self.state.global_step - last_step, self._total_train_tokens
-            if steps > 0:
-                logs["tokens_per_step"] = (tokens - last_tokens) / steps
-                logs["tokens_per_second_per_gpu"] = (tokens - last_tokens) / (now - last_time) / self.args.world_size
-            if torch.cuda.is_available():
-                logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            self._last_logged = (self.state.global_step, tokens, now)
+        if "loss" in logs:  # a training log: every rank is here (the loss was just all-gathered)
+            self._log_throughput(logs)
         super().log(logs, start_time)
         self._record_wandb_run()
+
+    def _log_throughput(self, logs: dict[str, float]) -> None:
+        """Tokens, FLOPs and memory of all ranks since the last training log; a collective (every rank calls it)."""
+        flops = self.flop_counter.take(self.args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flops)
+        flops = float(flops)
+        self._total_train_flops += flops
+        last_step, last_tokens, last_time = self._last_logged
+        now, steps, tokens = time.perf_counter(), self.state.global_step - last_step, self._total_train_tokens
+        seconds, world = now - last_time - self._paused_s, self.args.world_size
+        if steps > 0 and seconds > 0:
+            logs["tokens_per_step"] = (tokens - last_tokens) / steps
+            logs["tokens_per_second_per_gpu"] = (tokens - last_tokens) / seconds / world
+            logs["tflops_per_gpu"] = flops / seconds / world / 1e12
+            if self.peak_tflops:
+                logs["mfu"] = logs["tflops_per_gpu"] / self.peak_tflops
+                logs["peak_tflops"] = self.peak_tflops
+        logs["num_flops"] = self._total_train_flops
+        if torch.cuda.is_available():
+            logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self._last_logged = (self.state.global_step, tokens, now)
+        self._paused_s = 0.0
 
     def _record_wandb_run(self) -> None:
         """Write <output_dir>/wandb_run.json once, so that eval/run.py can log to this training run."""

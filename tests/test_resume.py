@@ -67,10 +67,10 @@ def assert_ok(result) -> None:
 
 
 def assert_same_run(reference: Path, resumed: Path) -> None:
-    """Bit-identical per-step loss, learning rate, grad norm and tokens, and equal final weights."""
+    """Bit-identical per-step loss, learning rate, grad norm, token and FLOP counters, and equal final weights."""
     ref, res = train_records(reference), train_records(resumed)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1)), "metrics.jsonl must read as one run"
-    for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
+    for key in ("loss", "learning_rate", "grad_norm", "num_tokens", "num_flops"):
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = weights(reference), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

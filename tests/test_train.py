@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import DEMO, ROOT, read_jsonl, run_cli
@@ -104,6 +105,8 @@ def test_zero2_and_zero3_agree(zero_runs):
     """Same seed, data and global batch: ZeRO-3 sharding changes summation order only."""
     z2, z3 = train_losses(zero_runs[2]), train_losses(zero_runs[3])
     assert len(z2) == len(z3)
+    flops = [[r["num_flops"] for r in read_jsonl(zero_runs[s] / "metrics.jsonl") if "loss" in r] for s in (2, 3)]
+    assert flops[0] == flops[1] and flops[0][0] > 0  # ZeRO-3's partitioned weights count as whole layers
     for a, b in zip(z2, z3, strict=True):
         assert math.isclose(a, b, rel_tol=1e-3), (z2, z3)
 
@@ -115,12 +118,21 @@ def test_single_process_with_tensorboard_and_wandb_offline(tmp_path):
     out = tmp_path / "out"
     result = run_cli(
         ["--config", str(tmp_path / "recipe.yaml"), "--output_dir", str(out), "--deepspeed", "none"]
-        + ["--max_steps", "6", "--logging_steps", "2", "--eval_strategy", "no"],
+        + ["--max_steps", "6", "--logging_steps", "2", "--eval_strategy", "no", "--peak_tflops", "0.01"],
         tmp_path=tmp_path,
     )
     assert_ok(result)
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [2, 4, 6]
-    assert list((out / "runs").rglob("events.out.tfevents.*")), "tensorboard wrote no event file"
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    events = list((out / "runs").rglob("events.out.tfevents.*"))
+    assert events, "tensorboard wrote no event file"
+    board = EventAccumulator(str(events[0].parent))
+    board.Reload()
+    for key in ("tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "num_flops"):
+        logged = [(e.step, e.value) for e in board.Scalars(f"train/{key}")]
+        assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), "wandb wrote no offline run"
+    record = next(runs[0].glob("*.wandb")).read_bytes()
+    assert all(key in record for key in (b"train/mfu", b"train/tflops_per_gpu", b"train/tokens_per_second_per_gpu"))
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 4

@@ -1,0 +1,296 @@
+"""Tokens/s per GPU, MFU, peak memory and scaling: TRL's defaults, TRL packing (varlen), sft's default; one matrix.
+
+    python benchmarks/throughput.py --out $OUT                       # the whole matrix (needs 4 GPUs)
+    python benchmarks/throughput.py --only 1b --out $OUT             # a subset: names containing any of the words
+    python benchmarks/throughput.py --report DIR [DIR ...] --out benchmarks/results   # merge runs into one table
+    python benchmarks/throughput.py --tiny --out /tmp/t              # CPU smoke test: demo-sized model, 2 steps
+
+Every run is the real CLI (`sft/train.py` under torchrun) on random-initialised Llama shapes (1B, 3B, 8B from their
+public configs), seq 4096, pre-tokenised records with an SFT-like length distribution (`train_matrix.make_data`:
+log-normal, median 300 tokens, 16..4096, so tens to thousands with a long tail). Numbers are read back from each run's
+metrics.jsonl (`sft.trainer`: real tokens per second per GPU; MFU from linear-layer FLOPs + causal attention over the
+real sample lengths, against the GPU's dense bf16 peak), averaged over the steps after the warm-up.
+
+Settings (same data, max_length and DeepSpeed config within a cell; packed runs also the same global batch):
+- `trl_defaults`: TRL's SFTConfig defaults: no packing (padded rows), sdpa attention, activation checkpointing on,
+  8 rows per GPU, 1 accumulation step, no Liger.
+- `trl_packing`: the same plus `packing: true` (TRL's padding-free BFD packing) on PyTorch's varlen FlashAttention-2,
+  8 rows per GPU, accumulation to the global batch.
+- `sft`: sft's defaults, nothing tuned by hand: `packing: true`, `attn_implementation: auto`, micro batch and
+  checkpointing from the memory plan (`auto`), Liger on (the default with a GPU), the global batch.
+- variants of `sft` with one change, to decide defaults: `sft_no_liger`, `sft_compile` (decoder layers compiled),
+  `sft_ckpt` (checkpointing forced on), `sft_buckets` (DeepSpeed bucket sizes 5e8 instead of transformers' `auto`).
+
+Runs are grouped in waves that use disjoint GPUs and run at the same time (two 2-GPU runs, or 1-GPU runs, side by
+side); the report says which. The baselines run through sft's `Trainer`, i.e. TRL's SFTTrainer plus sft's
+per-micro-batch packed-batch check and FLOP count, which the sft rows pay too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_matrix import LLAMA_1B, make_data  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "1b": LLAMA_1B,
+    "3b": {**LLAMA_1B, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+           "num_attention_heads": 24, "head_dim": 128},
+    "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "head_dim": 128, "tie_word_embeddings": False},
+}  # fmt: skip
+GLOBAL_BATCH = 32  # packed rows of 4096 tokens per optimizer step (131,072 tokens); divisible by 8 rows x 1, 2, 4 GPUs
+COMMON = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-5, "lr_scheduler_type": "constant",
+          "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
+          "dataloader_num_workers": 2, "from_scratch": True, "max_length": 4096}  # fmt: skip
+SETTINGS = {
+    "trl_defaults": {"packing": False, "padding_free": False, "attn_implementation": "sdpa",
+                     "activation_checkpointing": True, "per_device_train_batch_size": 8,
+                     "gradient_accumulation_steps": 1, "use_liger_kernel": False},
+    "trl_packing": {"packing": True, "attn_implementation": "sft_varlen", "activation_checkpointing": True,
+                    "per_device_train_batch_size": 8, "global_batch_size": GLOBAL_BATCH, "use_liger_kernel": False},
+    "sft": {"packing": True, "global_batch_size": GLOBAL_BATCH},
+    "sft_no_liger": {"packing": True, "global_batch_size": GLOBAL_BATCH, "use_liger_kernel": False},
+    "sft_compile": {"packing": True, "global_batch_size": GLOBAL_BATCH, "compile_decoder_layers": True},
+    "sft_ckpt": {"packing": True, "global_batch_size": GLOBAL_BATCH, "activation_checkpointing": True},
+    "sft_buckets": {"packing": True, "global_batch_size": GLOBAL_BATCH, "ds_buckets": 5e8},
+}  # fmt: skip
+STAGES = {"zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
+
+
+def cell(model: str, gpus: int, stage: str, setting: str) -> dict:
+    return {"name": f"{model}-{gpus}gpu-{stage}-{setting}", "model": model, "gpus": gpus, "stage": stage,
+            "setting": setting}  # fmt: skip
+
+
+# Waves: the runs of a wave start together on disjoint GPUs; waves run one after another.
+MATRIX = [
+    *[[cell("1b", 1, "zero2", s)] for s in ("trl_defaults", "trl_packing", "sft", "sft_no_liger", "sft_compile")],
+    *[[cell(m, 4, st, s)] for m in ("8b", "3b") for st in ("zero3", "zero2") for s in ("sft", "trl_packing")],
+    [cell("8b", 4, "zero3", "trl_defaults")],
+    [cell("8b", 4, "zero3", "sft_buckets")],
+    [cell("3b", 4, "zero3", "trl_defaults")],
+    [cell("8b", 2, "zero3", "sft"), cell("8b", 2, "zero2", "sft")],
+    [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
+    [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
+]
+
+
+def model_dir(work: Path, shape: str, tiny: bool) -> Path:
+    path = work / f"model-{shape}"
+    if not path.exists():
+        path.mkdir()
+        for f in (ROOT / "recipes" / "demo" / "model").iterdir():  # the demo tokenizer; the data is token ids
+            if f.name != "config.json":
+                shutil.copy(f, path)
+        demo = json.loads((ROOT / "recipes" / "demo" / "model" / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(demo if tiny else SHAPES[shape], indent=2))
+    return path
+
+
+def ds_config(work: Path, stage: str, buckets: float | None) -> str:
+    if buckets is None:
+        return str(ROOT / STAGES[stage])
+    config = json.loads((ROOT / STAGES[stage]).read_text())
+    zero = config["zero_optimization"]
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size") if stage == "zero3" else ("reduce_bucket_size",)
+    zero.update(dict.fromkeys(keys, buckets))
+    path = work / f"{stage}-buckets.json"
+    path.write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
+def start(run: dict, gpu_ids: list[int], args, work: Path, data: Path) -> subprocess.Popen:
+    settings = dict(SETTINGS[run["setting"]])
+    buckets = settings.pop("ds_buckets", None)
+    recipe = {**COMMON, **settings, "model_name_or_path": str(model_dir(work, run["model"], args.tiny))}
+    recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / run["name"]), max_steps=args.steps)
+    recipe["deepspeed"] = ds_config(work, run["stage"], buckets)
+    if args.tiny:
+        recipe.update(bf16=False, dtype="float32", max_length=512, attn_implementation="auto", peak_tflops=1.0)
+        recipe.pop("use_liger_kernel", None)
+    (work / f"{run['name']}.yaml").write_text(yaml.safe_dump(recipe))
+    nproc = min(run["gpus"], 2) if args.tiny else run["gpus"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(ROOT / "sft" / "train.py"), "--config", str(work / f"{run['name']}.yaml")]
+    env = dict(os.environ)
+    if not args.tiny:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    log = open(args.out / "logs" / f"{run['name']}.log", "w")  # noqa: SIM115 (closed when the run is read back)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log, proc.started = log, time.time()
+    return proc
+
+
+def collect(run: dict, proc: subprocess.Popen, args, work: Path, wave: list[str]) -> dict:
+    try:
+        rc = proc.wait(timeout=max(args.run_timeout - (time.time() - proc.started), 1))
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", str(work / run["name"])], check=False)
+        proc.kill()
+        rc = "timeout"
+    proc.log.close()
+    result = {**run, "exit_code": rc, "wall_s": round(time.time() - proc.started, 1), "wave": wave}
+    metrics = work / run["name"] / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [r for r in lines if "loss" in r and "tokens_per_second_per_gpu" in r]
+    timed = steps[args.warmup :]
+    log_text = (args.out / "logs" / f"{run['name']}.log").read_text()
+    plan = [line.split("sft.preflight: ", 1)[1] for line in log_text.splitlines() if "sft.preflight: " in line]
+    result["plan"] = [p for p in plan if p.startswith(("auto settings", "Batch plan"))]
+    if rc != 0 or not timed:
+        result["log_tail"] = log_text[-3000:]
+        return result
+    result.update(
+        steps_timed=len(timed),
+        losses=[r["loss"] for r in steps],
+        tokens_per_second_per_gpu=float(np.mean([r["tokens_per_second_per_gpu"] for r in timed])),
+        tflops_per_gpu=float(np.mean([r["tflops_per_gpu"] for r in timed])),
+        mfu=float(np.mean([r["mfu"] for r in timed])) if "mfu" in timed[0] else None,
+        tokens_per_step=float(np.mean([r["tokens_per_step"] for r in timed])),
+        peak_memory_gib=max((r.get("peak_memory_gib", 0.0) for r in steps), default=0.0),
+        packing_efficiency=float(np.mean([r["packing_efficiency"] for r in timed]))
+        if "packing_efficiency" in timed[0]
+        else None,
+    )
+    return result
+
+
+def run_matrix(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="throughput-"))
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    (args.out / "runs").mkdir(parents=True, exist_ok=True)
+    data = work / "data.jsonl"
+    vocab = 104 if args.tiny else LLAMA_1B["vocab_size"]
+    make_data(data, args.records, vocab, 512 if args.tiny else 4096)
+    waves = [[r for r in wave if not args.only or any(w in r["name"] for w in args.only)] for wave in MATRIX]
+    waves = [w for w in waves if w]
+    for i, wave in enumerate(waves):
+        names = [r["name"] for r in wave]
+        print(f"wave {i + 1}/{len(waves)}: {', '.join(names)}", flush=True)
+        procs, first = [], 0
+        for run in wave:
+            procs.append(start(run, list(range(first, first + run["gpus"])), args, work, data))
+            first += run["gpus"]
+        for run, proc in zip(wave, procs, strict=True):
+            result = collect(run, proc, args, work, names)
+            (args.out / "runs" / f"{run['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+            mfu = f"{result['mfu']:.3f}" if result.get("mfu") is not None else "-"
+            print(f"  {run['name']}: exit {result['exit_code']}, {result['wall_s']} s, "
+                  f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU, MFU {mfu}", flush=True)  # fmt: skip
+        shutil.rmtree(work / "model-8b", ignore_errors=True)  # nothing big stays on disk between waves
+    report(args, [args.out])
+
+
+def environment() -> dict:
+    import torch
+
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for package in ("transformers", "trl", "deepspeed", "liger_kernel", "peft", "accelerate"):
+        try:
+            versions[package] = __import__(package).__version__
+        except (ImportError, AttributeError):
+            versions[package] = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "gpus_on_machine": torch.cuda.device_count(), "versions": versions}
+
+
+def report(args, dirs: list[Path]) -> None:
+    runs = {}
+    for d in dirs:
+        for f in sorted((d / "runs").glob("*.json")):
+            runs[f.stem] = json.loads(f.read_text())
+    env_files = [d / "environment.json" for d in dirs if (d / "environment.json").exists()]
+    env = json.loads(env_files[0].read_text()) if env_files else environment()
+    lines = [f"# Throughput: TRL defaults vs TRL packing (varlen) vs sft default — {env['gpu']}", ""]
+    lines += [f"Date {time.strftime('%Y-%m-%d')}; seq 4096; global batch {GLOBAL_BATCH} packed rows for the packed "
+              "settings; random-init Llama shapes; MFU against 989 TFLOP/s dense bf16 (spec) per GPU; "
+              f"{args.warmup} warm-up steps left out. Versions: "
+              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), ""]  # fmt: skip
+    lines += ["| run | exit | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | tokens/step | packing eff. | plan | "
+              "side by side with |", "|" + " --- |" * 10]  # fmt: skip
+    for name, r in runs.items():
+        others = ", ".join(n for n in r.get("wave", []) if n != name) or "-"
+        if "tokens_per_second_per_gpu" not in r:
+            lines.append(f"| {name} | {r['exit_code']} | failed | | | | | | | {others} |")
+            continue
+        chosen = next((p.removeprefix("auto settings: ") for p in r["plan"] if p.startswith("auto settings")), "-")
+        eff = f"{r['packing_efficiency']:.3f}" if r["packing_efficiency"] is not None else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        lines.append(
+            f"| {name} | 0 | {r['tokens_per_second_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | "
+            f"{r['peak_memory_gib']:.1f} | {r['tokens_per_step']:.0f} | {eff} | {chosen} | {others} |"
+        )
+    lines += ["", "## Ratios", ""]
+    ratios = {}
+    for name, r in runs.items():
+        if r.get("setting") != "sft" or "tokens_per_second_per_gpu" not in r:
+            continue
+        base = name.rsplit("-", 1)[0]
+        for other in ("trl_packing", "trl_defaults"):
+            o = runs.get(f"{base}-{other}")
+            if o and "tokens_per_second_per_gpu" in o:
+                ratio = r["tokens_per_second_per_gpu"] / o["tokens_per_second_per_gpu"]
+                ratios[f"{base}: sft / {other}"] = ratio
+                lines.append(f"- {base}: sft / {other} tokens/s = {ratio:.2f}x")
+        if r["stage"] == "zero3":
+            z2 = runs.get(name.replace("zero3", "zero2"))
+            if z2 and "tokens_per_second_per_gpu" in z2:
+                ratio = r["tokens_per_second_per_gpu"] / z2["tokens_per_second_per_gpu"]
+                ratios[f"{base}: zero3 / zero2"] = ratio
+                lines.append(f"- {base}: ZeRO-3 / ZeRO-2 tokens/s = {ratio:.3f}")
+    lines += ["", "## Scaling (sft default; efficiency = tokens/s/GPU at N GPUs / at the fewest GPUs measured)", ""]
+    scaling = {}
+    for model in SHAPES:
+        for stage in STAGES:
+            points = {r["gpus"]: r["tokens_per_second_per_gpu"] for r in runs.values()
+                      if r["model"] == model and r["stage"] == stage and r["setting"] == "sft"
+                      and "tokens_per_second_per_gpu" in r}  # fmt: skip
+            if len(points) > 1:
+                low = min(points)
+                scaling[f"{model}-{stage}"] = {n: points[n] / points[low] for n in sorted(points)}
+                lines.append(f"- {model} {stage}: " + ", ".join(
+                    f"{n} GPU {points[n]:.0f} tokens/s/GPU ({100 * points[n] / points[low]:.0f}%)"
+                    for n in sorted(points)))  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"environment": env, "global_batch": GLOBAL_BATCH, "date": time.strftime("%Y-%m-%d"),
+               "warmup_steps": args.warmup, "runs": runs, "ratios": ratios, "scaling": scaling}  # fmt: skip
+    (args.out / "throughput.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", help="Run only the runs whose name contains one of these words")
+    parser.add_argument("--report", nargs="*", type=Path, help="Merge the runs of these output dirs; run nothing")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
+    parser.add_argument("--records", type=int, default=6000)
+    parser.add_argument("--run-timeout", type=float, default=420, help="Seconds before a run is killed")
+    parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU, 2 steps: a smoke test")
+    args = parser.parse_args()
+    if args.report:
+        report(args, args.report)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
+    run_matrix(args)
+
+
+if __name__ == "__main__":
+    main()

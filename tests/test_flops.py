@@ -1,0 +1,113 @@
+"""Training FLOPs and MFU (sft.flops): the count against hand formulas, packed vs padded batches, and real runs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from sft.flops import FlopCounter, detect_peak_tflops, linear_flops_per_token
+from tests.conftest import ROOT, read_jsonl, run_cli
+
+DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
+
+
+def hand_linear_weights(config) -> int:
+    """Weights of every matmul of a Llama, from its config: attention and MLP projections, and the output head."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return config.num_hidden_layers * per_layer + h * v
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_linear_flops_count_decoder_and_head_not_the_embedding(tied):
+    config = AutoConfig.from_pretrained(DEMO_MODEL, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    assert linear_flops_per_token(model) == 6 * hand_linear_weights(config)
+    embedding = config.vocab_size * config.hidden_size
+    total = sum(p.numel() for p in model.parameters())
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
+    assert hand_linear_weights(config) == total - norms - (0 if tied else embedding)
+
+
+def test_lora_counts_frozen_layers_without_weight_gradients():
+    config = AutoConfig.from_pretrained(DEMO_MODEL)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    q, h = config.num_attention_heads * config.head_dim, config.hidden_size
+    lora = config.num_hidden_layers * 4 * (h + q)  # A: h -> 4, B: 4 -> q, per layer
+    assert linear_flops_per_token(model) == 4 * hand_linear_weights(config) + 6 * lora
+
+
+def test_packed_and_padded_batches_of_the_same_samples_count_the_same():
+    """Attention is sum(len^2) over the samples of a packed row, never max_length^2."""
+    config = AutoConfig.from_pretrained(DEMO_MODEL)
+    counter = FlopCounter(AutoModelForCausalLM.from_config(config))
+    lengths = [3, 5, 8, 1]
+    samples = [{"input_ids": list(range(10, 10 + n))} for n in lengths]
+    packed = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(samples)
+    padded = DataCollatorForLanguageModeling(pad_token_id=0)(samples)
+    assert "attention_mask" not in packed and packed["input_ids"].shape == (1, 17)
+    assert padded["input_ids"].shape == (4, 8)
+    expected = counter.per_token * 17 + 6 * config.num_hidden_layers * config.num_attention_heads * 32 * 99
+    assert float(counter.batch_flops(packed)) == float(counter.batch_flops(padded)) == expected
+    counter.add(packed)
+    counter.add(padded)
+    assert float(counter.take(torch.device("cpu"))) == 2 * expected
+    assert float(counter.take(torch.device("cpu"))) == 0.0  # taken: the next window starts at zero
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989), ("NVIDIA A100-SXM4-80GB", 312),
+     ("NVIDIA H100 PCIe", 756), ("Tesla T4", None)],
+)  # fmt: skip
+def test_peak_is_detected_from_the_device_name(name, peak):
+    assert detect_peak_tflops(name) == peak
+
+
+def write_tokenized(path, lengths: list[int]) -> None:
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for n in lengths:
+            f.write(json.dumps({"input_ids": [rng.randrange(10, 100) for _ in range(n)]}) + "\n")
+
+
+def test_one_epoch_counts_every_sample_once_packed_or_not(tmp_path):
+    """One epoch of known sample lengths: logged FLOPs == linear x tokens + 6 x layers x width x sum(len^2), the same
+    with packing (several samples per row) and without (one padded sample per row); MFU = TFLOP/s / peak_tflops."""
+    lengths = [random.Random(1).randrange(4, 120) for _ in range(48)]
+    data = tmp_path / "data.jsonl"
+    write_tokenized(data, lengths)
+    config = AutoConfig.from_pretrained(DEMO_MODEL)
+    per_token = linear_flops_per_token(AutoModelForCausalLM.from_config(config))
+    width = config.num_attention_heads * config.head_dim
+    runs = {}
+    for packing in (True, False):
+        out = tmp_path / f"packing-{packing}"
+        recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
+        recipe.update(datasets=[{"path": str(data)}], eval_datasets=[], eval_strategy="no", num_train_epochs=1,
+                      logging_steps=1, packing=packing, padding_free=packing, max_length=128, deepspeed=None,
+                      assistant_only_loss=False, per_device_train_batch_size=2, peak_tflops=0.002,
+                      output_dir=str(out))  # fmt: skip
+        (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        result = run_cli(["--config", str(tmp_path / "recipe.yaml")])
+        assert result.returncode == 0, result.stderr[-5000:]
+        runs[packing] = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert len(runs[True]) < len(runs[False])  # packed: fewer rows, fewer steps
+    for records in runs.values():
+        tokens = records[-1]["num_tokens"]
+        extra = (tokens - sum(lengths)) // len(lengths)  # tokens the tokenizer adds per sample (EOS), 0 or 1
+        assert tokens == sum(n + extra for n in lengths)
+        expected = per_token * tokens + 6 * config.num_hidden_layers * width * sum((n + extra) ** 2 for n in lengths)
+        assert records[-1]["num_flops"] == pytest.approx(expected, rel=1e-12)
+        for r in records:
+            assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.002) and r["peak_tflops"] == 0.002
+            assert 0 < r["tflops_per_gpu"] < 1 and r["tokens_per_second_per_gpu"] > 0
+    assert runs[True][-1]["num_flops"] == runs[False][-1]["num_flops"]
