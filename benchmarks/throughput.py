@@ -80,10 +80,8 @@ def cell(model: str, gpus: int, stage: str, setting: str) -> dict:
 MATRIX = [
     *[[cell("1b", 1, "zero2", s)] for s in ("trl_defaults", "trl_packing", "sft", "sft_no_liger", "sft_compile")],
     *[[cell(m, 4, st, s)] for m in ("8b", "3b") for st in ("zero3", "zero2") for s in ("sft", "trl_packing")],
-    [cell("8b", 4, "zero3", "trl_defaults")],
-    [cell("8b", 4, "zero3", "sft_buckets")],
-    [cell("3b", 4, "zero3", "trl_defaults")],
     [cell("8b", 2, "zero3", "sft"), cell("8b", 2, "zero2", "sft")],
+    [cell("8b", 4, "zero3", "trl_defaults")],
     [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
     [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
 ]
@@ -129,7 +127,7 @@ def start(run: dict, gpu_ids: list[int], args, work: Path, data: Path) -> subpro
     env = dict(os.environ)
     if not args.tiny:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    log = open(args.out / "logs" / f"{run['name']}.log", "w")  # noqa: SIM115 (closed when the run is read back)
+    log = open(work / "logs" / f"{run['name']}.log", "w")  # noqa: SIM115 (closed when the run is read back)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log, proc.started = log, time.time()
     return proc
@@ -143,12 +141,12 @@ def collect(run: dict, proc: subprocess.Popen, args, work: Path, wave: list[str]
         proc.kill()
         rc = "timeout"
     proc.log.close()
-    result = {**run, "exit_code": rc, "wall_s": round(time.time() - proc.started, 1), "wave": wave}
+    result = {**run, "exit_code": rc, "wall_s": round(time.time() - proc.started, 1), "wave": wave, "gpu": args.gpu}
     metrics = work / run["name"] / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in lines if "loss" in r and "tokens_per_second_per_gpu" in r]
     timed = steps[args.warmup :]
-    log_text = (args.out / "logs" / f"{run['name']}.log").read_text()
+    log_text = (work / "logs" / f"{run['name']}.log").read_text()
     plan = [line.split("sft.preflight: ", 1)[1] for line in log_text.splitlines() if "sft.preflight: " in line]
     result["plan"] = [p for p in plan if p.startswith(("auto settings", "Batch plan"))]
     if rc != 0 or not timed:
@@ -171,8 +169,7 @@ def collect(run: dict, proc: subprocess.Popen, args, work: Path, wave: list[str]
 
 def run_matrix(args) -> None:
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    (args.out / "runs").mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True)
     data = work / "data.jsonl"
     vocab = 104 if args.tiny else LLAMA_1B["vocab_size"]
     make_data(data, args.records, vocab, 512 if args.tiny else 4096)
@@ -187,11 +184,12 @@ def run_matrix(args) -> None:
             first += run["gpus"]
         for run, proc in zip(wave, procs, strict=True):
             result = collect(run, proc, args, work, names)
-            (args.out / "runs" / f"{run['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+            with open(args.out / "runs.jsonl", "a") as f:  # few files: the device returns a limited number
+                f.write(json.dumps(result) + "\n")
             mfu = f"{result['mfu']:.3f}" if result.get("mfu") is not None else "-"
             print(f"  {run['name']}: exit {result['exit_code']}, {result['wall_s']} s, "
                   f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU, MFU {mfu}", flush=True)  # fmt: skip
-        shutil.rmtree(work / "model-8b", ignore_errors=True)  # nothing big stays on disk between waves
+        subprocess.run(["tar", "czf", str(args.out / "logs.tar.gz"), "-C", str(work), "logs"], check=False)
     report(args, [args.out])
 
 
@@ -211,27 +209,32 @@ def environment() -> dict:
 def report(args, dirs: list[Path]) -> None:
     runs = {}
     for d in dirs:
-        for f in sorted((d / "runs").glob("*.json")):
-            runs[f.stem] = json.loads(f.read_text())
+        if (d / "runs.jsonl").exists():
+            for line in (d / "runs.jsonl").read_text().splitlines():
+                runs[json.loads(line)["name"]] = json.loads(line)
+        elif (d / "throughput.json").exists():
+            runs.update(json.loads((d / "throughput.json").read_text())["runs"])
     env_files = [d / "environment.json" for d in dirs if (d / "environment.json").exists()]
     env = json.loads(env_files[0].read_text()) if env_files else environment()
-    lines = [f"# Throughput: TRL defaults vs TRL packing (varlen) vs sft default — {env['gpu']}", ""]
+    gpus = sorted({r.get("gpu", env["gpu"]) for r in runs.values()})
+    lines = [f"# Throughput: TRL defaults vs TRL packing (varlen) vs sft default — {', '.join(gpus)}", ""]
     lines += [f"Date {time.strftime('%Y-%m-%d')}; seq 4096; global batch {GLOBAL_BATCH} packed rows for the packed "
               "settings; random-init Llama shapes; MFU against 989 TFLOP/s dense bf16 (spec) per GPU; "
               f"{args.warmup} warm-up steps left out. Versions: "
               + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), ""]  # fmt: skip
-    lines += ["| run | exit | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | tokens/step | packing eff. | plan | "
-              "side by side with |", "|" + " --- |" * 10]  # fmt: skip
+    lines += ["| run | GPU | exit | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | tokens/step | packing eff. | plan | "
+              "side by side with |", "|" + " --- |" * 11]  # fmt: skip
     for name, r in runs.items():
         others = ", ".join(n for n in r.get("wave", []) if n != name) or "-"
         if "tokens_per_second_per_gpu" not in r:
-            lines.append(f"| {name} | {r['exit_code']} | failed | | | | | | | {others} |")
+            lines.append(f"| {name} | {r.get('gpu', env['gpu'])} | {r['exit_code']} | failed | | | | | | | {others} |")
             continue
         chosen = next((p.removeprefix("auto settings: ") for p in r["plan"] if p.startswith("auto settings")), "-")
         eff = f"{r['packing_efficiency']:.3f}" if r["packing_efficiency"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         lines.append(
-            f"| {name} | 0 | {r['tokens_per_second_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | "
+            f"| {name} | {r.get('gpu', env['gpu'])} | 0 | {r['tokens_per_second_per_gpu']:.0f} | "
+            f"{r['tflops_per_gpu']:.0f} | {mfu} | "
             f"{r['peak_memory_gib']:.1f} | {r['tokens_per_step']:.0f} | {eff} | {chosen} | {others} |"
         )
     lines += ["", "## Ratios", ""]
@@ -288,7 +291,9 @@ def main() -> None:
         report(args, args.report)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "environment.json").write_text(json.dumps(environment(), indent=2) + "\n")
+    env = environment()
+    args.gpu = env["gpu"]
+    (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     run_matrix(args)
 
 
