@@ -3,7 +3,12 @@
     python benchmarks/throughput.py --out $OUT                       # the whole matrix (needs 4 GPUs)
     python benchmarks/throughput.py --only 1b --out $OUT             # a subset: names containing any of the words
     python benchmarks/throughput.py --report DIR [DIR ...] --out benchmarks/results   # merge runs into one table
-    python benchmarks/throughput.py --tiny --out /tmp/t              # CPU smoke test: demo-sized model, 2 steps
+    python benchmarks/throughput.py --tiny --out /tmp/t              # CPU smoke test: demo-sized model
+
+benchmarks/results/throughput.{json,md} were made by four calls (a device call runs at most 10 minutes):
+`--only 1b` on 1 x H100 (throughput_h100/), then on 4 x H200 `--only 8b-4gpu-zero3-sft 8b-4gpu-zero3-trl_packing
+8b-4gpu-zero2 8b-2gpu`, `--only 3b-4gpu-zero3 3b-4gpu-zero2-sft 3b-2gpu 3b-1gpu 8b-4gpu-zero3-trl_defaults` and
+`--only 8b-4gpu-zero3-sft_buckets 3b-4gpu-zero2-trl_packing` (throughput_h200x4/call2..4), merged with `--report`.
 
 Every run is the real CLI (`sft/train.py` under torchrun) on random-initialised Llama shapes (1B, 3B, 8B from their
 public configs), seq 4096, pre-tokenised records with an SFT-like length distribution (`train_matrix.make_data`:
@@ -82,6 +87,7 @@ MATRIX = [
     *[[cell(m, 4, st, s)] for m in ("8b", "3b") for st in ("zero3", "zero2") for s in ("sft", "trl_packing")],
     [cell("8b", 2, "zero3", "sft"), cell("8b", 2, "zero2", "sft")],
     [cell("8b", 4, "zero3", "trl_defaults")],
+    [cell("8b", 4, "zero3", "sft_buckets")],
     [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
     [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
 ]
@@ -285,7 +291,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
     parser.add_argument("--records", type=int, default=6000)
     parser.add_argument("--run-timeout", type=float, default=420, help="Seconds before a run is killed")
-    parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU, 2 steps: a smoke test")
+    parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")
     args = parser.parse_args()
     if args.report:
         report(args, args.report)

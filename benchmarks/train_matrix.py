@@ -1,17 +1,16 @@
 """Train the same random-initialised model under several settings, side by side in one run; JSON + markdown out.
 
-    python benchmarks/train_matrix.py --matrix throughput --nproc 1 --out benchmarks/results
     python benchmarks/train_matrix.py --matrix liger --nproc 2 --out benchmarks/results
+
+(Throughput against TRL, MFU and scaling: `benchmarks/throughput.py`, which reuses `make_data` and `LLAMA_1B` from
+here.)
 
 Data: pre-tokenised records with an SFT-like length distribution (log-normal, median about 300 tokens, clipped to
 16..4096, so tens to thousands of tokens with a long tail), random token ids. Model: Llama-3.2-1B shape (hidden 2048,
 16 layers, 32/8 heads, vocab 128256, tied embeddings), built from its config; `--tiny` swaps in the demo shape for a
 CPU smoke test. Every setting runs the real CLI (`sft/train.py`) and is read back from its metrics.jsonl.
 
-Matrices:
-- throughput (issue 3c): TRL's defaults without packing (padded batches, sdpa, activation checkpointing), TRL packing
-  on the varlen backend (activation checkpointing), and sft's default path (packing, `attn_implementation: auto`,
-  Liger, no activation checkpointing); tokens/s per GPU (real tokens) and peak memory.
+Matrix:
 - liger (issue 3b): Liger off vs on, under ZeRO-2 and ZeRO-3, 20 steps; per-step loss difference.
 """
 
@@ -41,14 +40,6 @@ LLAMA_1B = {
 COMMON = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-4, "lr_scheduler_type": "constant",
           "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
           "dataloader_num_workers": 2, "from_scratch": True}  # fmt: skip
-THROUGHPUT = {
-    "trl_defaults_no_packing": {"packing": False, "padding_free": False, "attn_implementation": "sdpa",
-                                "activation_checkpointing": True, "per_device_train_batch_size": 4},
-    "trl_packing_varlen": {"packing": True, "attn_implementation": "sft_varlen", "activation_checkpointing": True,
-                           "per_device_train_batch_size": 2},
-    "sft_default": {"packing": True, "attn_implementation": "auto", "activation_checkpointing": False,
-                    "use_liger_kernel": True, "per_device_train_batch_size": 2},
-}  # fmt: skip
 LIGER = {
     f"{stage}_liger_{'on' if on else 'off'}": {"packing": True, "attn_implementation": "auto", "use_liger_kernel": on,
                                                "deepspeed": f"ds_configs/{stage}.json",
@@ -98,7 +89,7 @@ def run(name: str, settings: dict, args, work: Path, model: Path, data: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--matrix", choices=["throughput", "liger"], required=True)
+    parser.add_argument("--matrix", choices=["liger"], required=True)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--deepspeed", default="none", help="DeepSpeed config for settings that name none")
     parser.add_argument("--steps", type=int, default=30)
@@ -120,7 +111,7 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(config, indent=2))
     data = work / "data.jsonl"
     make_data(data, args.records, config["vocab_size"], args.max_length)
-    matrix = THROUGHPUT if args.matrix == "throughput" else LIGER
+    matrix = LIGER
     results = {name: run(name, settings, args, work, model, data) for name, settings in matrix.items()}
     report = {
         "matrix": args.matrix,

@@ -97,3 +97,19 @@ def test_ci_runs_the_readme_test_command():
     ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert "pytest" in ci_command
     assert ci_command in (ROOT / "README.md").read_text()
+
+
+def test_liger_defaults_to_the_hardware_and_an_explicit_request_without_a_gpu_is_refused_loudly(caplog):
+    """Unset: on with a CUDA GPU and liger-kernel, off here (no GPU) without a warning; `true` here: a warning."""
+    demo = ["--config", str(ROOT / "recipes" / "demo.yaml")]
+    with caplog.at_level("WARNING", logger="sft.config"):
+        assert parse_args(demo)[2].use_liger_kernel is False
+    assert "use_liger_kernel" not in caplog.text
+    with caplog.at_level("WARNING", logger="sft.config"):
+        assert parse_args([*demo, "--use_liger_kernel", "true"])[2].use_liger_kernel is False
+    assert "`use_liger_kernel` needs a CUDA GPU" in caplog.text
+
+
+def test_peak_tflops_must_be_positive():
+    with pytest.raises(ConfigError, match=r"`peak_tflops` must be > 0 \(or unset\), got -1"):
+        parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--peak_tflops", "-1"])

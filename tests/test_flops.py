@@ -111,3 +111,24 @@ def test_one_epoch_counts_every_sample_once_packed_or_not(tmp_path):
             assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.002) and r["peak_tflops"] == 0.002
             assert 0 < r["tflops_per_gpu"] < 1 and r["tokens_per_second_per_gpu"] > 0
     assert runs[True][-1]["num_flops"] == runs[False][-1]["num_flops"]
+
+
+def test_compiled_decoder_layers_match_eager():
+    """`compile_decoder_layers`: each decoder layer compiled; logits and gradients equal eager (fp32, CPU)."""
+    from sft.errors import ConfigError
+    from sft.model import compile_decoder_layers
+
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL, attn_implementation="sdpa"))
+    compiled = AutoModelForCausalLM.from_config(eager.config)
+    compiled.load_state_dict(eager.state_dict())
+    compile_decoder_layers(compiled)
+    ids = torch.randint(10, 100, (2, 24))
+    outputs = [m(input_ids=ids, labels=ids) for m in (eager, compiled)]
+    for out in outputs:
+        out.loss.backward()
+    assert torch.allclose(outputs[0].logits, outputs[1].logits, atol=1e-5)
+    grads = [dict(m.named_parameters())["model.layers.0.mlp.up_proj.weight"].grad for m in (eager, compiled)]
+    assert torch.allclose(grads[0], grads[1], atol=1e-5) and grads[0].abs().sum() > 0
+    with pytest.raises(ConfigError, match="has no `model.layers` to compile"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
