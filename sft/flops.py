@@ -11,13 +11,19 @@ leaves attention out. sft counts what the GPU multiplies:
   2 x len^2 x d forward and 6 x len^2 x d with the backward, d = attention heads x head dim. Summed over samples:
   sum(len^2), never max_length^2.
 
+Mixture-of-experts layers are counted with every expert, not the active ones, so MFU of a MoE model is overstated.
+
 MFU = those FLOPs per second per GPU / the GPU's peak. The peak is looked up from the device name (dense bf16 spec,
 no sparsity) or given with `peak_tflops`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; matched against torch.cuda.get_device_name() in
 # this order (the first key contained in the name wins).
@@ -42,11 +48,14 @@ def detect_peak_tflops(device_name: str) -> float | None:
 
 
 def attention_width(config) -> tuple[int, int]:
-    """(decoder layers, attention heads x head dim) from a transformers model config."""
+    """(decoder layers, attention heads x head dim) from a transformers model config; (0, 0) if it names neither."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    heads, layers = getattr(text, "num_attention_heads", None), getattr(text, "num_hidden_layers", None)
+    if not heads or not layers:
+        logger.warning("%s names no attention heads or layers: attention FLOPs are not counted in MFU", type(config))
+        return 0, 0
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, heads * head_dim
+    return layers, heads * head_dim
 
 
 def linear_flops_per_token(model: torch.nn.Module) -> int:
@@ -87,7 +96,7 @@ class FlopCounter:
 
     def add(self, inputs: dict) -> None:
         flops = self.batch_flops(inputs)
-        self.pending = flops if self.pending is None else self.pending + flops
+        self.pending = flops if self.pending is None else self.pending + flops.to(self.pending.device)
 
     def take(self, device: torch.device) -> torch.Tensor:
         """This rank's FLOPs since the last call, as a float64 tensor on `device` (to be all-reduced)."""
