@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(ckpt.PREEMPTED_EXIT_CODE)
     trainer.save_model(training_args.output_dir)
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
+    training_args.distributed_state.wait_for_everyone()  # every rank's last collective is done before any teardown
     trainer.end()
 
 
@@ -98,4 +99,10 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    from sft.distributed import leave
+
+    try:
+        code = cli()
+    except SystemExit as e:  # a preempted run's exit code
+        code = e.code if isinstance(e.code, int) else 1
+    leave(code)

@@ -223,3 +223,27 @@ def test_deepspeed_launcher_with_a_hostfile(tmp_path):
     traces = [read_jsonl(out / "data_trace" / f"rank{r}.jsonl") for r in (0, 1)]
     assert len(traces[0]) == len(traces[1]) == 16  # 8 steps x 2 micro-batches on each of the 2 ranks
     assert all(a["sha1"] != b["sha1"] for a, b in zip(*traces, strict=True))
+
+
+LEAVE = """
+import atexit, os, sys
+from sft.distributed import leave
+atexit.register(lambda: open(sys.argv[1], "w").write("exit handlers ran"))
+class Teardown:
+    def __del__(self, write=os.write):  # runs only if the interpreter tears down its objects
+        write(2, b"interpreter teardown\\n")
+kept = Teardown()
+print("buffered line", end="")
+leave(3)
+"""
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_leave_runs_the_exit_handlers_and_skips_the_teardown_of_multiprocess_runs(world_size, tmp_path):
+    marker = tmp_path / "atexit.txt"
+    result = subprocess.run([sys.executable, "-c", LEAVE, str(marker)], cwd=ROOT, capture_output=True, text=True,
+                            env={**cli_env(), "WORLD_SIZE": world_size}, timeout=60)  # fmt: skip
+    assert result.returncode == 3
+    assert result.stdout == "buffered line"  # flushed before the hard exit
+    assert marker.read_text() == "exit handlers ran"  # logging, wandb, tensorboard, temporary files
+    assert ("interpreter teardown" in result.stderr) == (world_size == "1")
