@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 DISCARDED_METRICS_FILE = "metrics.discarded.jsonl"
 DATA_TRACE_DIR = "data_trace"
-# Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
 WANDB_RUN_FILE = "wandb_run.json"
+# Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
 KILL_DURING_SAVE_ENV = "SFT_TEST_KILL_DURING_SAVE"
 
 
