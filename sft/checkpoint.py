@@ -242,6 +242,8 @@ def ensure_universal(checkpoint: str) -> None:
 
 def adapt_geometry(training_args, saved: dict, checkpoint: str):
     """Keep the checkpoint's global batch on the current number of processes; returns the (new) training args."""
+    from sft.config import read_ds_config
+
     world, micro = training_args.world_size, training_args.per_device_train_batch_size
     global_batch = saved["global_batch"]
     gas = global_batch // (world * micro) if global_batch % (world * micro) == 0 else None
@@ -260,7 +262,7 @@ def adapt_geometry(training_args, saved: dict, checkpoint: str):
         with training_args.main_process_first(desc="universal checkpoint conversion"):
             if training_args.process_index == 0:
                 ensure_universal(checkpoint)
-        ds_config = json.loads(Path(training_args.deepspeed).read_text())
+        ds_config = read_ds_config(training_args.deepspeed)
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
         changes["deepspeed"] = ds_config
     if not changes:

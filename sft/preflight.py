@@ -153,6 +153,8 @@ def preflight(training_args, model_args):
         changes["activation_checkpointing"] = checkpointing
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
+    for key, value in getattr(training_args, "resolved_ds_settings", {}).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
     if auto:
         logger.info(
             "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))

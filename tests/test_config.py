@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from sft.config import parse_args
+from sft.config import parse_args, resolve_ds_auto
 from sft.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -36,7 +36,7 @@ def test_recipe_parses(recipe, tmp_path, monkeypatch):
     _, data_args, training_args, model_args = parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)])
     assert model_args.model_name_or_path
     assert data_args.datasets, "a recipe names its data"
-    if training_args.deepspeed:
+    if isinstance(training_args.deepspeed, str):  # a config with sft's "auto" values arrives resolved, as a dict
         assert (ROOT / training_args.deepspeed).is_file()
 
 
@@ -80,6 +80,31 @@ def test_ds_config(ds_path):
     assert ("offload_param" in zero) == (offload and zero["stage"] == 3)
     # transformers' own DeepSpeed config reader accepts it and finds the ZeRO stage
     assert HfTrainerDeepSpeedConfig(str(ds_path)).get_value("zero_optimization.stage") == zero["stage"]
+
+
+def test_overlap_comm_auto_is_off_on_one_process_and_on_with_several(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--config", "recipes/demo.yaml", "--output_dir", str(tmp_path), "--deepspeed", "ds_configs/zero2.json"]
+    _, _, training_args, _ = parse_args(args)
+    assert training_args.resolved_ds_settings == {"zero_optimization.overlap_comm": False}
+    # what transformers and accelerate hand to DeepSpeed
+    assert training_args.hf_deepspeed_config.config["zero_optimization"]["overlap_comm"] is False
+    assert training_args.deepspeed_plugin.deepspeed_config["zero_optimization"]["overlap_comm"] is False
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config, chosen = resolve_ds_auto("ds_configs/zero2.json")
+    assert config["zero_optimization"]["overlap_comm"] is True and chosen == {"zero_optimization.overlap_comm": True}
+    assert json.loads((ROOT / "ds_configs" / "zero2.json").read_text())["zero_optimization"]["overlap_comm"] == "auto"
+    # an explicit value is the user's, on any number of processes: the path is passed on untouched
+    explicit = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    explicit["zero_optimization"]["overlap_comm"] = True
+    (tmp_path / "explicit.json").write_text(json.dumps(explicit))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_ds_auto(str(tmp_path / "explicit.json")) == (str(tmp_path / "explicit.json"), {})
+    explicit["zero_optimization"]["overlap_comm"] = "yes"
+    (tmp_path / "bad.json").write_text(json.dumps(explicit))
+    with pytest.raises(ConfigError, match=r'overlap_comm in .*bad.json must be true, false or "auto", got \'yes\''):
+        parse_args([*args[:-1], str(tmp_path / "bad.json")])
 
 
 def test_fraction_on_some_sources_only(tmp_path, monkeypatch):

@@ -1,0 +1,248 @@
+"""Where the time of an optimizer step goes: tokens/s of short runs plus a torch.profiler trace of one step each.
+
+    python benchmarks/profile_step.py --out $OUT                      # every variant below (1 GPU)
+    python benchmarks/profile_step.py --only sft sft_nods --out $OUT  # a subset
+    python benchmarks/profile_step.py --tiny --out /tmp/p             # CPU smoke test: demo-sized model
+
+Each variant is the real CLI (`sft/train.py` under torchrun, one process) on the random-initialised Llama-3.2-1B shape
+with `benchmarks/throughput.py`'s data, recipe and global batch. Steps `--warmup`+1 .. `--profile-step`-1 give
+tokens/s and MFU (from metrics.jsonl); step `--profile-step` runs under torch.profiler, and its GPU kernel time is
+summed by kernel class (matmul, attention, Triton, optimizer, copies, ...) against the step's wall time: the gap is
+time the GPU waited for the host. Output: runs.jsonl (one record per variant) and profile.md (the tables).
+
+Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each):
+- `sft`: ds_configs/zero2.json as it is.
+- `sft_overlap`, `sft_no_overlap`: ZeRO-2 with `overlap_comm` true / false.
+- `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
+  DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
+
+benchmarks/results/profile_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json still
+had `overlap_comm: true`, so its `sft` row is what `sft_overlap` is now; that run is why zero2.json now says
+`"auto"` (off on one process, see `sft.config.resolve_ds_auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import COMMON, GLOBAL_BATCH, ROOT, SETTINGS, model_dir  # noqa: E402
+from train_matrix import LLAMA_1B, make_data  # noqa: E402
+
+VARIANTS = {
+    "sft": {"deepspeed": "ds_configs/zero2.json"},
+    "sft_overlap": {"deepspeed": {"zero_optimization": {"overlap_comm": True}}},
+    "sft_no_overlap": {"deepspeed": {"zero_optimization": {"overlap_comm": False}}},
+    "sft_nods": {"deepspeed": None, "dtype": "float32"},
+}
+CLASSES = [  # first match wins; matched against the CUDA kernel name
+    ("attention", r"flash|fmha|attn"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_|wgmma"),
+    ("optimizer", r"multi_tensor|adam|fused_adamw"),
+    ("nccl", r"nccl"),
+    ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
+    ("copy/cast", r"copy|cast|Cat|to_copy"),
+    ("triton (Liger, TRL fused head)", r"^_|triton|liger|kernel_[0-9]"),
+    ("reduction", r"reduce|Reduce|sum|norm"),
+    ("elementwise", r"elementwise|vectorized|unrolled|Elementwise"),
+]
+
+
+def kernel_class(name: str) -> str:
+    return next((label for label, pattern in CLASSES if re.search(pattern, name)), "other")
+
+
+def ds_config(work: Path, spec) -> str | None:
+    if spec is None or isinstance(spec, str):
+        return None if spec is None else str(ROOT / spec)
+    config = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    for key, value in spec.items():
+        config[key] = {**config.get(key, {}), **value}
+    path = work / f"zero2-{len(list(work.glob('zero2-*.json')))}.json"
+    path.write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
+def recipe(name: str, args, work: Path, data: Path) -> Path:
+    variant = dict(VARIANTS[name])
+    r = {**COMMON, **SETTINGS["sft"], "model_name_or_path": str(model_dir(work, "1b", args.tiny))}
+    r.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.profile_step + 1)
+    deepspeed = ds_config(work, variant.pop("deepspeed"))
+    if deepspeed:
+        r["deepspeed"] = deepspeed
+    r.update(variant)
+    if args.tiny:
+        r.update(bf16=False, dtype="float32", max_length=512, peak_tflops=1.0, global_batch_size=4)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return path
+
+
+def run(name: str, args, work: Path, data: Path) -> dict:
+    path = recipe(name, args, work, data)
+    trace = work / f"{name}.profile.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__, "--inner"]
+    cmd += [str(path), "--profile-step", str(args.profile_step), "--out", str(trace)]
+    start = time.time()
+    with open(work / "logs" / f"{name}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=os.environ, stdout=log, stderr=subprocess.STDOUT).returncode
+    result = {"name": name, "exit_code": rc, "wall_s": round(time.time() - start, 1)}
+    metrics = work / name / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [r for r in steps if "loss" in r and "tokens_per_second_per_gpu" in r]
+    timed = steps[args.warmup : args.profile_step - 1]
+    if rc != 0 or not timed or not trace.exists():
+        result["log_tail"] = (work / "logs" / f"{name}.log").read_text()[-3000:]
+        return result
+    result.update(
+        steps_timed=len(timed),
+        losses=[r["loss"] for r in steps],
+        tokens_per_second_per_gpu=float(np.mean([r["tokens_per_second_per_gpu"] for r in timed])),
+        mfu=float(np.mean([r["mfu"] for r in timed])) if "mfu" in timed[0] else None,
+        peak_memory_gib=max(r.get("peak_memory_gib", 0.0) for r in steps),
+        profile=json.loads(trace.read_text()),
+    )
+    return result
+
+
+def inner(args) -> None:
+    """Inside torchrun: sft's CLI with a callback that profiles one optimizer step."""
+    import torch
+    from transformers import TrainerCallback
+
+    import sft.trainer
+    from sft.train import main
+
+    class StepProfiler(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):
+            if state.global_step + 1 == args.profile_step:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.__enter__()
+                self.start = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step == args.profile_step:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - self.start
+                self.prof.__exit__(None, None, None)
+                args.out.write_text(json.dumps(summarize(self.prof, wall)))
+
+    init = sft.trainer.Trainer.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self.add_callback(StepProfiler())
+
+    sft.trainer.Trainer.__init__ = patched
+    main(["--config", str(args.inner)])
+
+
+def summarize(prof, wall: float) -> dict:
+    from torch.autograd import DeviceType
+
+    kernels, by_class, cpu = defaultdict(float), defaultdict(float), defaultdict(float)
+    intervals = []
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            us = evt.time_range.end - evt.time_range.start
+            kernels[evt.name] += us
+            by_class[kernel_class(evt.name)] += us
+            intervals.append((evt.time_range.start, evt.time_range.end))
+        else:
+            cpu[evt.name] += evt.self_cpu_time_total
+    busy, end = 0.0, float("-inf")  # union of kernel intervals (several streams may overlap)
+    for s, e in sorted(intervals):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
+    top_cpu = sorted(cpu.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "step_wall_s": wall,
+        "gpu_busy_s": busy / 1e6,
+        "gpu_busy_fraction": busy / 1e6 / wall,
+        "by_class_s": {k: v / 1e6 for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top_kernels_s": [[k, v / 1e6] for k, v in top],
+        "top_cpu_self_s": [[k, v / 1e6] for k, v in top_cpu],
+    }
+
+
+def report(runs: list[dict], out: Path, env: dict) -> None:
+    lines = [f"# One-step profiles, Llama-3.2-1B shape, 1 x {env['gpu']}", "",
+             f"Date {time.strftime('%Y-%m-%d')}; seq 4096; global batch {GLOBAL_BATCH} packed rows; versions: "
+             + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
+             "| variant | exit | tokens/s/GPU | MFU | peak GiB | step wall s | GPU busy | " + " | ".join(
+                 label for label, _ in CLASSES) + " | other |",
+             "|" + " --- |" * (8 + len(CLASSES))]  # fmt: skip
+    for r in runs:
+        if "profile" not in r:
+            lines.append(f"| {r['name']} | {r['exit_code']} | failed |" + " |" * (5 + len(CLASSES)))
+            continue
+        p = r["profile"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        classes = " | ".join(f"{p['by_class_s'].get(label, 0.0):.3f}" for label, _ in [*CLASSES, ("other", "")])
+        lines.append(f"| {r['name']} | 0 | {r['tokens_per_second_per_gpu']:.0f} | {mfu} | "
+                     f"{r['peak_memory_gib']:.1f} | {p['step_wall_s']:.3f} | {100 * p['gpu_busy_fraction']:.1f}% | "
+                     f"{classes} |")  # fmt: skip
+    for r in runs:
+        if "profile" in r:
+            lines += ["", f"## {r['name']}: top kernels (s in the profiled step)", ""]
+            lines += [f"- {v:.4f} {k[:150]}" for k, v in r["profile"]["top_kernels_s"][:25]]
+            lines += ["", f"## {r['name']}: top host ops by self CPU time (s)", ""]
+            lines += [f"- {v:.4f} {k[:150]}" for k, v in r["profile"]["top_cpu_self_s"][:15]]
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[: 12 + len(runs)]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
+    parser.add_argument("--profile-step", type=int, default=9, help="The optimizer step to profile (1-based)")
+    parser.add_argument("--records", type=int, default=6000)
+    parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")
+    parser.add_argument("--inner", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inner:
+        inner(args)
+        return
+    from throughput import environment
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="profile-"))
+    (work / "logs").mkdir()
+    data = work / "data.jsonl"
+    make_data(data, args.records, 104 if args.tiny else LLAMA_1B["vocab_size"], 512 if args.tiny else 4096)
+    runs = []
+    for name in args.only or VARIANTS:
+        result = run(name, args, work, data)
+        runs.append(result)
+        with open(args.out / "runs.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"{name}: exit {result['exit_code']}, {result['wall_s']} s, "
+              f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU", flush=True)  # fmt: skip
+    subprocess.run(["tar", "czf", str(args.out / "logs.tar.gz"), "-C", str(work), "logs"], check=False)
+    report(runs, args.out, environment())
+
+
+if __name__ == "__main__":
+    main()
