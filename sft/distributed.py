@@ -97,13 +97,15 @@ def check_ranks_agree(fingerprint: dict, *arguments) -> None:
 def leave(code: int) -> None:
     """Exit with `code`; in a multi-process run, after the exit handlers but without the interpreter's teardown.
 
-    DeepSpeed keeps references to the gloo process groups after `destroy_process_group`, so their worker threads
-    live until the interpreter tears down. A worker that drops the last reference to a tensor at that moment needs
-    the GIL, which a finalising interpreter no longer gives: the thread is forced out and the process aborts
-    ("terminate called without an active exception", SIGABRT), after a run that finished and saved everything, and
-    torchrun then reports the run as failed. CI saw it on 2 of its 2-process runs; torch's own fix is still open
-    (pytorch/pytorch#179291). The exit handlers (logging, wandb, tensorboard, temporary files) still run here; only
-    the garbage collection of what is left, which nothing of ours needs, is skipped.
+    The gloo process groups outlive `destroy_process_group` (DeepSpeed, among others, keeps references to them):
+    after `main` returns, each rank still runs their worker and transport threads, which go down only with the
+    interpreter's teardown. There a rank sometimes aborts ("terminate called without an active exception",
+    SIGABRT) after a run that finished and saved everything, and torchrun reports the run as failed: CI saw it on 2
+    of its 2-process runs, a local loop of a 2-process ZeRO-3 LoRA run 1 time in 20. The likely mechanism, as
+    pytorch/pytorch#179291 describes it (its fix is not in torch): a worker thread frees the last reference to a
+    tensor while the interpreter is finalising and can no longer take the GIL. The exit handlers (logging, wandb,
+    tensorboard, temporary files) still run here; only the teardown of what is left, which nothing of ours needs,
+    is skipped.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
