@@ -17,6 +17,7 @@ from trl import get_quantization_config
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.errors import ConfigError
+from sft.preflight import zero_setup
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +42,13 @@ def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> Pr
         ) from e
 
 
-def _zero3(training_args: TrainConfig) -> bool:
-    return bool(training_args.deepspeed) and (
-        training_args.hf_deepspeed_config.config.get("zero_optimization", {}).get("stage") == 3
-    )
-
-
 def init_distributed_for_zero3(training_args: TrainConfig) -> None:
     """DeepSpeed's `zero.Init` needs DeepSpeed's own process group before the model is built.
 
     On CPU it must be gloo: without this call `zero.Init` starts one itself and fails with a batch-size/world-size
     mismatch.
     """
-    if not _zero3(training_args):
+    if zero_setup(training_args)[0] != 3:
         return
     import deepspeed
 
@@ -107,7 +102,7 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
         )
         # Random weights are made where they will train: on this rank's GPU (seconds for 8B, minutes on the CPU);
         # under ZeRO-3, `zero.Init` partitions them as they are made.
-        device = training_args.device if torch.cuda.is_available() and not _zero3(training_args) else "cpu"
+        device = training_args.device if torch.cuda.is_available() and zero_setup(training_args)[0] != 3 else "cpu"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
                 config,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -192,19 +193,22 @@ class Trainer(SFTTrainer):
                 "max_steps/num_train_epochs to train further, or use a new --output_dir for a new run."
             )
 
-    def evaluate(self, *args, **kwargs):
+    @contextlib.contextmanager
+    def _clock_paused(self):
+        """Time spent inside is left out of the next training log's tokens/s and MFU."""
         start = time.perf_counter()
         try:
-            return super().evaluate(*args, **kwargs)
+            yield
         finally:
             self._paused_s += time.perf_counter() - start
 
+    def evaluate(self, *args, **kwargs):
+        with self._clock_paused():
+            return super().evaluate(*args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
-        start = time.perf_counter()
-        try:
+        with self._clock_paused():
             self._save_complete_checkpoint(model, trial)
-        finally:
-            self._paused_s += time.perf_counter() - start
 
     def _save_complete_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
