@@ -18,8 +18,9 @@ from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
 from sft.attention import check_batch
+from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
-from sft.flops import FlopCounter, detect_peak_tflops
+from sft.flops import FlopCounter, detect_peak_tflops, sample_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,16 @@ class Trainer(SFTTrainer):
         self.preemption.install()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """transformers loads the checkpoint here; a universal (other process count) load needs its state placed."""
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        optimizer = ds_engine.base_optimizer(self.model_wrapped) if resume_from_checkpoint else None
+        if optimizer is not None:
+            moved = ds_engine.place_optimizer_state(optimizer)
+            if moved:
+                logger.info("Placed %d optimizer-state tensors as %s expects them", moved, type(optimizer).__name__)
+        return model, train_dataloader
+
     def _refuse_finished(self, step: int, checkpoint: str) -> None:
         """transformers "finishes" at once when the checkpoint is already at the last step; say so instead."""
         if self.args.max_steps > 0:
@@ -301,18 +312,38 @@ class Trainer(SFTTrainer):
         return Path(self.args.output_dir) / DATA_TRACE_DIR / f"rank{self.args.process_index}.jsonl"
 
     def _trace_keep_until(self, step: int) -> None:
-        """Drop trace lines of steps at or after the resume point: they are about to be trained again."""
-        path = self._trace_path()
-        if path.is_file():
-            lines = path.read_text().splitlines(keepends=True)
-            path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
+        """Drop trace lines of steps at or after the resume point: they are about to be trained again.
+
+        Each rank trims its own file; the main process also trims the files of ranks that this run no longer has
+        (a resume on fewer processes).
+        """
+        paths = [self._trace_path()]
+        if self.args.process_index == 0:
+            paths += [
+                p
+                for p in self._trace_path().parent.glob("rank*.jsonl")
+                if int(p.stem.removeprefix("rank")) >= self.args.world_size
+            ]
+        for path in paths:
+            if path.is_file():
+                lines = path.read_text().splitlines(keepends=True)
+                path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
 
     def _trace_batch(self, inputs) -> None:
-        input_ids = inputs["input_ids"]
+        """One line: step, real tokens, SHA-1 of the micro-batch, and a short digest of every sample in it.
+
+        The per-sample digests let runs on different process counts be compared step by step: the rows of one
+        optimizer step are split over other ranks and micro-batches, but the multiset of samples is the same.
+        """
+        input_ids = inputs["input_ids"].detach().cpu()
         mask = inputs.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        digest = hashlib.sha1(input_ids.detach().cpu().numpy().tobytes()).hexdigest()
+        digest = hashlib.sha1(input_ids.numpy().tobytes()).hexdigest()
+        lengths = sample_lengths(inputs).cpu().tolist()
+        flat = input_ids[mask.bool()] if mask is not None else input_ids.flatten()
+        samples = [hashlib.sha1(s.numpy().tobytes()).hexdigest()[:16] for s in flat.split(lengths)]
+        record = {"step": self.state.global_step, "tokens": tokens, "sha1": digest, "samples": samples}
         path = self._trace_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
-            f.write(json.dumps({"step": self.state.global_step, "tokens": tokens, "sha1": digest}) + "\n")
+            f.write(json.dumps(record) + "\n")

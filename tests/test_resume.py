@@ -34,6 +34,7 @@ ARGS = [
     "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "4", "--save_total_limit", "2",
     "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "1",
     "--gradient_accumulation_steps", "2", "--dataloader_num_workers", "2", "--max_length", "256",
+    "--trace_data", "true",
 ]  # fmt: skip
 STAGES = {"none": "none", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 
@@ -74,6 +75,15 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = weights(reference), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def samples_per_step(out: Path) -> dict[int, list[str]]:
+    """Every sample trained at each optimizer step, over all ranks (from the data trace), in a canonical order."""
+    steps: dict[int, list[str]] = {}
+    for path in (out / "data_trace").glob("rank*.jsonl"):
+        for record in read_jsonl(path):
+            steps.setdefault(record["step"], []).extend(record["samples"])
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}
 
 
 def kill_tree(pid: int) -> None:
@@ -148,7 +158,9 @@ def test_different_process_count(stage, before, after, reference, model_dir, tmp
     ref, res = train_records(reference(stage, before)), train_records(out)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     assert [r["learning_rate"] for r in ref] == [r["learning_rate"] for r in res]  # same LR schedule
-    assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]  # same samples at every step
+    assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]  # same token counts at every step
+    trained = samples_per_step(out)
+    assert list(trained) == list(range(STEPS)) and trained == samples_per_step(reference(stage, before))
     assert [r["loss"] for r in ref[:4]] == [r["loss"] for r in res[:4]]
     # After the change: other summation order and other dropout masks (per-rank RNG streams differ)
     for a, b in zip(ref[4:], res[4:], strict=True):

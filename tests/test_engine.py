@@ -1,0 +1,64 @@
+"""sft.engines.deepspeed: what sft asks of DeepSpeed, tested on the real objects (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sft.engines.deepspeed import place_optimizer_state
+
+
+def stepped(**kwargs) -> tuple[torch.nn.Parameter, torch.optim.AdamW]:
+    param = torch.nn.Parameter(torch.randn(8, 4))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, **kwargs)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    return param, optimizer
+
+
+def as_a_universal_load_leaves_it(optimizer, param) -> None:
+    """What DeepSpeed's universal loaders assign: tensors read from disk as they were written (here: float64)."""
+    state = optimizer.state[param]
+    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float64)
+    state["exp_avg"] = state["exp_avg"].double()
+
+
+def test_fused_adamw_gets_a_float32_step_on_the_parameters_device_and_steps_again():
+    unplaced, refusing = stepped(fused=True)
+    as_a_universal_load_leaves_it(refusing, unplaced)
+    with pytest.raises(RuntimeError):  # the fused kernel refuses the state as the loader left it
+        refusing.step()
+    param, optimizer = stepped(fused=True)
+    as_a_universal_load_leaves_it(optimizer, param)
+    assert place_optimizer_state(optimizer) == 2
+    state = optimizer.state[param]
+    assert state["step"].dtype == torch.float32 and state["step"].device == param.device and float(state["step"]) == 1
+    assert state["exp_avg"].dtype == param.dtype
+    optimizer.step()
+    assert float(optimizer.state[param]["step"]) == 2
+    assert place_optimizer_state(optimizer) == 0  # a second call finds everything in place
+
+
+def test_plain_adamw_keeps_its_step_where_torch_keeps_it():
+    param, optimizer = stepped(foreach=False)
+    as_a_universal_load_leaves_it(optimizer, param)
+    step = optimizer.state[param]["step"]
+    assert place_optimizer_state(optimizer) == 1  # exp_avg only
+    assert optimizer.state[param]["step"] is step
+
+
+def test_zero3_empty_groups_take_the_optimizers_defaults():
+    """ZeRO-3 empties the optimizer's `params` lists between steps; the state is still keyed by the fp32 partition."""
+    param, optimizer = stepped(fused=True)
+    as_a_universal_load_leaves_it(optimizer, param)
+    optimizer.param_groups[0]["params"] = []
+    assert place_optimizer_state(optimizer) == 2
+    assert optimizer.state[param]["step"].dtype == torch.float32
+
+
+def test_integer_steps_are_left_alone():
+    """DeepSpeed's CPU Adam counts steps in a Python int."""
+    param, optimizer = stepped(fused=True)
+    optimizer.state[param]["step"] = 5
+    place_optimizer_state(optimizer)
+    assert optimizer.state[param]["step"] == 5
