@@ -3,10 +3,12 @@
     python -m sft.batch --global-batch-size 528 --world-size 8 --per-device-batch-size 2
     python -m sft.batch --tokens-per-step 1048576 --max-length 4096 --world-size 16 --per-device-batch-size 4
 
-global batch = world size x per-device micro batch x gradient accumulation steps. With packing every row holds
-`max_length` tokens, so tokens per step = global batch x max_length. A target that the world size and micro batch
-cannot reach exactly is an error that lists the nearest reachable targets and the settings that reach the target.
-transformers and DeepSpeed take accumulation steps, not a global batch; this is the one place that converts.
+global batch = data-parallel size x per-device micro batch x gradient accumulation steps (the data-parallel size
+comes from `sft.parallel`: the world size today). With packing every row holds `max_length` tokens, so tokens per
+step = global batch x max_length. A target that the data-parallel size and micro batch cannot reach exactly is an
+error that lists the nearest reachable targets and the settings that reach the target. transformers and DeepSpeed
+take accumulation steps, not a global batch; this is the one place that converts, for a fresh start (`plan_batch`)
+and for a resume that keeps a checkpoint's global batch on another number of processes (`keep_global_batch`).
 """
 
 from __future__ import annotations
@@ -16,18 +18,19 @@ import sys
 from dataclasses import dataclass
 
 from sft.errors import ConfigError
+from sft.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    world_size: int
+    dp_size: int
     per_device_batch_size: int
     gradient_accumulation_steps: int
     max_length: int | None = None
 
     @property
     def global_batch_size(self) -> int:
-        return self.world_size * self.per_device_batch_size * self.gradient_accumulation_steps
+        return self.dp_size * self.per_device_batch_size * self.gradient_accumulation_steps
 
     @property
     def tokens_per_step(self) -> int | None:
@@ -35,7 +38,7 @@ class BatchPlan:
 
     def describe(self) -> str:
         text = (
-            f"world size {self.world_size} x micro batch {self.per_device_batch_size} x accumulation "
+            f"data-parallel size {self.dp_size} x micro batch {self.per_device_batch_size} x accumulation "
             f"{self.gradient_accumulation_steps} = global batch {self.global_batch_size}"
         )
         if self.tokens_per_step is not None:
@@ -48,18 +51,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_batch(
-    world_size: int,
+    dp_size: int,
     per_device_batch_size: int,
     global_batch_size: int | None = None,
     tokens_per_step: int | None = None,
     max_length: int | None = None,
     gradient_accumulation_steps: int = 1,
 ) -> BatchPlan:
-    """The accumulation that reaches the target on this world size; ConfigError with the alternatives if none does.
+    """The accumulation that reaches the target on `dp_size` replicas; ConfigError with the alternatives if none does.
 
     With neither target, `gradient_accumulation_steps` is kept as given.
     """
-    for name, value in (("world size", world_size), ("per_device_train_batch_size", per_device_batch_size)):
+    for name, value in (("data-parallel size", dp_size), ("per_device_train_batch_size", per_device_batch_size)):
         if value < 1:
             raise ConfigError(f"`{name}` must be >= 1, got {value}.")
     if global_batch_size is not None and tokens_per_step is not None:
@@ -82,34 +85,50 @@ def plan_batch(
             )
         global_batch_size = tokens_per_step // max_length
     if global_batch_size is None:
-        return BatchPlan(world_size, per_device_batch_size, gradient_accumulation_steps, max_length)
+        return BatchPlan(dp_size, per_device_batch_size, gradient_accumulation_steps, max_length)
     if global_batch_size < 1:
         raise ConfigError(f"`global_batch_size` must be >= 1, got {global_batch_size}.")
-    per_step = world_size * per_device_batch_size
+    per_step = dp_size * per_device_batch_size
     if global_batch_size % per_step == 0:
-        return BatchPlan(world_size, per_device_batch_size, global_batch_size // per_step, max_length)
+        return BatchPlan(dp_size, per_device_batch_size, global_batch_size // per_step, max_length)
     unit = "tokens per step" if tokens_per_step is not None else "global batch"
     scale = max_length if tokens_per_step is not None else 1
     lower, upper = (global_batch_size // per_step) * per_step, (global_batch_size // per_step + 1) * per_step
     nearest = [n for n in (lower, upper) if n > 0]
     options = ", ".join(f"{n * scale:,} (accumulation {n // per_step})" for n in nearest)
     fixes = []
-    if global_batch_size % world_size == 0:
-        micro = [d for d in _divisors(global_batch_size // world_size) if d <= 16]
-        pairs = ", ".join(f"{m} x {global_batch_size // world_size // m}" for m in micro)
+    if global_batch_size % dp_size == 0:
+        micro = [d for d in _divisors(global_batch_size // dp_size) if d <= 16]
+        pairs = ", ".join(f"{m} x {global_batch_size // dp_size // m}" for m in micro)
         fixes.append(f"per_device_train_batch_size x accumulation = {pairs}")
     else:
-        worlds = [w for w in _divisors(global_batch_size) if w <= 1024][-6:]
-        fixes.append(f"a world size that divides {global_batch_size}: {worlds}")
+        sizes = [w for w in _divisors(global_batch_size) if w <= 1024][-6:]
+        fixes.append(f"a data-parallel size (GPU count) that divides {global_batch_size}: {sizes}")
     raise ConfigError(
-        f"{unit} {global_batch_size * scale:,} cannot be reached with world size {world_size} x "
+        f"{unit} {global_batch_size * scale:,} cannot be reached with data-parallel size {dp_size} x "
         f"per_device_train_batch_size {per_device_batch_size} = {per_step} rows per accumulation step. Nearest "
         f"reachable: {options}. Or keep the target with {'; or '.join(fixes)}."
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.batch", description=__doc__.split("\n\n")[0])
+def keep_global_batch(global_batch: int, dp_size: int, per_device_batch_size: int, trained_with: str) -> BatchPlan:
+    """A resume: the checkpoint's global batch on `dp_size` replicas of `per_device_batch_size` rows.
+
+    `trained_with` names the checkpoint and how it was made, for the error when the batch cannot be kept.
+    """
+    per_step = dp_size * per_device_batch_size
+    if global_batch % per_step:
+        feasible = [m for m in range(1, global_batch + 1) if global_batch % (dp_size * m) == 0]
+        raise ConfigError(
+            f"{trained_with}; data-parallel size {dp_size} x per_device_train_batch_size {per_device_batch_size} "
+            f"cannot make {global_batch}. Use --per_device_train_batch_size in {feasible or 'none'} or a process "
+            f"count that divides {global_batch}."
+        )
+    return BatchPlan(dp_size, per_device_batch_size, global_batch // per_step)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog or "python -m sft.batch", description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--global-batch-size", type=int, help="Samples (packed rows) per optimizer step")
     target.add_argument("--tokens-per-step", type=int, help="Tokens per optimizer step (packing; needs --max-length)")
@@ -118,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, help="Tokens per packed row")
     args = parser.parse_args(argv)
     try:
+        dims = ParallelDims.build(args.world_size)
         plan = plan_batch(
-            args.world_size, args.per_device_batch_size, args.global_batch_size, args.tokens_per_step, args.max_length
+            dims.dp, args.per_device_batch_size, args.global_batch_size, args.tokens_per_step, args.max_length
         )
     except ConfigError as e:
         print(f"sft.batch: {e}", file=sys.stderr)

@@ -11,23 +11,26 @@ the batches already trained. What none of them does, and this module does:
   newest complete checkpoint or the one the run resumed from;
 - a fingerprint of what must match to resume exactly (seed, data, packing, tokenizer, global batch, model), checked
   before the model is built, and the counters TRL does not save (tokens seen);
-- a different number of processes: the global batch is kept by recomputing gradient accumulation, and a ZeRO
-  checkpoint is converted with DeepSpeed's own `ds_to_universal` and loaded as a universal checkpoint.
+- writing: `save_complete` wraps transformers' checkpoint save with the state file, the marker and the rotation, and
+  `PreemptionCallback` turns SIGTERM/SIGUSR1 on any rank into one complete checkpoint and a stop.
 
-Every file written here is JSON.
+A different number of processes is `sft.preflight`'s (the global batch, by `sft.batch`) and the DeepSpeed engine's
+(`ds_to_universal`). Every file written here is JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
+
+from transformers import TrainerCallback
 
 from sft.errors import ConfigError
 
@@ -40,9 +43,17 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete chec
 # Files an sft run writes into output_dir (README.md is the model card TRL writes at each save); a directory holding
 # only these and checkpoints is an unfinished sft run.
 SFT_ARTIFACTS = {"README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR}
-# Fingerprint keys reconciled by `adapt_geometry` (the global batch is kept by recomputing accumulation).
-GEOMETRY_KEYS = {"world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch"}
+# Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation).
+GEOMETRY_KEYS = {
+    "world_size",
+    "parallel",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "global_batch",
+}
 VERSION_KEY = "versions"
+# Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
+KILL_DURING_SAVE_ENV = "SFT_TEST_KILL_DURING_SAVE"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -93,7 +104,7 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "split": script_args.dataset_train_split,
         }
     ]
-    world = training_args.world_size
+    dims = training_args.parallel
     return {
         "model": model_args.model_name_or_path,
         "from_scratch": model_args.from_scratch,
@@ -111,10 +122,13 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "vocab": len(tokenizer),
             "chat_template": tokenizer.chat_template,
         },
-        "world_size": world,
+        "world_size": dims.world_size,
+        "parallel": {"dp": dims.dp, "sp": dims.sp},
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-        "global_batch": world * training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps,
+        "global_batch": dims.dp
+        * training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps,
         VERSION_KEY: {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -219,63 +233,52 @@ def rotate(output_dir: str, limit: int | None, keep: set[str]) -> None:
         excess -= 1
 
 
-def ensure_universal(checkpoint: str) -> None:
-    """Convert a ZeRO checkpoint with DeepSpeed's `ds_to_universal` (once; the result stays beside the original)."""
-    from deepspeed.checkpoint import ds_to_universal
+class PreemptionCallback(TrainerCallback):
+    """SIGTERM/SIGUSR1 on any rank: all ranks agree (one all-reduce per step), save a checkpoint and stop."""
 
-    ckpt = Path(checkpoint)
-    if (ckpt / "latest_universal").is_file():
-        return
-    tag = (ckpt / "latest").read_text().strip()
-    args = argparse.Namespace(  # the options of `python -m deepspeed.checkpoint.ds_to_universal`
-        input_folder=str(ckpt / tag),
-        output_folder=str(ckpt / f"{tag}_universal"),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # plain (non-Megatron) DeepSpeed clients do not write the universal info
-    )
-    logger.info("Converting %s to a universal checkpoint for a different number of processes", ckpt / tag)
-    ds_to_universal.main(args)
+    def __init__(self):
+        self.requested = False
+        self.preempted = False
 
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
 
-def adapt_geometry(training_args, saved: dict, checkpoint: str):
-    """Keep the checkpoint's global batch on the current number of processes; returns the (new) training args."""
-    from sft.config import read_ds_config
-
-    world, micro = training_args.world_size, training_args.per_device_train_batch_size
-    global_batch = saved["global_batch"]
-    gas = global_batch // (world * micro) if global_batch % (world * micro) == 0 else None
-    if gas is None:
-        feasible = [m for m in range(1, global_batch + 1) if global_batch % (world * m) == 0]
-        raise ConfigError(
-            f"{checkpoint} was trained with a global batch of {global_batch} ({saved['world_size']} processes x "
-            f"{saved['per_device_train_batch_size']} x {saved['gradient_accumulation_steps']} accumulation); "
-            f"{world} processes x per_device_train_batch_size {micro} cannot make {global_batch}. Use "
-            f"--per_device_train_batch_size in {feasible or 'none'} or a process count that divides {global_batch}."
+    def _handle(self, signum, frame):
+        self.requested = True
+        logger.warning(
+            "Received %s: will save a checkpoint and stop after this optimizer step", signal.Signals(signum).name
         )
-    changes = {}
-    if gas != training_args.gradient_accumulation_steps:
-        changes["gradient_accumulation_steps"] = gas
-    if world != saved["world_size"] and training_args.deepspeed:
-        with training_args.main_process_first(desc="universal checkpoint conversion"):
-            if training_args.process_index == 0:
-                ensure_universal(checkpoint)
-        ds_config = read_ds_config(training_args.deepspeed)
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-        changes["deepspeed"] = ds_config
-    if not changes:
-        return training_args
-    logger.warning(
-        "Resuming %s on %d processes (was %d): global batch %d = %d x %d x %d accumulation%s",
-        checkpoint,
-        world,
-        saved["world_size"],
-        global_batch,
-        world,
-        micro,
-        gas,
-        ", loading the ZeRO state as a universal checkpoint" if "deepspeed" in changes else "",
-    )
-    return dataclasses.replace(training_args, **changes)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        flag = torch.tensor(float(self.requested), device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def save_complete(trainer, save, folder: Path, state: dict, keep: set[str]) -> None:
+    """Run transformers' checkpoint save (`save()`), then write `state` to sft_state.json, wait for every rank's files
+    to be on disk, write the marker last, and rotate (`save_total_limit`, never the checkpoints in `keep`)."""
+    args = trainer.args
+    limit = args.save_total_limit
+    args.save_total_limit = None  # rotate only after the new checkpoint is marked complete
+    try:
+        save()
+    finally:
+        args.save_total_limit = limit
+    if args.should_save:
+        write_json_synced(folder / STATE, state)
+    os.sync()  # every rank's files on disk ...
+    trainer.accelerator.wait_for_everyone()  # ... on every rank, before the marker
+    if os.environ.get(KILL_DURING_SAVE_ENV) == str(state["global_step"]) and args.process_index == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.should_save:
+        write_json_synced(folder / MARKER, {"step": state["global_step"], "world_size": args.parallel.world_size})
+        rotate(args.output_dir, limit, keep)

@@ -7,10 +7,8 @@ a data set exists runs here, so a bad value fails in seconds with a message that
 
 from __future__ import annotations
 
-import copy
 import difflib
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -21,7 +19,9 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
+from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
+from sft.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -247,67 +247,16 @@ class TrainConfig(SFTConfig):
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
-        if isinstance(self.deepspeed, str) and self.deepspeed.lower() in ("", "none", "null"):
-            self.deepspeed = None  # `--deepspeed none` turns off a recipe's DeepSpeed config
-        if isinstance(self.deepspeed, str):
-            self.deepspeed = str(load_ds_config_path(self.deepspeed))
-        self.resolved_ds_settings = {}
-        if self.deepspeed is not None:
-            self.deepspeed, self.resolved_ds_settings = resolve_ds_auto(self.deepspeed)
+        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
+            self.deepspeed, ParallelDims.from_env().world_size
+        )
         super().__post_init__()
-        mismatches = getattr(getattr(self, "hf_deepspeed_config", None), "mismatches", None)
-        if mismatches:
-            raise ConfigError(
-                f"The DeepSpeed config {self.deepspeed} contradicts the training arguments: "
-                + "; ".join(m.strip("- ") for m in mismatches)
-                + '. Set those DeepSpeed values to "auto" so the training arguments own them.'
-            )
+        ds_engine.check_agrees(self)
 
-
-def load_ds_config_path(path: str) -> Path:
-    """Check that a DeepSpeed config file exists and holds a JSON object; return its path."""
-    ds_path = Path(path)
-    if not ds_path.is_file():
-        raise ConfigError(
-            f"`deepspeed`: no such file {path!r}. Use one of ds_configs/*.json (zero2, zero3, *_offload) or a path "
-            "to your own DeepSpeed JSON."
-        )
-    try:
-        config = json.loads(ds_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"`deepspeed`: {path} is not valid JSON ({e}). Fix the file or pick one of ds_configs/."
-        ) from e
-    if not isinstance(config, dict):
-        raise ConfigError(f"`deepspeed`: {path} must hold a JSON object, got {type(config).__name__}.")
-    return ds_path
-
-
-def read_ds_config(deepspeed: str | dict) -> dict:
-    """A fresh copy of the DeepSpeed config, whether `deepspeed` is a JSON path or an already-loaded dict."""
-    return copy.deepcopy(deepspeed) if isinstance(deepspeed, dict) else json.loads(Path(deepspeed).read_text())
-
-
-def resolve_ds_auto(deepspeed: str | dict) -> tuple[str | dict, dict]:
-    """Resolve the DeepSpeed values that sft (not transformers) lets be `"auto"`; returns (config, what was chosen).
-
-    `zero_optimization.overlap_comm: "auto"`: on with several processes (the gradient reduction overlaps the
-    backward), off with one, where there is nothing to communicate and DeepSpeed's overlap path only adds stream
-    synchronisation: 1B shape on 1 x H100, ZeRO-2, 62,609 vs 60,711 tokens/s without/with it
-    (benchmarks/results/profile_1b_h100). A config without `"auto"` is returned as given (a path stays a path).
-    """
-    config = read_ds_config(deepspeed)
-    zero = config.get("zero_optimization")
-    value = zero.get("overlap_comm") if isinstance(zero, dict) else None
-    if value is None or isinstance(value, bool):
-        return deepspeed, {}
-    if value != "auto":
-        where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
-        raise ConfigError(
-            f'`deepspeed`: zero_optimization.overlap_comm in {where} must be true, false or "auto", got {value!r}.'
-        )
-    zero["overlap_comm"] = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return config, {"zero_optimization.overlap_comm": zero["overlap_comm"]}
+    @property
+    def parallel(self) -> ParallelDims:
+        """The run's parallel dimensions (`sft.parallel`), from the processes accelerate found."""
+        return ParallelDims.of(self)
 
 
 DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)

@@ -18,22 +18,11 @@ import logging
 import sys
 from pathlib import Path
 
+from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError, SFTError
 
 logger = logging.getLogger("sft.merge")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-def _lora_state_from_zero_checkpoint(checkpoint: Path) -> dict:
-    """The adapter's weights from a DeepSpeed checkpoint, keyed as PEFT saves them."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
-    lora = {k: v for k, v in state.items() if "lora_" in k}
-    if not lora:
-        raise ConfigError(f"--adapter {checkpoint}: the DeepSpeed checkpoint holds no LoRA weights (no `lora_` keys).")
-    # PEFT saves keys without the adapter name: base_model.model.<...>.lora_A.weight
-    return {k.replace(".default.", "."): v for k, v in lora.items()}
 
 
 def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bfloat16") -> Path:
@@ -72,7 +61,7 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
         from peft import get_peft_model
 
         model = get_peft_model(model, config)
-        result = set_peft_model_state_dict(model, _lora_state_from_zero_checkpoint(adapter_dir))
+        result = set_peft_model_state_dict(model, ds_engine.lora_state_from_checkpoint(adapter_dir))
         if getattr(result, "unexpected_keys", None):
             raise ConfigError(f"--adapter {adapter}: LoRA keys that do not fit {base}: {result.unexpected_keys[:3]}")
     merged = model.merge_and_unload()
@@ -85,8 +74,8 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.merge", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog or "python -m sft.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", required=True, help="Run output_dir or checkpoint with a LoRA adapter")
     parser.add_argument("--output", required=True, help="New directory for the merged model")
     parser.add_argument("--base", help="Base model (default: the adapter's base_model_name_or_path)")

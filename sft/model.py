@@ -16,8 +16,8 @@ from trl import get_quantization_config
 
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
+from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
-from sft.preflight import zero_setup
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +42,15 @@ def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> Pr
         ) from e
 
 
-def init_distributed_for_zero3(training_args: TrainConfig) -> None:
-    """DeepSpeed's `zero.Init` needs DeepSpeed's own process group before the model is built.
-
-    On CPU it must be gloo: without this call `zero.Init` starts one itself and fails with a batch-size/world-size
-    mismatch.
-    """
-    if zero_setup(training_args)[0] != 3:
-        return
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
 def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
     padding_free = training_args.padding_free or (
         training_args.packing and training_args.packing_strategy in {"bfd", "bfd_split"}
     )
     attn_implementation = resolve_attn_implementation(model_args.attn_implementation)
     check_packing(attn_implementation, padding_free, training_args.model_init_kwargs)
-    init_distributed_for_zero3(training_args)
+    partitioned = ds_engine.prepare_model_build(training_args)
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
-    model = _build(model_args, training_args, attn_implementation)
+    model = _build(model_args, training_args, attn_implementation, partitioned)
     if padding_free:
         model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
     if training_args.compile_decoder_layers:
@@ -87,7 +74,7 @@ def compile_decoder_layers(model: PreTrainedModel) -> None:
     logger.info("Compiling %d decoder layers with torch.compile", len(layers))
 
 
-def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None):
+def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None, partitioned: bool):
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -102,7 +89,7 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
         )
         # Random weights are made where they will train: on this rank's GPU (seconds for 8B, minutes on the CPU);
         # under ZeRO-3, `zero.Init` partitions them as they are made.
-        device = training_args.device if torch.cuda.is_available() and zero_setup(training_args)[0] != 3 else "cpu"
+        device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
                 config,

@@ -351,8 +351,8 @@ def detected_gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.plan", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
     parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")

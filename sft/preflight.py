@@ -1,45 +1,58 @@
-"""Before anything expensive: the global batch, the memory plan, and the `auto` values they decide.
+"""Before anything expensive: the global batch, the memory plan, the resume geometry and the `auto` values they set.
 
-`preflight` runs right after the configuration is parsed, before data or model are loaded. It resolves
-`per_device_train_batch_size: auto` and `activation_checkpointing: auto` from `sft.plan` (the largest micro batch
-that fits, checkpointing only if needed), turns `global_batch_size`/`tokens_per_step` into
-`gradient_accumulation_steps` with `sft.batch`, logs the plan, and refuses a run whose planned peak does not fit
-the GPU (unless `plan_check: false`).
+`preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
+loaded. It resolves `per_device_train_batch_size: auto` and `activation_checkpointing: auto` from `sft.plan` (the
+largest micro batch that fits, checkpointing only if needed), turns the global-batch target into
+`gradient_accumulation_steps` with `sft.batch` (on a resume the target is the checkpoint's global batch, kept on any
+number of processes), sets DeepSpeed to load a ZeRO checkpoint of another process count as a universal checkpoint,
+logs the plan, and refuses a run whose planned peak does not fit the GPU (unless `plan_check: false`). The training
+arguments are then rebuilt once, with every change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from sft import plan as memplan
-from sft.batch import plan_batch
+from sft.batch import BatchPlan, keep_global_batch, plan_batch
+from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
-def zero_setup(training_args) -> tuple[int | None, bool, bool]:
-    """(ZeRO stage or None without DeepSpeed, optimizer offloaded, parameters offloaded) from the DeepSpeed config."""
-    if not training_args.deepspeed:
-        return None, False, False
-    zero = training_args.hf_deepspeed_config.config.get("zero_optimization", {})
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run resumes and the geometry it was written with (from its fingerprint)."""
 
-    def offloaded(key: str) -> bool:
-        return str(zero.get(key, {}).get("device", "none")).lower() in ("cpu", "nvme")
+    checkpoint: str
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch: int
 
-    return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
+    @classmethod
+    def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
+        keys = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
+        return cls(checkpoint, *(fingerprint[k] for k in keys))
+
+    def describe(self) -> str:
+        return (
+            f"{self.checkpoint} was trained with a global batch of {self.global_batch} ({self.world_size} processes x "
+            f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} accumulation)"
+        )
 
 
 def base_setting(training_args, model_args) -> memplan.Setting:
-    stage, offload_optimizer, offload_params = zero_setup(training_args)
+    zero = ds_engine.zero_setup(training_args)
+    dims = training_args.parallel
     return memplan.Setting(
-        gpus=training_args.world_size,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", training_args.world_size)),
-        zero_stage=stage,
-        offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
+        gpus=dims.world_size,
+        gpus_per_node=dims.gpus_per_node,
+        zero_stage=zero.stage,
+        offload_optimizer=zero.offload_optimizer,
+        offload_params=zero.offload_params,
         micro_batch=training_args.per_device_train_batch_size,
         seq_len=training_args.max_length or 0,
         activation_checkpointing=bool(training_args.activation_checkpointing),
@@ -51,21 +64,81 @@ def base_setting(training_args, model_args) -> memplan.Setting:
     )
 
 
-def preflight(training_args, model_args):
-    """Resolve `auto` values, derive accumulation from a global-batch target, check the memory plan; returns the
-    (possibly replaced) training arguments."""
+def preflight(training_args, model_args, resume: Resume | None = None):
+    """Resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a resume), check
+    the memory plan, set up a resume on another process count; returns the training arguments, rebuilt once if
+    anything changed."""
+    dims = training_args.parallel
+    target = training_args.global_batch_size
+    if training_args.tokens_per_step and training_args.max_length:
+        target = training_args.tokens_per_step // training_args.max_length
+    if resume is not None:
+        target = resume.global_batch
+    micro, checkpointing = _plan_memory(training_args, model_args, target)
+    batch = _plan_batch(training_args, micro, resume)
+    logger.info("Batch plan: %s", batch.describe())
+    changes = {}
     auto = training_args.auto_settings
+    if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
+        changes["per_device_train_batch_size"] = micro
+    if checkpointing != training_args.activation_checkpointing or "activation_checkpointing" in auto:
+        changes["activation_checkpointing"] = checkpointing
+    if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
+        changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
+    if resume is not None and resume.world_size != dims.world_size:
+        if training_args.deepspeed:
+            changes["deepspeed"] = ds_engine.universal_load_config(training_args.deepspeed)
+        logger.warning(
+            "Resuming %s on %d processes (was %d): global batch %d = %s%s",
+            resume.checkpoint,
+            dims.world_size,
+            resume.world_size,
+            batch.global_batch_size,
+            f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
+            ", loading the ZeRO state as a universal checkpoint" if "deepspeed" in changes else "",
+        )
+    world = dims.world_size
+    for key, value in getattr(training_args, "resolved_ds_settings", {}).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+    if auto:
+        logger.info(
+            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
+        )
+    return dataclasses.replace(training_args, **changes) if changes else training_args
+
+
+def _plan_batch(training_args, micro: int, resume: Resume | None) -> BatchPlan:
+    dp = training_args.parallel.dp
+    if resume is not None:
+        return keep_global_batch(resume.global_batch, dp, micro, resume.describe())
+    batch = plan_batch(
+        dp,
+        micro,
+        training_args.global_batch_size,
+        training_args.tokens_per_step,
+        training_args.max_length,
+        training_args.gradient_accumulation_steps,
+    )
+    targeted = training_args.global_batch_size or training_args.tokens_per_step
+    if targeted and training_args.gradient_accumulation_steps not in (1, batch.gradient_accumulation_steps):
+        raise ConfigError(
+            f"`gradient_accumulation_steps` {training_args.gradient_accumulation_steps} contradicts the global-batch "
+            f"target, which needs {batch.gradient_accumulation_steps} here ({batch.describe()}). Remove one of them."
+        )
+    return batch
+
+
+def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bool]:
+    """(micro batch, activation checkpointing): the `auto` ones chosen by the memory plan; the plan logged and
+    checked against the GPU."""
+    auto = training_args.auto_settings
+    micro = training_args.per_device_train_batch_size
+    checkpointing = bool(training_args.activation_checkpointing)
     memory = (
         training_args.plan_gpu_memory_gib * memplan.GiB
         if training_args.plan_gpu_memory_gib
         else memplan.detected_gpu_memory()
     )
-    micro = training_args.per_device_train_batch_size
-    checkpointing = bool(training_args.activation_checkpointing)
-    world = training_args.world_size
-    target = training_args.global_batch_size
-    if training_args.tokens_per_step and training_args.max_length:
-        target = training_args.tokens_per_step // training_args.max_length
     headroom = training_args.plan_headroom
     if memory is None:
         if auto:
@@ -74,89 +147,57 @@ def preflight(training_args, model_args):
                 "to plan for a GPU).",
                 " and ".join(sorted(auto)),
             )
-    elif not training_args.max_length:
+        return micro, checkpointing
+    if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
                 "`per_device_train_batch_size: auto` needs `max_length` (tokens per row) to size activations. Set "
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-    else:
-        shape = memplan.load_shape(
-            model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False))
-        )
-        base = base_setting(training_args, model_args)
-        if auto:
-            micro_choices = (micro,)
-            if "per_device_train_batch_size" in auto:
-                micro_choices = tuple(m for m in memplan.MICRO_BATCHES if not target or target % (world * m) == 0)
-            ckpt_choices = (False, True) if "activation_checkpointing" in auto else (checkpointing,)
-            estimate = memplan.suggest(
-                shape, base, memory, headroom, micro_choices or (1,), candidates=[base], checkpointing=ckpt_choices
-            )
-            if estimate is not None:
-                micro, checkpointing = estimate.setting.micro_batch, estimate.setting.activation_checkpointing
-            else:
-                micro, checkpointing = min(micro_choices or (1,)), ckpt_choices != (False,)
-        setting = dataclasses.replace(base, micro_batch=micro, activation_checkpointing=checkpointing)
-        estimate = memplan.estimate(shape, setting)
-        fits = estimate.fits(memory, headroom)
-        usable = memory * (1 - headroom)
-        logger.info(
-            "Memory plan for %s: %s\n%s\n  %s: %.2f GiB of %.2f GiB usable per GPU",
-            model_args.model_name_or_path,
-            setting.describe(),
-            estimate.table(),
-            "fits" if fits else "does NOT fit",
-            estimate.peak / memplan.GiB,
-            usable / memplan.GiB,
-        )
-        if not fits:
-            best = memplan.suggest(shape, setting, memory, headroom)
-            fix = (
-                f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
-                if best
-                else "Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA."
-            )
-            message = (
-                f"The memory plan does not fit: {setting.describe()} peaks at {estimate.peak / memplan.GiB:.2f} GiB "
-                f"per GPU, over the {usable / memplan.GiB:.2f} GiB usable ({memory / memplan.GiB:.1f} GiB, headroom "
-                f"{headroom:.0%}). {fix} Change those settings, or set plan_check: false to start anyway (the plan "
-                "is an estimate)."
-            )
-            if training_args.plan_check:
-                raise ConfigError(message)
-            logger.warning(message)
-    batch = plan_batch(
-        world,
-        micro,
-        training_args.global_batch_size,
-        training_args.tokens_per_step,
-        training_args.max_length,
-        training_args.gradient_accumulation_steps,
-    )
-    if (
-        training_args.global_batch_size or training_args.tokens_per_step
-    ) and training_args.gradient_accumulation_steps not in (
-        1,
-        batch.gradient_accumulation_steps,
-    ):
-        raise ConfigError(
-            f"`gradient_accumulation_steps` {training_args.gradient_accumulation_steps} contradicts the global-batch "
-            f"target, which needs {batch.gradient_accumulation_steps} here ({batch.describe()}). Remove one of them."
-        )
-    logger.info("Batch plan: %s", batch.describe())
-    changes = {}
-    if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
-        changes["per_device_train_batch_size"] = micro
-    if checkpointing != training_args.activation_checkpointing or "activation_checkpointing" in auto:
-        changes["activation_checkpointing"] = checkpointing
-    if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
-        changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
-    for key, value in getattr(training_args, "resolved_ds_settings", {}).items():
-        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+        return micro, checkpointing
+    shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
+    base = base_setting(training_args, model_args)
     if auto:
-        logger.info(
-            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
+        dp = training_args.parallel.dp
+        micro_choices = (micro,)
+        if "per_device_train_batch_size" in auto:
+            micro_choices = tuple(m for m in memplan.MICRO_BATCHES if not target or target % (dp * m) == 0)
+        ckpt_choices = (False, True) if "activation_checkpointing" in auto else (checkpointing,)
+        estimate = memplan.suggest(
+            shape, base, memory, headroom, micro_choices or (1,), candidates=[base], checkpointing=ckpt_choices
         )
-    return dataclasses.replace(training_args, **changes) if changes else training_args
+        if estimate is not None:
+            micro, checkpointing = estimate.setting.micro_batch, estimate.setting.activation_checkpointing
+        else:
+            micro, checkpointing = min(micro_choices or (1,)), ckpt_choices != (False,)
+    setting = dataclasses.replace(base, micro_batch=micro, activation_checkpointing=checkpointing)
+    estimate = memplan.estimate(shape, setting)
+    fits = estimate.fits(memory, headroom)
+    usable = memory * (1 - headroom)
+    logger.info(
+        "Memory plan for %s: %s\n%s\n  %s: %.2f GiB of %.2f GiB usable per GPU",
+        model_args.model_name_or_path,
+        setting.describe(),
+        estimate.table(),
+        "fits" if fits else "does NOT fit",
+        estimate.peak / memplan.GiB,
+        usable / memplan.GiB,
+    )
+    if not fits:
+        best = memplan.suggest(shape, setting, memory, headroom)
+        fix = (
+            f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
+            if best
+            else "Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA."
+        )
+        message = (
+            f"The memory plan does not fit: {setting.describe()} peaks at {estimate.peak / memplan.GiB:.2f} GiB "
+            f"per GPU, over the {usable / memplan.GiB:.2f} GiB usable ({memory / memplan.GiB:.1f} GiB, headroom "
+            f"{headroom:.0%}). {fix} Change those settings, or set plan_check: false to start anyway (the plan "
+            "is an estimate)."
+        )
+        if training_args.plan_check:
+            raise ConfigError(message)
+        logger.warning(message)
+    return micro, checkpointing

@@ -1,7 +1,7 @@
-"""Supervised fine-tuning entry point.
+"""Supervised fine-tuning entry point (`sft train` is the same).
 
     torchrun --nproc_per_node N sft/train.py --config recipes/demo.yaml [--deepspeed ds_configs/zero3.json] [--flag v]
-    deepspeed sft/train.py --config ...        python sft/train.py --config ...
+    deepspeed sft/train.py --config ...        python sft/train.py --config ...        sft train --config ...
 
 Parse the recipe, plan batch and memory, load and check the data, build the model, build the trainer, train, save.
 """
@@ -11,12 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the package, not the modules beside this file
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-from sft.errors import SFTError  # noqa: E402
+from sft.errors import SFTError
 
 logger = logging.getLogger("sft")
 
@@ -47,12 +43,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from sft import checkpoint as ckpt
     from sft.data import load_datasets
+    from sft.engines import deepspeed as ds_engine
     from sft.model import load_model, load_tokenizer
-    from sft.preflight import preflight
+    from sft.preflight import Resume, preflight
     from sft.trainer import Trainer
 
-    training_args = preflight(training_args, model_args)  # batch and memory plan, before any expensive work
     resume_from = ckpt.resolve_resume(training_args)
+    saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
+    resume = Resume.of(resume_from, saved) if resume_from else None
+    training_args = preflight(training_args, model_args, resume)  # batch, memory and resume plan, before any work
     training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
     if training_args.process_index == 0:
         ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
@@ -61,12 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
     check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
     if resume_from:
-        saved = ckpt.read_state(resume_from)["fingerprint"]
         ckpt.compare_fingerprints(saved, fingerprint, resume_from)
-        training_args = ckpt.adapt_geometry(training_args, saved, resume_from)
-        fingerprint = ckpt.fingerprint(
-            script_args, data_args, training_args, model_args, tokenizer, len(train_dataset)
-        )
+        ds_engine.convert_for_resume(training_args, resume_from)
     model = load_model(model_args, training_args)
     trainer = Trainer(
         model=model,
@@ -98,11 +93,16 @@ def cli(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run(argv: list[str] | None = None) -> None:
+    """The process entry point: train, then leave with the exit code (see `sft.distributed.leave`)."""
     from sft.distributed import leave
 
     try:
-        code = cli()
+        code = cli(argv)
     except SystemExit as e:  # a preempted run's exit code
         code = e.code if isinstance(e.code, int) else 1
     leave(code)
+
+
+if __name__ == "__main__":
+    run()

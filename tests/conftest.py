@@ -16,6 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ["--config", str(ROOT / "recipes" / "demo.yaml")]
 
 
+MULTIPROC_DIR = Path(__file__).resolve().parent / "multiproc"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: every test under tests/multiproc/ runs training in launched processes and is marked `multiproc`
+    (`pytest -m "not multiproc"` is the quick loop); the folder, not a decorator per test, decides."""
+    import pytest
+
+    for item in items:
+        if MULTIPROC_DIR in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.multiproc)
+
+
 def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -81,6 +94,24 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def run_cli_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`sft.train.cli(args)` in this process, for runs that stop before training (bad input): its exit code and what
+    it wrote to stdout/stderr, as `run_cli` returns them. An exception other than sft's own errors propagates (it
+    would have been a traceback)."""
+    import contextlib
+    import io
+
+    from sft.train import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli(list(args))
+        except SystemExit as e:  # argparse's own refusal of a flag value
+            code = e.code
+    return subprocess.CompletedProcess(["sft", "train", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_jsonl(path: Path) -> list[dict]:

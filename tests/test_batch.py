@@ -6,20 +6,20 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 from sft.batch import plan_batch
 from sft.errors import ConfigError
+from tests.conftest import ROOT
 
 
 def test_accumulation_from_global_batch():
-    plan = plan_batch(world_size=8, per_device_batch_size=2, global_batch_size=528)
+    plan = plan_batch(dp_size=8, per_device_batch_size=2, global_batch_size=528)
     assert plan.gradient_accumulation_steps == 33 and plan.global_batch_size == 528
 
 
 def test_same_target_same_global_batch_on_any_world_size():
     for world, gas in ((1, 64), (2, 32), (4, 16), (8, 8), (16, 4), (64, 1)):
-        plan = plan_batch(world_size=world, per_device_batch_size=2, global_batch_size=128)
+        plan = plan_batch(dp_size=world, per_device_batch_size=2, global_batch_size=128)
         assert (plan.gradient_accumulation_steps, plan.global_batch_size) == (gas, 128)
 
 
@@ -31,21 +31,21 @@ def test_tokens_per_step_with_packing():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(world_size=8, per_device_batch_size=4, global_batch_size=528),
-         "global batch 528 cannot be reached with world size 8 x per_device_train_batch_size 4 = 32 rows per "
+        (dict(dp_size=8, per_device_batch_size=4, global_batch_size=528),
+         "global batch 528 cannot be reached with data-parallel size 8 x per_device_train_batch_size 4 = 32 rows per "
          "accumulation step. Nearest reachable: 512 (accumulation 16), 544 (accumulation 17). Or keep the target with "
          "per_device_train_batch_size x accumulation = 1 x 66, 2 x 33, 3 x 22, 6 x 11, 11 x 6."),
-        (dict(world_size=8, per_device_batch_size=2, global_batch_size=100),
-         "Nearest reachable: 96 (accumulation 6), 112 (accumulation 7). Or keep the target with a world size that "
-         "divides 100: [5, 10, 20, 25, 50, 100]."),
-        (dict(world_size=16, per_device_batch_size=4, tokens_per_step=1_000_000, max_length=4096),
+        (dict(dp_size=8, per_device_batch_size=2, global_batch_size=100),
+         "Nearest reachable: 96 (accumulation 6), 112 (accumulation 7). Or keep the target with a data-parallel size "
+         "(GPU count) that divides 100: [5, 10, 20, 25, 50, 100]."),
+        (dict(dp_size=16, per_device_batch_size=4, tokens_per_step=1_000_000, max_length=4096),
          "`tokens_per_step` 1,000,000 is not a whole number of rows of max_length 4096; nearest: 999,424 (244 rows) "
          "or 1,003,520 (245 rows)."),
-        (dict(world_size=2, per_device_batch_size=4, tokens_per_step=65536),
+        (dict(dp_size=2, per_device_batch_size=4, tokens_per_step=65536),
          "`tokens_per_step` (65536) needs `max_length`"),
-        (dict(world_size=2, per_device_batch_size=4, tokens_per_step=65536, global_batch_size=8, max_length=512),
+        (dict(dp_size=2, per_device_batch_size=4, tokens_per_step=65536, global_batch_size=8, max_length=512),
          "give one target"),
-        (dict(world_size=3, per_device_batch_size=4, global_batch_size=48, max_length=512),
+        (dict(dp_size=3, per_device_batch_size=4, global_batch_size=48, max_length=512),
          None),
     ],
 )  # fmt: skip

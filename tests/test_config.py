@@ -7,7 +7,8 @@ import json
 import pytest
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from sft.config import parse_args, resolve_ds_auto
+from sft.config import parse_args
+from sft.engines.deepspeed import prepare_config
 from sft.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -91,16 +92,14 @@ def test_overlap_comm_auto_is_off_on_one_process_and_on_with_several(tmp_path, m
     # what transformers and accelerate hand to DeepSpeed
     assert training_args.hf_deepspeed_config.config["zero_optimization"]["overlap_comm"] is False
     assert training_args.deepspeed_plugin.deepspeed_config["zero_optimization"]["overlap_comm"] is False
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    config, chosen = resolve_ds_auto("ds_configs/zero2.json")
+    config, chosen = prepare_config("ds_configs/zero2.json", processes=2)
     assert config["zero_optimization"]["overlap_comm"] is True and chosen == {"zero_optimization.overlap_comm": True}
     assert json.loads((ROOT / "ds_configs" / "zero2.json").read_text())["zero_optimization"]["overlap_comm"] == "auto"
     # an explicit value is the user's, on any number of processes: the path is passed on untouched
     explicit = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
     explicit["zero_optimization"]["overlap_comm"] = True
     (tmp_path / "explicit.json").write_text(json.dumps(explicit))
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert resolve_ds_auto(str(tmp_path / "explicit.json")) == (str(tmp_path / "explicit.json"), {})
+    assert prepare_config(str(tmp_path / "explicit.json"), processes=1) == (str(tmp_path / "explicit.json"), {})
     explicit["zero_optimization"]["overlap_comm"] = "yes"
     (tmp_path / "bad.json").write_text(json.dumps(explicit))
     with pytest.raises(ConfigError, match=r'overlap_comm in .*bad.json must be true, false or "auto", got \'yes\''):

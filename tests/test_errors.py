@@ -1,4 +1,7 @@
-"""Bad input stops the run before any training with one clear paragraph and a non-zero exit, never a traceback."""
+"""Bad input stops the run before any training with one clear paragraph and a non-zero exit, never a traceback.
+
+Each case calls the training CLI function in this process (`run_cli_in_process`): every one stops before a model is
+built, so no process needs to be launched."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
+from tests.conftest import run_cli_in_process as run_cli
 
 GOOD = {"role": "user", "content": "repeat: abc"}, {"role": "assistant", "content": "abc"}
 
@@ -150,3 +154,11 @@ def test_unreachable_global_batch(tmp_path):
 def test_bad_auto_value(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path)), "--activation_checkpointing", "sometimes"])
     expect_error(result, "`activation_checkpointing` must be true, false or `auto`, got 'sometimes'")
+
+
+def test_lora_on_random_weights_is_refused(tmp_path):
+    result = run_cli(
+        ["--config", str(write_recipe(tmp_path)), "--from_scratch", "true", "--use_peft", "--lora_r", "8"]
+    )
+    expect_error(result, "`from_scratch` makes random base weights")
+    assert result.returncode == 2

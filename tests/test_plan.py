@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
@@ -19,6 +18,7 @@ from sft import plan
 from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.preflight import preflight
+from tests.conftest import ROOT
 
 LLAMA = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
 SHAPES = {

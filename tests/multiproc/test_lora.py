@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_env, read_jsonl, run_cli
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from sft.checkpoint import MARKER
-from sft.trainer import KILL_DURING_SAVE_ENV
+from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
 
-pytestmark = pytest.mark.multiproc
 STEPS = 12
 ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--use_peft", "--lora_r", "8",
@@ -106,8 +104,3 @@ def test_lora_resume_after_a_kill_matches(runs, base, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Resuming from" in resumed.stderr
     assert losses(out) == losses(runs["zero2"])
-
-
-def test_lora_on_random_weights_is_refused(tmp_path):
-    result = run_cli([*ARGS, "--from_scratch", "true", "--output_dir", str(tmp_path / "out")])
-    assert result.returncode == 2 and "`from_scratch` makes random base weights" in result.stderr

@@ -54,7 +54,6 @@ def zero_runs(tmp_path_factory, init_model):
     return runs
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_demo_learns_and_logs_every_step(zero_runs, stage):
     out = zero_runs[stage]
@@ -74,7 +73,6 @@ def test_zero_demo_learns_and_logs_every_step(zero_runs, stage):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
 def test_each_rank_sees_different_samples(zero_runs, stage):
     trace = {rank: read_jsonl(zero_runs[stage] / "data_trace" / f"rank{rank}.jsonl") for rank in (0, 1)}
@@ -85,7 +83,6 @@ def test_each_rank_sees_different_samples(zero_runs, stage):
     assert len(set(hashes)) == len(hashes)  # within one epoch, no micro-batch is seen twice
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
 def test_output_loads_and_generates(zero_runs, stage):
     out = zero_runs[stage]
@@ -100,7 +97,6 @@ def test_output_loads_and_generates(zero_runs, stage):
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
 
-@pytest.mark.multiproc
 def test_zero2_and_zero3_agree(zero_runs):
     """Same seed, data and global batch: ZeRO-3 sharding changes summation order only."""
     z2, z3 = train_losses(zero_runs[2]), train_losses(zero_runs[3])

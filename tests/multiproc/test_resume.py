@@ -22,11 +22,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from sft.checkpoint import MARKER, PREEMPTED_EXIT_CODE
-from sft.trainer import KILL_DURING_SAVE_ENV
+from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER, PREEMPTED_EXIT_CODE
 from tests.conftest import ROOT, cli_env, finish, read_jsonl, run_cli, start_cli, wait_for
 
-pytestmark = pytest.mark.multiproc
 STEPS = 12
 # per-device batch 1 x accumulation 2 x 2 processes = global batch 4 packed rows; 2 dataloader workers
 ARGS = [

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_env, run_cli
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-pytestmark = pytest.mark.multiproc
+from tests.conftest import ROOT, cli_env, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""Parallel dimensions: how the processes of a run split the work, computed once and read everywhere else.
+
+Every process of a run is one GPU (or one CPU process). Today sft spreads work one way, data parallelism with
+DeepSpeed ZeRO, so the data-parallel size equals the world size; sequence parallelism (several ranks sharing the
+tokens of one sample) is the next dimension, and tensor parallelism may follow. Everything that needs one of these
+sizes — the batch arithmetic (`sft.batch`: global batch = data-parallel size x micro batch x accumulation), the memory
+planner, the checkpoint fingerprint and the resume on another process count, tokens/s and MFU per GPU — reads it
+from `ParallelDims`, so that a new dimension is a change here plus its consumers' use of it, not a search for every
+`world_size` in the package. Like torchtitan's `ParallelDims`, the product of the dimensions must equal the world
+size; unlike it, no device mesh is built here: DeepSpeed and accelerate build their own process groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from sft.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The sizes of one run: `world_size` processes = `dp` (data-parallel replicas) x `sp` (sequence-parallel ranks
+    per replica). `gpus_per_node` is the processes of one node (torchrun's LOCAL_WORLD_SIZE)."""
+
+    world_size: int
+    dp: int
+    sp: int = 1
+    gpus_per_node: int | None = None
+
+    def __post_init__(self):
+        for name in ("world_size", "dp", "sp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Parallel size `{name}` must be a whole number >= 1, got {value!r}.")
+        if self.dp * self.sp != self.world_size:
+            raise ConfigError(
+                f"The parallel sizes do not multiply to the number of processes: data-parallel {self.dp} x "
+                f"sequence-parallel {self.sp} = {self.dp * self.sp}, but the run has {self.world_size} processes. "
+                f"Choose a sequence-parallel size that divides {self.world_size}, or launch dp x sp processes."
+            )
+
+    @classmethod
+    def build(cls, world_size: int, sp: int = 1, gpus_per_node: int | None = None) -> ParallelDims:
+        """The dimensions of `world_size` processes with `sp` sequence-parallel ranks (data parallelism fills the
+        rest); a ConfigError names the values when `sp` does not divide the world size."""
+        if not isinstance(sp, int) or sp < 1:
+            raise ConfigError(f"Parallel size `sp` must be a whole number >= 1, got {sp!r}.")
+        if world_size % sp:
+            raise ConfigError(
+                f"Sequence-parallel size {sp} does not divide the {world_size} processes of this run. Use one of "
+                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}, or launch a multiple of {sp} "
+                "processes."
+            )
+        return cls(world_size, world_size // sp, sp, gpus_per_node)
+
+    @classmethod
+    def from_env(cls, sp: int = 1) -> ParallelDims:
+        """The dimensions of this launch (torchrun's / the deepspeed launcher's WORLD_SIZE and LOCAL_WORLD_SIZE)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls.build(world, sp, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @classmethod
+    def of(cls, training_args) -> ParallelDims:
+        """The dimensions of a run from its training arguments (the processes accelerate found)."""
+        world = training_args.world_size
+        return cls.build(world, 1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def nodes(self) -> int:
+        return max(self.world_size // (self.gpus_per_node or self.world_size), 1)
+
+    def describe(self) -> str:
+        text = f"{self.world_size} process{'es' * (self.world_size > 1)}: data-parallel {self.dp}"
+        return text + (f" x sequence-parallel {self.sp}" if self.sp > 1 else "")

@@ -1,0 +1,65 @@
+"""sft.parallel (the one owner of the parallel sizes) and the components that read it: batch arithmetic and the
+`sft` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sft.batch import keep_global_batch
+from sft.errors import ConfigError
+from sft.parallel import ParallelDims
+from tests.conftest import ROOT
+
+
+def test_data_parallel_fills_what_sequence_parallel_leaves():
+    assert ParallelDims.build(8) == ParallelDims(world_size=8, dp=8, sp=1)
+    dims = ParallelDims.build(8, sp=4, gpus_per_node=4)
+    assert (dims.dp, dims.sp, dims.nodes) == (2, 4, 2)
+    assert dims.describe() == "8 processes: data-parallel 2 x sequence-parallel 4"
+
+
+def test_the_product_must_be_the_world_size():
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(world_size=8, dp=3, sp=2)
+    assert "data-parallel 3 x sequence-parallel 2 = 6, but the run has 8 processes" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        ParallelDims.build(6, sp=4)
+    assert "Sequence-parallel size 4 does not divide the 6 processes" in str(e.value) and "[1, 2, 3, 6]" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError, match="`sp` must be a whole number >= 1, got 0"):
+        ParallelDims.build(4, sp=0)
+
+
+def test_the_run_reads_its_dimensions_from_the_launch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ParallelDims.from_env() == ParallelDims(world_size=4, dp=4, sp=1, gpus_per_node=2)
+
+
+def test_a_resume_keeps_the_checkpoints_global_batch_on_the_data_parallel_size():
+    plan = keep_global_batch(8, dp_size=1, per_device_batch_size=2, trained_with="ckpt (2 processes x 2 x 2)")
+    assert (plan.gradient_accumulation_steps, plan.global_batch_size) == (4, 8)
+    with pytest.raises(ConfigError) as e:
+        keep_global_batch(4, dp_size=1, per_device_batch_size=3, trained_with="checkpoint-4 was trained with a 4")
+    assert str(e.value).startswith("checkpoint-4 was trained with a 4; data-parallel size 1 x")
+    assert "per_device_train_batch_size in [1, 2, 4]" in str(e.value)
+
+
+def test_sft_command_runs_each_tool():
+    def sft(*args):
+        return subprocess.run([sys.executable, "-m", "sft", *args], cwd=ROOT, capture_output=True, text=True)
+
+    listing = sft()
+    assert listing.returncode == 2 and all(f"  {c} " in listing.stdout for c in ("train", "plan", "batch", "merge"))
+    batch = sft("batch", "--global-batch-size", "528", "--world-size", "8", "--per-device-batch-size", "2")
+    assert batch.returncode == 0 and batch.stdout.splitlines()[0] == "gradient_accumulation_steps: 33"
+    assert "usage: sft plan" in sft("plan", "--help").stdout
+    assert "usage: sft eval" in sft("eval", "--help").stdout
+    wrong = sft("trian")
+    assert wrong.returncode == 2 and "did you mean 'train'?" in wrong.stderr
+    train = sft("train", "--config", "nope.yaml")  # the training entry point, in-process argument checks first
+    assert train.returncode == 2 and "`--config`: no such file 'nope.yaml'" in train.stderr
