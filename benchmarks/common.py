@@ -1,10 +1,12 @@
-"""What the benchmark scripts share: the sft command line under torchrun, model directories, the environment a
-result was measured in, and the result writer. Scripts run as modules from the repository root
-(`python -m benchmarks.<name>`), so they import this without touching `sys.path`.
+"""What the benchmark scripts share: model shapes (tests use them too), SFT-like data, model directories, the sft
+command line under torchrun, starting and stopping runs, the environment a result was measured in, and the result
+writer. Scripts run as modules from the repository root (`python -m benchmarks.<name>`), so they import this without
+touching `sys.path`. Results go to `benchmarks/results/<script>[_<variant>].{json,md}` (or a folder of that name).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,17 +17,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "hidden_act": "silu", "attention_dropout": 0.0, "dtype": "bfloat16", "pad_token_id": 1, "bos_token_id": 2,
+    "eos_token_id": 3,
+}  # fmt: skip
+# Llama 3.x shapes from their public configs (token ids of the demo tokenizer; the weights are random)
+LLAMA_SHAPES = {
+    "llama-1b": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+                 "tie_word_embeddings": True},
+    "llama-3b": {**_LLAMA, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                 "num_attention_heads": 24, "head_dim": 128, "tie_word_embeddings": True},
+    "llama-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+                 "tie_word_embeddings": False},
+    "llama-70b": {**_LLAMA, "num_attention_heads": 64, "hidden_size": 8192, "intermediate_size": 28672,
+                  "num_hidden_layers": 80, "head_dim": 128, "tie_word_embeddings": False},
+}  # fmt: skip
 
 
-def model_dir(path: Path, **config) -> Path:
-    """A model directory at `path`: the demo's tokenizer and config.json with `config` applied (random weights are
-    made by `from_scratch`)."""
-    path.mkdir(parents=True, exist_ok=True)
-    for f in DEMO_MODEL.iterdir():
-        shutil.copy(f, path)
-    merged = {**json.loads((path / "config.json").read_text()), **config}
-    (path / "config.json").write_text(json.dumps(merged, indent=2))
+def model_dir(path: Path, config: dict | None = None, **overrides) -> Path:
+    """A model directory at `path` (made once): the demo's tokenizer files and a config.json, `config` (default: the
+    demo's) with `overrides` applied. The weights are made by `from_scratch`."""
+    if not (path / "config.json").is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        for f in DEMO_MODEL.iterdir():
+            shutil.copy(f, path)
+        base = config if config is not None else json.loads((DEMO_MODEL / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**base, **overrides}, indent=2))
     return path
+
+
+def make_sft_data(path: Path, n: int, vocab: int, max_len: int) -> None:
+    """`n` pre-tokenised records with an SFT-like length distribution (log-normal, median about 300 tokens, clipped to
+    16..max_len: tens to thousands of tokens with a long tail), random token ids."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(mean=np.log(300), sigma=1.0, size=n), 16, max_len).astype(int)
+    with open(path, "w") as f:
+        for length in lengths:
+            f.write(json.dumps({"input_ids": rng.integers(10, vocab, size=length).tolist()}) + "\n")
 
 
 def llama_shape(hidden: int, layers: int, head_dim: int = 64, **extra) -> dict:
@@ -42,10 +74,14 @@ def llama_shape(hidden: int, layers: int, head_dim: int = 64, **extra) -> dict:
     }
 
 
+def torchrun(nproc: int) -> list[str]:
+    """torchrun with `nproc` processes on a free rendezvous port (so runs can go side by side)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def sft_command(nproc: int, args: list[str]) -> list[str]:
-    """`sft/train.py` under torchrun (a free rendezvous port, so commands can run side by side)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, str(ROOT / "sft" / "train.py"), *args]
+    """`sft/train.py` under torchrun."""
+    return [*torchrun(nproc), str(ROOT / "sft" / "train.py"), *args]
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float]:
@@ -60,12 +96,26 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float]
 
 
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """Like `run`, in the background: wait for it with `.wait()`."""
+    """Like `run`, in the background and in a process group of its own: wait for it with `.wait()`, end it and every
+    process it started with `stop`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     f = open(log, "a")  # noqa: SIM115 (closed with the process)
     f.write(f"$ {' '.join(cmd)}\n")
     f.flush()
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=f)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=f, start_new_session=True
+    )
+    proc.log, proc.started = f, time.time()
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILL a run from `start` and everything in its process group (torchrun's workers, their data loaders)."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def environment() -> dict:
@@ -78,15 +128,19 @@ def environment() -> dict:
     import trl
 
     gpus = torch.cuda.device_count()
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+                "trl": trl.__version__, "deepspeed": deepspeed.__version__}  # fmt: skip
+    for package in ("liger_kernel", "peft", "accelerate"):
+        try:
+            versions[package] = __import__(package).__version__
+        except (ImportError, AttributeError):
+            versions[package] = None
     return {
         "date": time.strftime("%Y-%m-%d"),
         "device": f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "deepspeed": deepspeed.__version__,
-        },
+        "gpu": torch.cuda.get_device_name(0) if gpus else "cpu",
+        "gpus_on_machine": gpus,
+        "versions": versions,
     }
 
 

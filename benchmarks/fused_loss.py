@@ -1,6 +1,6 @@
 """The LM-head loss three ways, side by side on one GPU: time (forward + backward) and peak memory.
 
-    python benchmarks/fused_loss.py --out benchmarks/results
+    python -m benchmarks.fused_loss --out benchmarks/results
 
 - `trl_fused`: TRL's chunked log-prob kernel as SFTTrainer uses it (`add_fused_lm_head`, also computing entropy and
   top-1 hits for its metrics); logits are never built; `trl_fused_loss_only`: the same kernel, log-probs only;

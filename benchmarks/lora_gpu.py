@@ -1,26 +1,27 @@
 """LoRA and QLoRA (bitsandbytes 4-bit) under ZeRO-2 on 2 GPUs, then merge and lm-eval; JSON + markdown out.
 
-    python benchmarks/lora_gpu.py train --work /tmp/lora_gpu --out $OUT   # needs bitsandbytes
-    python benchmarks/lora_gpu.py eval --work /tmp/lora_gpu --out $OUT    # needs lm-eval (a second call: the GPU
+    python -m benchmarks.lora_gpu train --work /tmp/lora_gpu --out $OUT   # needs bitsandbytes
+    python -m benchmarks.lora_gpu eval --work /tmp/lora_gpu --out $OUT    # needs lm-eval (a second call: the GPU
                                                                           # machine cannot carry both at once)
 
 The base is the demo model trained for 150 steps (so it is partly trained); LoRA and QLoRA then train 150 steps on
 the demo data from it with recipes/demo-lora.yaml (QLoRA: `load_in_4bit`, bf16 compute). Each adapter is merged with
-`python -m sft.merge`, and `eval/run.py` scores the base and both merged models on `sft_demo` (exact match).
+`python -m sft.merge`, and `sft eval` (`sft.evaluation`) scores the base and both merged models on `sft_demo` (exact
+match).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+from benchmarks.common import ROOT, torchrun
+from benchmarks.common import run as run_logged
+
+TORCHRUN = torchrun(2)
 COMMON = [
     "--max_steps",
     "150",
@@ -38,8 +39,7 @@ COMMON = [
 
 
 def run(cmd: list[str], log: Path) -> int:
-    with open(log, "w") as f:
-        return subprocess.run(cmd, cwd=ROOT, env=os.environ, stdout=f, stderr=f).returncode
+    return run_logged(cmd, log)[0]
 
 
 def train(work: Path, out: Path) -> None:
@@ -86,7 +86,7 @@ def evaluate(work: Path, out: Path) -> None:
     report = json.loads((work / "lora_gpu_train.json").read_text())
     scores = {}
     for name, model in (("base", "base"), ("lora", "lora-merged"), ("qlora", "qlora-merged")):
-        rc = run([sys.executable, "eval/run.py", "--model", str(work / model), "--tasks", "sft_demo", "--device",
+        rc = run([sys.executable, "-m", "sft", "eval", "--model", str(work / model), "--tasks", "sft_demo", "--device",
                   "cuda", "--batch-size", "32"], out / f"eval-{name}.log")  # fmt: skip
         files = sorted((work / model / "eval").glob("results_*.json"))
         scores[name] = {"exit_code": rc}

@@ -1,7 +1,7 @@
 """Predicted (`sft.plan`) vs measured peak GPU memory of real sft training steps; JSON + markdown out.
 
-    python benchmarks/memory_plan.py --out benchmarks/results             # measure (GPUs), then compare
-    python benchmarks/memory_plan.py --report benchmarks/results/memory_plan_measured.json   # compare again
+    python -m benchmarks.memory_plan --set calibration --out benchmarks/results    # measure (GPUs), then compare
+    python -m benchmarks.memory_plan --report benchmarks/results/memory_plan_calibration_measured.json  # again
 
 Each group (model shape, ZeRO stage, GPU count, Liger) is one `torchrun` launch of the real trainer: the recipe goes
 through `sft.config.parse_args`, the data through `sft.data`, the model through `sft.model`, training through
@@ -11,8 +11,9 @@ micro_batch x max_length tokens), so one model build measures many settings. For
 `torch.cuda.max_memory_allocated()` over forward + backward and over DeepSpeed's optimizer step, the maximum over
 ranks. Models are built from their config (random weights): memory does not depend on the weights' values.
 
-The measured rows are written first (`memory_plan_measured.json`), then each row is compared with
-`sft.plan.estimate` for the same setting (`memory_plan.json`, `memory_plan.md`).
+The measured rows are written first (`memory_plan_<set>_measured.json`), then each row is compared with
+`sft.plan.estimate` for the same setting (`memory_plan_<set>.{json,md}`); `--auto` checks the CLI's `auto` choice
+(`memory_plan_auto.json`).
 """
 
 from __future__ import annotations
@@ -20,30 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import LLAMA_SHAPES, ROOT, model_dir, run, sft_command, torchrun
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_attention_heads": 32,
-    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "hidden_act": "silu", "attention_dropout": 0.0, "dtype": "bfloat16",
-    "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3,
-}  # fmt: skip
-SHAPES = {
-    "llama-1b": {**LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
-                 "tie_word_embeddings": True},
-    "llama-3b": {**LLAMA, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-                 "num_attention_heads": 24, "head_dim": 128, "tie_word_embeddings": True},
-    "llama-8b": {**LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-                 "tie_word_embeddings": False},
-}  # fmt: skip
+SHAPES = dict(LLAMA_SHAPES)
 # (shape, zero stage, GPUs, liger, max_length, phases as (activation checkpointing, micro batch)); a phase of micro
 # batch m trains micro-batches of m x max_length tokens. `calibration` is what sft.plan's per-token allowance was
 # fitted on; `validation` was measured afterwards, with shapes, lengths and GPU counts the fit never saw.
@@ -63,18 +47,6 @@ SETS = {
     ],
 }
 STEPS_PER_PHASE = 2
-
-
-def model_dir(work: Path, shape: str) -> Path:
-    """<work>/<shape>: the shape's config.json with the demo's tokenizer files (the model is built from the config)."""
-    model = work / shape
-    if not model.exists():
-        model.mkdir()
-        for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-            if f.name != "config.json":
-                shutil.copy(f, model)
-        (model / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
-    return model
 
 
 def worker(args) -> None:
@@ -164,7 +136,7 @@ def measure(args) -> dict:
         if args.only and shape not in args.only:
             continue
         name = f"{shape}_zero{stage}_{gpus}gpu_liger{int(liger)}"
-        model = model_dir(work, shape)
+        model = model_dir(work / shape, SHAPES[shape])
         rng = np.random.default_rng(0)
         data = work / f"{name}.jsonl"
         with open(data, "w") as f:  # the sequential sampler hands rank r item (step * gpus + r)
@@ -187,12 +159,10 @@ def measure(args) -> dict:
             recipe.update(bf16=False, dtype="float32")
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
         rows = work / f"{name}.rows.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__]
-        cmd += ["--worker", "--recipe", str(work / f"{name}.yaml"), "--rows", str(rows)]
-        cmd += ["--phases", json.dumps([[c, m] for c, m in phases])]
+        cmd = [*torchrun(gpus), "-m", "benchmarks.memory_plan", "--worker", "--recipe", str(work / f"{name}.yaml")]
+        cmd += ["--rows", str(rows), "--phases", json.dumps([[c, m] for c, m in phases])]
         start = time.time()
-        with open(work / f"{name}.log", "w") as log:
-            rc = subprocess.run(cmd, cwd=ROOT, env=os.environ, stdout=log, stderr=log).returncode
+        rc, _ = run(cmd, work / f"{name}.log")
         steps = [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
         group = {"name": name, "shape": shape, "config": SHAPES[shape], "zero_stage": stage, "gpus": gpus,
                  "liger": liger, "seq_len": seq, "exit_code": rc, "wall_s": round(time.time() - start, 1),
@@ -233,7 +203,7 @@ def auto_check(args) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="memory_plan_auto_"))
     shape, gpus, memory_gib, seq, global_batch = "llama-8b", 2, 80.0, 4096, 16
-    model = model_dir(work, shape)
+    model = model_dir(work / shape, SHAPES[shape])
     rng = np.random.default_rng(0)
     with open(work / "data.jsonl", "w") as f:
         for length in np.clip(rng.lognormal(np.log(1500), 0.8, size=400), 64, seq).astype(int):
@@ -248,22 +218,21 @@ def auto_check(args) -> None:
         "deepspeed": str(ROOT / "ds_configs" / "zero3.json"), "output_dir": str(work / "out"), "seed": 0,
     }  # fmt: skip
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    cmd += [str(ROOT / "sft" / "train.py"), "--config", str(work / "recipe.yaml")]
+    cmd = sft_command(gpus, ["--config", str(work / "recipe.yaml")])
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=os.environ, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+    returncode, _ = run(cmd, work / "auto.log")
+    log = (work / "auto.log").read_text()
     metrics = work / "out" / "metrics.jsonl"
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if metrics.exists() else []
     result = {
-        "command": " ".join(cmd[1:]), "recipe": recipe, "exit_code": proc.returncode,
+        "command": " ".join(cmd[1:]), "recipe": recipe, "exit_code": returncode,
         "wall_s": round(time.time() - start, 1),
         "plan_log": [line for line in log.splitlines() if "plan" in line.lower() or "auto settings" in line
                      or line.startswith("  ")][:40],
         "peak_memory_gib": max((r.get("peak_memory_gib", 0.0) for r in steps), default=None),
         "losses": [r["loss"] for r in steps],
     }  # fmt: skip
-    if proc.returncode:
+    if returncode:
         result["log_tail"] = log[-4000:]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_plan_auto.json").write_text(json.dumps(result, indent=2) + "\n")

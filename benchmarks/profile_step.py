@@ -1,8 +1,8 @@
 """Where the time of an optimizer step goes: tokens/s of short runs plus a torch.profiler trace of one step each.
 
-    python benchmarks/profile_step.py --out $OUT                      # every variant below (1 GPU)
-    python benchmarks/profile_step.py --only sft sft_nods --out $OUT  # a subset
-    python benchmarks/profile_step.py --tiny --out /tmp/p             # CPU smoke test: demo-sized model
+    python -m benchmarks.profile_step --out $OUT                      # every variant below (1 GPU)
+    python -m benchmarks.profile_step --only sft sft_nods --out $OUT  # a subset
+    python -m benchmarks.profile_step --tiny --out /tmp/p             # CPU smoke test: demo-sized model
 
 Each variant is the real CLI (`sft/train.py` under torchrun, one process) on the random-initialised Llama-3.2-1B shape
 with `benchmarks/throughput.py`'s data, recipe and global batch. Steps `--warmup`+1 .. `--profile-step`-1 give
@@ -16,19 +16,17 @@ Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each
 - `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
   DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
 
-benchmarks/results/profile_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json still
-had `overlap_comm: true`, so its `sft` row is what `sft_overlap` is now; that run is why zero2.json now says
-`"auto"` (off on one process, see `sft.config.resolve_ds_auto`).
+benchmarks/results/profile_step_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json
+still had `overlap_comm: true`, so its `sft` row is what `sft_overlap` is now; that run is why zero2.json now says
+`"auto"` (off on one process, see `sft.engines.deepspeed.prepare_config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -37,9 +35,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import COMMON, GLOBAL_BATCH, ROOT, SETTINGS, model_dir  # noqa: E402
-from train_matrix import LLAMA_1B, make_data  # noqa: E402
+from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, run, torchrun
+from benchmarks.throughput import COMMON, GLOBAL_BATCH, SETTINGS
 
 VARIANTS = {
     "sft": {"deepspeed": "ds_configs/zero2.json"},
@@ -77,7 +74,8 @@ def ds_config(work: Path, spec) -> str | None:
 
 def recipe(name: str, args, work: Path, data: Path) -> Path:
     variant = dict(VARIANTS[name])
-    r = {**COMMON, **SETTINGS["sft"], "model_name_or_path": str(model_dir(work, "1b", args.tiny))}
+    model = model_dir(work / "model-1b", None if args.tiny else LLAMA_SHAPES["llama-1b"])
+    r = {**COMMON, **SETTINGS["sft"], "model_name_or_path": str(model)}
     r.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.profile_step + 1)
     deepspeed = ds_config(work, variant.pop("deepspeed"))
     if deepspeed:
@@ -90,15 +88,13 @@ def recipe(name: str, args, work: Path, data: Path) -> Path:
     return path
 
 
-def run(name: str, args, work: Path, data: Path) -> dict:
+def profile(name: str, args, work: Path, data: Path) -> dict:
     path = recipe(name, args, work, data)
     trace = work / f"{name}.profile.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__, "--inner"]
-    cmd += [str(path), "--profile-step", str(args.profile_step), "--out", str(trace)]
-    start = time.time()
-    with open(work / "logs" / f"{name}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=os.environ, stdout=log, stderr=subprocess.STDOUT).returncode
-    result = {"name": name, "exit_code": rc, "wall_s": round(time.time() - start, 1)}
+    cmd = [*torchrun(1), "-m", "benchmarks.profile_step", "--inner", str(path)]
+    cmd += ["--profile-step", str(args.profile_step), "--out", str(trace)]
+    rc, seconds = run(cmd, work / "logs" / f"{name}.log")
+    result = {"name": name, "exit_code": rc, "wall_s": round(seconds, 1)}
     metrics = work / name / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in steps if "loss" in r and "tokens_per_second_per_gpu" in r]
@@ -225,22 +221,22 @@ def main() -> None:
     if args.inner:
         inner(args)
         return
-    from throughput import environment
-
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="profile-"))
     (work / "logs").mkdir()
     data = work / "data.jsonl"
-    make_data(data, args.records, 104 if args.tiny else LLAMA_1B["vocab_size"], 512 if args.tiny else 4096)
+    make_sft_data(
+        data, args.records, 104 if args.tiny else LLAMA_SHAPES["llama-1b"]["vocab_size"], 512 if args.tiny else 4096
+    )
     runs = []
     for name in args.only or VARIANTS:
-        result = run(name, args, work, data)
+        result = profile(name, args, work, data)
         runs.append(result)
         with open(args.out / "runs.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
         print(f"{name}: exit {result['exit_code']}, {result['wall_s']} s, "
               f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU", flush=True)  # fmt: skip
-    subprocess.run(["tar", "czf", str(args.out / "logs.tar.gz"), "-C", str(work), "logs"], check=False)
+    shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
     report(runs, args.out, environment())
 
 

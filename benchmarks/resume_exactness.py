@@ -1,6 +1,6 @@
 """Stop-and-resume versus an uninterrupted run, on whatever hardware this runs on; writes JSON and a markdown table.
 
-    python benchmarks/resume_exactness.py --nproc 2 --deepspeed ds_configs/zero3.json --bf16 --out results/
+    python -m benchmarks.resume_exactness --nproc 2 --deepspeed ds_configs/zero3.json --bf16 --out results/
 
 Four runs of the same command on the demo data with a Llama-shaped model built from scratch (attention dropout on):
 two uninterrupted runs (to measure run-to-run noise of the hardware), and one that the main process SIGKILLs in the
@@ -13,48 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def model_dir(path: Path, hidden: int, layers: int) -> Path:
-    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-        shutil.copy(f, path)
-    config = json.loads((path / "config.json").read_text())
-    heads = hidden // 64
-    config.update(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(heads // 4, 1),
-        head_dim=64,
-        attention_dropout=0.1,
-    )
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+from benchmarks.common import ROOT, environment, llama_shape, model_dir, run, sft_command, write_results
 
 
 def train(args, model: Path, out: Path, env_extra: dict | None = None) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd += [str(ROOT / "sft" / "train.py"), "--config", str(ROOT / "recipes" / "demo.yaml")]
+    cmd = sft_command(args.nproc, ["--config", str(ROOT / "recipes" / "demo.yaml")])
     cmd += ["--model_name_or_path", str(model), "--output_dir", str(out), "--deepspeed", args.deepspeed]
     cmd += ["--max_steps", str(args.steps), "--save_strategy", "steps", "--save_steps", str(args.save_every)]
     cmd += ["--logging_steps", "1", "--eval_strategy", "no", "--bf16", str(args.bf16).lower()]
     cmd += ["--dtype", "float32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     cmd += ["--dataloader_num_workers", "2", "--max_length", "1024", "--learning_rate", "1e-3"]
-    start = time.time()
-    with open(out.parent / f"{out.name}.log", "a") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env_extra or {})}, stdout=log, stderr=log).returncode
-    return rc, time.time() - start
+    return run(cmd, out.parent / f"{out.name}.log", env_extra)
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -88,11 +61,9 @@ def main() -> None:
     parser.add_argument("--keep-logs", action="store_true", help="Copy the training logs next to the results.")
     args = parser.parse_args()
 
-    import torch
-
     work = Path(tempfile.mkdtemp())
-    (work / "model").mkdir()
-    model = model_dir(work / "model", args.hidden, args.layers)
+    model = model_dir(work / "model", **llama_shape(args.hidden, args.layers, attention_dropout=0.1))
+    env = environment()
     runs = {}
     for name in ("reference_a", "reference_b"):
         runs[name] = train(args, model, work / name)
@@ -100,13 +71,13 @@ def main() -> None:
     resumed = train(args, model, work / "resumed")
     result = {
         "what": f"{args.steps} steps uninterrupted vs killed while writing checkpoint-{args.kill_at} and rerun",
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": env["device"],
         "nproc": args.nproc,
         "deepspeed": args.deepspeed,
         "bf16": args.bf16,
         "model": {"hidden": args.hidden, "layers": args.layers, "attention_dropout": 0.1},
-        "versions": {"torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"),
+        "versions": env["versions"],
+        "date": env["date"],
         "exit_codes": {"reference_a": runs["reference_a"][0], "reference_b": runs["reference_b"][0]}
         | {"killed": killed[0], "resumed": resumed[0]},
         "seconds": {k: round(v[1], 1) for k, v in runs.items()}
@@ -117,9 +88,7 @@ def main() -> None:
         "run_to_run": compare(work / "reference_a", work / "reference_b"),
         "resume_vs_uninterrupted": compare(work / "reference_a", work / "resumed"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"resume_{Path(args.deepspeed).stem}_{args.nproc}proc_{'bf16' if args.bf16 else 'fp32'}"
-    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    tag = f"resume_exactness_{Path(args.deepspeed).stem}_{args.nproc}proc_{'bf16' if args.bf16 else 'fp32'}"
     rows = [f"| pair | {' | '.join(k for k in result['run_to_run'] if k != 'steps')} |"]
     rows.append("|" + " --- |" * (len(result["run_to_run"])))
     for pair in ("run_to_run", "resume_vs_uninterrupted"):
@@ -127,7 +96,7 @@ def main() -> None:
     header = (
         f"# {result['what']}\n\n{result['device']}, {args.nproc} processes, {args.deepspeed}, bf16={args.bf16}\n\n"
     )
-    (args.out / f"{tag}.md").write_text(header + "\n".join(rows) + "\n")
+    write_results(args.out, tag, result, header + "\n".join(rows))
     if args.keep_logs:
         for log in work.glob("*.log"):
             shutil.copy(log, args.out / f"{tag}_{log.name}")

@@ -35,6 +35,7 @@ from benchmarks.common import (
     start,
     write_results,
 )
+from sft.metrics import samples_per_step
 
 KILL_ENV = "SFT_TEST_KILL_DURING_SAVE"
 
@@ -64,14 +65,6 @@ def ds_op_build_env() -> dict:
         return {}
     major, minor = torch.cuda.get_device_capability()
     return {"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"}
-
-
-def samples_per_step(out: Path) -> dict[int, list[str]]:
-    steps: dict[int, list[str]] = {}
-    for path in (out / "data_trace").glob("rank*.jsonl"):
-        for record in read_jsonl(path):
-            steps.setdefault(record["step"], []).extend(record["samples"])
-    return {step: sorted(samples) for step, samples in sorted(steps.items())}
 
 
 def compare(ref: Path, other: Path, resumed_at: int) -> dict:

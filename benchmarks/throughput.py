@@ -1,9 +1,9 @@
 """Tokens/s per GPU, MFU, peak memory and scaling: TRL's defaults, TRL packing (varlen), sft's default; one matrix.
 
-    python benchmarks/throughput.py --out $OUT                       # the whole matrix (needs 4 GPUs)
-    python benchmarks/throughput.py --only 1b --out $OUT             # a subset: names containing any of the words
-    python benchmarks/throughput.py --report DIR [DIR ...] --out benchmarks/results   # merge runs into one table
-    python benchmarks/throughput.py --tiny --out /tmp/t              # CPU smoke test: demo-sized model
+    python -m benchmarks.throughput --out $OUT                       # the whole matrix (needs 4 GPUs)
+    python -m benchmarks.throughput --only 1b --out $OUT             # a subset: names containing any of the words
+    python -m benchmarks.throughput --report DIR [DIR ...] --out benchmarks/results   # merge runs into one table
+    python -m benchmarks.throughput --tiny --out /tmp/t              # CPU smoke test: demo-sized model
 
 benchmarks/results/throughput.{json,md} were made by four calls (a device call runs at most 10 minutes):
 `--only 1b` on 1 x H100 (throughput_h100/), then on 4 x H200 `--only 8b-4gpu-zero3-sft 8b-4gpu-zero3-trl_packing
@@ -11,10 +11,11 @@ benchmarks/results/throughput.{json,md} were made by four calls (a device call r
 `--only 8b-4gpu-zero3-sft_buckets 3b-4gpu-zero2-trl_packing` (throughput_h200x4/call2..4), merged with `--report`.
 
 Every run is the real CLI (`sft/train.py` under torchrun) on random-initialised Llama shapes (1B, 3B, 8B from their
-public configs), seq 4096, pre-tokenised records with an SFT-like length distribution (`train_matrix.make_data`:
-log-normal, median 300 tokens, 16..4096, so tens to thousands with a long tail). Numbers are read back from each run's
-metrics.jsonl (`sft.trainer`: real tokens per second per GPU; MFU from linear-layer FLOPs + causal attention over the
-real sample lengths, against the GPU's dense bf16 peak), averaged over the steps after the warm-up.
+public configs), seq 4096, pre-tokenised records with an SFT-like length distribution
+(`benchmarks.common.make_sft_data`: log-normal, median 300 tokens, 16..4096, so tens to thousands with a long tail).
+Numbers are read back from each run's metrics.jsonl (`sft.trainer`: real tokens per second per GPU; MFU from linear-
+layer FLOPs + causal attention over the real sample lengths, against the GPU's dense bf16 peak), averaged over the
+steps after the warm-up.
 
 Settings (same data, max_length and DeepSpeed config within a cell; packed runs also the same global batch):
 - `trl_defaults`: TRL's SFTConfig defaults: no packing (padded rows), sdpa attention, activation checkpointing on,
@@ -35,10 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,17 +44,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_matrix import LLAMA_1B, make_data  # noqa: E402
+from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, sft_command, start, stop
 
-ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {
-    "1b": LLAMA_1B,
-    "3b": {**LLAMA_1B, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-           "num_attention_heads": 24, "head_dim": 128},
-    "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "head_dim": 128, "tie_word_embeddings": False},
-}  # fmt: skip
+SHAPES = {"1b": LLAMA_SHAPES["llama-1b"], "3b": LLAMA_SHAPES["llama-3b"], "8b": LLAMA_SHAPES["llama-8b"]}
 GLOBAL_BATCH = 32  # packed rows of 4096 tokens per optimizer step (131,072 tokens); divisible by 8 rows x 1, 2, 4 GPUs
 COMMON = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-5, "lr_scheduler_type": "constant",
           "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
@@ -93,18 +83,6 @@ MATRIX = [
 ]
 
 
-def model_dir(work: Path, shape: str, tiny: bool) -> Path:
-    path = work / f"model-{shape}"
-    if not path.exists():
-        path.mkdir()
-        for f in (ROOT / "recipes" / "demo" / "model").iterdir():  # the demo tokenizer; the data is token ids
-            if f.name != "config.json":
-                shutil.copy(f, path)
-        demo = json.loads((ROOT / "recipes" / "demo" / "model" / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps(demo if tiny else SHAPES[shape], indent=2))
-    return path
-
-
 def ds_config(work: Path, stage: str, buckets: float | None) -> str:
     if buckets is None:
         return str(ROOT / STAGES[stage])
@@ -117,10 +95,11 @@ def ds_config(work: Path, stage: str, buckets: float | None) -> str:
     return str(path)
 
 
-def start(run: dict, gpu_ids: list[int], args, work: Path, data: Path) -> subprocess.Popen:
+def launch(run: dict, gpu_ids: list[int], args, work: Path, data: Path):
     settings = dict(SETTINGS[run["setting"]])
     buckets = settings.pop("ds_buckets", None)
-    recipe = {**COMMON, **settings, "model_name_or_path": str(model_dir(work, run["model"], args.tiny))}
+    model = model_dir(work / f"model-{run['model']}", None if args.tiny else SHAPES[run["model"]])
+    recipe = {**COMMON, **settings, "model_name_or_path": str(model)}
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / run["name"]), max_steps=args.steps)
     recipe["deepspeed"] = ds_config(work, run["stage"], buckets)
     if args.tiny:
@@ -128,23 +107,18 @@ def start(run: dict, gpu_ids: list[int], args, work: Path, data: Path) -> subpro
         recipe.pop("use_liger_kernel", None)
     (work / f"{run['name']}.yaml").write_text(yaml.safe_dump(recipe))
     nproc = min(run["gpus"], 2) if args.tiny else run["gpus"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(ROOT / "sft" / "train.py"), "--config", str(work / f"{run['name']}.yaml")]
-    env = dict(os.environ)
-    if not args.tiny:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    log = open(work / "logs" / f"{run['name']}.log", "w")  # noqa: SIM115 (closed when the run is read back)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc.log, proc.started = log, time.time()
-    return proc
+    env = {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+    cmd = sft_command(nproc, ["--config", str(work / f"{run['name']}.yaml")])
+    return start(cmd, work / "logs" / f"{run['name']}.log", env)
 
 
-def collect(run: dict, proc: subprocess.Popen, args, work: Path, wave: list[str]) -> dict:
+def collect(run: dict, proc, args, work: Path, wave: list[str]) -> dict:
+    import subprocess
+
     try:
         rc = proc.wait(timeout=max(args.run_timeout - (time.time() - proc.started), 1))
     except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-9", "-f", str(work / run["name"])], check=False)
-        proc.kill()
+        stop(proc)
         rc = "timeout"
     proc.log.close()
     result = {**run, "exit_code": rc, "wall_s": round(time.time() - proc.started, 1), "wave": wave, "gpu": args.gpu}
@@ -177,8 +151,8 @@ def run_matrix(args) -> None:
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
     (work / "logs").mkdir(parents=True)
     data = work / "data.jsonl"
-    vocab = 104 if args.tiny else LLAMA_1B["vocab_size"]
-    make_data(data, args.records, vocab, 512 if args.tiny else 4096)
+    vocab = 104 if args.tiny else SHAPES["1b"]["vocab_size"]
+    make_sft_data(data, args.records, vocab, 512 if args.tiny else 4096)
     waves = [[r for r in wave if not args.only or any(w in r["name"] for w in args.only)] for wave in MATRIX]
     waves = [w for w in waves if w]
     for i, wave in enumerate(waves):
@@ -186,7 +160,7 @@ def run_matrix(args) -> None:
         print(f"wave {i + 1}/{len(waves)}: {', '.join(names)}", flush=True)
         procs, first = [], 0
         for run in wave:
-            procs.append(start(run, list(range(first, first + run["gpus"])), args, work, data))
+            procs.append(launch(run, list(range(first, first + run["gpus"])), args, work, data))
             first += run["gpus"]
         for run, proc in zip(wave, procs, strict=True):
             result = collect(run, proc, args, work, names)
@@ -195,21 +169,8 @@ def run_matrix(args) -> None:
             mfu = f"{result['mfu']:.3f}" if result.get("mfu") is not None else "-"
             print(f"  {run['name']}: exit {result['exit_code']}, {result['wall_s']} s, "
                   f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU, MFU {mfu}", flush=True)  # fmt: skip
-        subprocess.run(["tar", "czf", str(args.out / "logs.tar.gz"), "-C", str(work), "logs"], check=False)
+        shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
     report(args, [args.out])
-
-
-def environment() -> dict:
-    import torch
-
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for package in ("transformers", "trl", "deepspeed", "liger_kernel", "peft", "accelerate"):
-        try:
-            versions[package] = __import__(package).__version__
-        except (ImportError, AttributeError):
-            versions[package] = None
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "gpus_on_machine": torch.cuda.device_count(), "versions": versions}
 
 
 def report(args, dirs: list[Path]) -> None:

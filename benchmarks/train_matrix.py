@@ -1,9 +1,9 @@
 """Train the same random-initialised model under several settings, side by side in one run; JSON + markdown out.
 
-    python benchmarks/train_matrix.py --matrix liger --nproc 2 --out benchmarks/results
+    python -m benchmarks.train_matrix --matrix liger --nproc 2 --out benchmarks/results
 
-(Throughput against TRL, MFU and scaling: `benchmarks/throughput.py`, which reuses `make_data` and `LLAMA_1B` from
-here.)
+(Throughput against TRL, MFU and scaling: `benchmarks/throughput.py`.)
+Results: `train_matrix_<matrix>_<N>gpu.{json,md}`.
 
 Data: pre-tokenised records with an SFT-like length distribution (log-normal, median about 300 tokens, clipped to
 16..4096, so tens to thousands of tokens with a long tail), random token ids. Model: Llama-3.2-1B shape (hidden 2048,
@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +25,17 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": True, "hidden_act": "silu", "attention_dropout": 0.0, "dtype": "bfloat16",
-    "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3,
-}  # fmt: skip
+from benchmarks.common import (
+    LLAMA_SHAPES,
+    ROOT,
+    environment,
+    make_sft_data,
+    model_dir,
+    run,
+    sft_command,
+    write_results,
+)
+
 COMMON = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-4, "lr_scheduler_type": "constant",
           "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
           "dataloader_num_workers": 2, "from_scratch": True}  # fmt: skip
@@ -48,27 +47,15 @@ LIGER = {
 }  # fmt: skip
 
 
-def make_data(path: Path, n: int, vocab: int, max_len: int) -> None:
-    rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(mean=np.log(300), sigma=1.0, size=n), 16, max_len).astype(int)
-    with open(path, "w") as f:
-        for length in lengths:
-            f.write(json.dumps({"input_ids": rng.integers(10, vocab, size=length).tolist()}) + "\n")
-
-
-def run(name: str, settings: dict, args, work: Path, model: Path, data: Path) -> dict:
+def train(name: str, settings: dict, args, work: Path, model: Path, data: Path) -> dict:
     recipe = {**COMMON, **settings, "model_name_or_path": str(model), "datasets": [{"path": str(data)}]}
     recipe.update(output_dir=str(work / name), max_steps=args.steps, max_length=args.max_length)
     recipe.setdefault("deepspeed", args.deepspeed)
     if args.tiny:
         recipe.update(bf16=False, dtype="float32", use_liger_kernel=False)
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd += [str(ROOT / "sft" / "train.py"), "--config", str(work / f"{name}.yaml")]
-    start = time.time()
-    with open(work / f"{name}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=os.environ, stdout=log, stderr=log).returncode
-    result = {"exit_code": rc, "wall_s": round(time.time() - start, 1), "settings": settings}
+    rc, seconds = run(sft_command(args.nproc, ["--config", str(work / f"{name}.yaml")]), work / f"{name}.log")
+    result = {"exit_code": rc, "wall_s": round(seconds, 1), "settings": settings}
     metrics = work / name / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
         result["log_tail"] = (work / f"{name}.log").read_text()[-3000:]
@@ -99,35 +86,26 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32: a CPU smoke test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    import torch
-
     work = Path(tempfile.mkdtemp())
-    model = work / "model"
-    model.mkdir()
-    for f in (ROOT / "recipes" / "demo" / "model").iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, model)
-    config = json.loads((ROOT / "recipes" / "demo" / "model" / "config.json").read_text()) if args.tiny else LLAMA_1B
-    (model / "config.json").write_text(json.dumps(config, indent=2))
+    model = model_dir(work / "model", None if args.tiny else LLAMA_SHAPES["llama-1b"])
     data = work / "data.jsonl"
-    make_data(data, args.records, config["vocab_size"], args.max_length)
+    make_sft_data(data, args.records, json.loads((model / "config.json").read_text())["vocab_size"], args.max_length)
     matrix = LIGER
-    results = {name: run(name, settings, args, work, model, data) for name, settings in matrix.items()}
+    results = {name: train(name, settings, args, work, model, data) for name, settings in matrix.items()}
+    env = environment()
     report = {
         "matrix": args.matrix,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "device": env["gpu"],
         "nproc": args.nproc,
         "model": "demo (tiny)" if args.tiny else "Llama-3.2-1B shape, random init",
         "max_length": args.max_length,
         "steps": args.steps,
         "timed_steps": f"steps {args.warmup + 1}..{args.steps}",
-        "versions": {"torch": torch.__version__},
+        "versions": env["versions"],
         "date": time.strftime("%Y-%m-%d"),
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.matrix}_{args.nproc}gpu" + ("_tiny" if args.tiny else "")
-    (args.out / f"{tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    tag = f"train_matrix_{args.matrix}_{args.nproc}gpu" + ("_tiny" if args.tiny else "")
     lines = [f"# {args.matrix}: {report['model']}, {report['device']} x {args.nproc}, seq {args.max_length}", ""]
     lines += [
         "| setting | exit | tokens/s/GPU | tokens/step | peak GiB | packing eff. | final loss |",
@@ -149,8 +127,7 @@ def main() -> None:
                 diff = max(abs(a - b) for a, b in zip(off["losses"], on["losses"], strict=True))
                 report[f"{stage}_max_abs_loss_diff"] = diff
                 lines.append(f"\n{stage}: max |loss(Liger on) - loss(off)| over {args.steps} steps = {diff:.4g}")
-        (args.out / f"{tag}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, tag, report, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """sft_varlen (PyTorch's varlen FlashAttention-2) on a packed row versus sdpa on each sample alone, on a CUDA GPU.
 
-    python benchmarks/varlen_exactness.py --out benchmarks/results
+    python -m benchmarks.varlen_exactness --out benchmarks/results
 
 For Llama- and Qwen2-shaped random models with grouped-query attention, in bf16: the packed row's logits and the
 gradients of the summed token loss, against the same samples run one at a time through sdpa. Both are also compared
@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sft.attention import VARLEN, register_varlen  # noqa: E402
+from sft.attention import VARLEN, register_varlen
 
 SHAPES = {
     "llama": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,

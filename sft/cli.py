@@ -19,7 +19,7 @@ COMMANDS = {
     "plan": ("sft.plan", "per-GPU memory of a setting, whether it fits, the fastest that does"),
     "batch": ("sft.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
     "merge": ("sft.merge", "merge a LoRA adapter into its base model"),
-    "eval": ("sft.evaluate", "evaluate a model or adapter with lm-eval"),
+    "eval": ("sft.evaluation", "evaluate a model or adapter with lm-eval"),
 }
 
 

@@ -8,6 +8,7 @@ a data set exists runs here, so a bad value fails in seconds with a message that
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import logging
 import os
@@ -253,9 +254,9 @@ class TrainConfig(SFTConfig):
         super().__post_init__()
         ds_engine.check_agrees(self)
 
-    @property
+    @functools.cached_property
     def parallel(self) -> ParallelDims:
-        """The run's parallel dimensions (`sft.parallel`), from the processes accelerate found."""
+        """The run's parallel dimensions (`sft.parallel`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
 
 

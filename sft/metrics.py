@@ -5,7 +5,8 @@
 - `Throughput`: the clock and FLOP counter behind `tokens_per_step`, `tokens_per_second_per_gpu`, `tflops_per_gpu`,
   `mfu`, `num_flops` and `peak_memory_gib` in every training log; time in evaluation and checkpoint saves is left out
   (`paused`). Per-GPU figures divide by the number of processes (`sft.parallel`), each of which is one GPU.
-- `DataTrace`: with `trace_data`, one line per micro-batch and rank (step, tokens, SHA-1, per-sample digests).
+- `DataTrace`: with `trace_data`, one line per micro-batch and rank (step, tokens, SHA-1, per-sample digests);
+  `samples_per_step` reads it back.
 - `record_wandb_run`: `<output_dir>/wandb_run.json`, so that `eval/run.py` can log to the training run.
 
 `sft.trainer.Trainer` wires these into TRL's SFTTrainer; none of them knows about the others.
@@ -182,6 +183,17 @@ class DataTrace:
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "tokens": tokens, "sha1": digest, "samples": samples}) + "\n")
+
+
+def samples_per_step(output_dir: str | Path) -> dict[int, list[str]]:
+    """From a run's data trace: the digests of every sample trained at each optimizer step, over all ranks, sorted.
+    Equal for two runs that trained the same samples at every step, on any number of processes."""
+    steps: dict[int, list[str]] = {}
+    for path in (Path(output_dir) / DATA_TRACE_DIR).glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["samples"])
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}
 
 
 def record_wandb_run(args) -> bool:

@@ -7,7 +7,8 @@ sizes — the batch arithmetic (`sft.batch`: global batch = data-parallel size x
 planner, the checkpoint fingerprint and the resume on another process count, tokens/s and MFU per GPU — reads it
 from `ParallelDims`, so that a new dimension is a change here plus its consumers' use of it, not a search for every
 `world_size` in the package. Like torchtitan's `ParallelDims`, the product of the dimensions must equal the world
-size; unlike it, no device mesh is built here: DeepSpeed and accelerate build their own process groups.
+size, and a rank's coordinates follow from its global rank (sequence-parallel ranks of one replica are neighbours);
+unlike it, no device mesh is built here: DeepSpeed and accelerate build their own process groups from these sizes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from sft.errors import ConfigError
 @dataclass(frozen=True)
 class ParallelDims:
     """The sizes of one run: `world_size` processes = `dp` (data-parallel replicas) x `sp` (sequence-parallel ranks
-    per replica). `gpus_per_node` is the processes of one node (torchrun's LOCAL_WORLD_SIZE)."""
+    per replica). `gpus_per_node` is the processes of one node (torchrun's LOCAL_WORLD_SIZE); `rank` this process's
+    global rank."""
 
     world_size: int
     dp: int
     sp: int = 1
     gpus_per_node: int | None = None
+    rank: int = 0
 
     def __post_init__(self):
         for name in ("world_size", "dp", "sp"):
@@ -41,7 +44,7 @@ class ParallelDims:
             )
 
     @classmethod
-    def build(cls, world_size: int, sp: int = 1, gpus_per_node: int | None = None) -> ParallelDims:
+    def build(cls, world_size: int, sp: int = 1, gpus_per_node: int | None = None, rank: int = 0) -> ParallelDims:
         """The dimensions of `world_size` processes with `sp` sequence-parallel ranks (data parallelism fills the
         rest); a ConfigError names the values when `sp` does not divide the world size."""
         if not isinstance(sp, int) or sp < 1:
@@ -52,19 +55,29 @@ class ParallelDims:
                 f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}, or launch a multiple of {sp} "
                 "processes."
             )
-        return cls(world_size, world_size // sp, sp, gpus_per_node)
+        return cls(world_size, world_size // sp, sp, gpus_per_node, rank)
 
     @classmethod
     def from_env(cls, sp: int = 1) -> ParallelDims:
         """The dimensions of this launch (torchrun's / the deepspeed launcher's WORLD_SIZE and LOCAL_WORLD_SIZE)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        return cls.build(world, sp, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        return cls.build(world, sp, int(os.environ.get("LOCAL_WORLD_SIZE", world)), int(os.environ.get("RANK", "0")))
 
     @classmethod
     def of(cls, training_args) -> ParallelDims:
         """The dimensions of a run from its training arguments (the processes accelerate found)."""
         world = training_args.world_size
-        return cls.build(world, 1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        return cls.build(world, 1, int(os.environ.get("LOCAL_WORLD_SIZE", world)), training_args.process_index)
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica this process belongs to (the data shard it reads)."""
+        return self.rank // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This process's place among the sequence-parallel ranks of its replica."""
+        return self.rank % self.sp
 
     @property
     def nodes(self) -> int:

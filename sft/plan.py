@@ -16,10 +16,13 @@ The peak adds what those leave out, each as its own line:
 - DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
   ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step.
 
-Those extra terms were measured on H200s (benchmarks/memory_plan.py, benchmarks/results/memory_plan.md); the per-token
-allowance is the one figure fitted to those measurements. ZeRO-0/1, CPU offload, LoRA and QLoRA use the same
-equations but have not been measured on a GPU yet. `max_memory_allocated` does not count the CUDA context, NCCL's
+Those extra terms were measured on H200s (benchmarks/memory_plan.py, benchmarks/results/memory_plan_calibration.md);
+the per-token allowance is the one figure fitted to those measurements. ZeRO-0/1, CPU offload, LoRA and QLoRA use the
+same equations but have not been measured on a GPU yet. `max_memory_allocated` does not count the CUDA context, NCCL's
 buffers or allocator fragmentation, so a plan fits when its peak is under (1 - headroom) of the GPU's memory.
+
+The module is a little over 400 lines: the per-stage equations, the search for a setting that fits and the CLI that
+prints them read best together.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ GiB = 2**30
 # TRL's fused LM head (trl.kernels.chunked_logprob): tiles of TOKEN_CHUNK_SIZE tokens x this many vocabulary entries
 TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
 # Per-token bytes beyond the decoder layers' saved tensors, in units of hidden_size: final norm, the loss's inputs and
-# gradients, the backward's working set. Fitted on H200 (1B/8B shapes, benchmarks/results/memory_plan_measured.json).
+# gradients, the backward's working set. Fitted on H200 (1B/8B shapes,
+# benchmarks/results/memory_plan_calibration_measured.json).
 EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -88,15 +92,10 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
             "or a hub id."
         ) from e
     text = config.get_text_config()
-    from transformers.integrations import deepspeed as hf_deepspeed
+    from sft.engines.deepspeed import outside_zero_init
 
-    live = hf_deepspeed._hf_deepspeed_config_weak_ref  # under ZeRO-3 from_config would build inside zero.Init
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = live
+    with outside_zero_init(), torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     unique = {id(p): p.numel() for p in built.parameters()}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
     decoder_layers = [m for m in built.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -126,7 +125,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
 class Setting:
     """One training setting to size. `zero_stage` None means no DeepSpeed (plain DDP)."""
 
-    gpus: int = 1  # data-parallel processes in all (nodes x GPUs per node)
+    gpus: int = 1  # processes in all (nodes x GPUs per node): ZeRO shards over every one of them
     gpus_per_node: int | None = None  # defaults to gpus (one node)
     zero_stage: int | None = 2
     offload_optimizer: bool = False

@@ -14,12 +14,6 @@ import pytest
 from tests.conftest import ROOT, cli_env
 
 SCRIPTS = ["launch/torchrun.sh", "launch/deepspeed.sh", "launch/slurm.sbatch"]
-# 8 optimizer steps of the demo, 2 processes x micro batch 1 x accumulation 2, ZeRO-2, a checkpoint every 4 steps
-TRAIN = [
-    "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "8", "--logging_steps", "1",
-    "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4", "--per_device_train_batch_size", "1",
-    "--gradient_accumulation_steps", "2", "--max_length", "256", "--deepspeed", "ds_configs/zero2.json",
-]  # fmt: skip
 
 
 def env(**extra) -> dict[str, str]:

@@ -16,8 +16,9 @@ from tests.conftest import ROOT
 
 def test_data_parallel_fills_what_sequence_parallel_leaves():
     assert ParallelDims.build(8) == ParallelDims(world_size=8, dp=8, sp=1)
-    dims = ParallelDims.build(8, sp=4, gpus_per_node=4)
+    dims = ParallelDims.build(8, sp=4, gpus_per_node=4, rank=6)
     assert (dims.dp, dims.sp, dims.nodes) == (2, 4, 2)
+    assert (dims.dp_rank, dims.sp_rank) == (1, 2)  # the sequence-parallel ranks of one replica are neighbours
     assert dims.describe() == "8 processes: data-parallel 2 x sequence-parallel 4"
 
 
@@ -37,7 +38,8 @@ def test_the_product_must_be_the_world_size():
 def test_the_run_reads_its_dimensions_from_the_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert ParallelDims.from_env() == ParallelDims(world_size=4, dp=4, sp=1, gpus_per_node=2)
+    monkeypatch.setenv("RANK", "3")
+    assert ParallelDims.from_env() == ParallelDims(world_size=4, dp=4, sp=1, gpus_per_node=2, rank=3)
 
 
 def test_a_resume_keeps_the_checkpoints_global_batch_on_the_data_parallel_size():
@@ -63,3 +65,14 @@ def test_sft_command_runs_each_tool():
     assert wrong.returncode == 2 and "did you mean 'train'?" in wrong.stderr
     train = sft("train", "--config", "nope.yaml")  # the training entry point, in-process argument checks first
     assert train.returncode == 2 and "`--config`: no such file 'nope.yaml'" in train.stderr
+
+
+def test_no_sft_module_shadows_an_installed_one():
+    """`python sft/train.py` puts sft/ first on sys.path (there is no path hack in the package), so a module there
+    named like an installed or standard-library module would be imported in its place by any library."""
+    import pkgutil
+
+    ours = {m.name for m in pkgutil.iter_modules([str(ROOT / "sft")])}
+    others = {m.name for m in pkgutil.iter_modules() if "site-packages" in str(getattr(m.module_finder, "path", ""))}
+    clash = ours & (others | set(sys.stdlib_module_names))
+    assert not clash, f"sft modules named like installed ones: {sorted(clash)}"

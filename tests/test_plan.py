@@ -14,21 +14,14 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from benchmarks.common import LLAMA_SHAPES
 from sft import plan
 from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.preflight import preflight
 from tests.conftest import ROOT
 
-LLAMA = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
-SHAPES = {
-    "llama-1b": {**LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
-                 "tie_word_embeddings": True},
-    "llama-8b": {**LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-                 "tie_word_embeddings": False},
-    "llama-70b": {**LLAMA, "num_attention_heads": 64, "hidden_size": 8192, "intermediate_size": 28672,
-                  "num_hidden_layers": 80, "head_dim": 128, "tie_word_embeddings": False},
-}  # fmt: skip
+SHAPES = {name: LLAMA_SHAPES[name] for name in ("llama-1b", "llama-8b", "llama-70b")}
 SMALL = {  # built for real on CPU to check the parameter counts DeepSpeed's estimator would see
     "llama-tied": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True},

@@ -4,7 +4,8 @@
   `check_agrees`: after transformers has filled its `"auto"` values, a DeepSpeed value that contradicts a training
   argument is an error naming both.
 - `zero_setup`: the ZeRO stage and what is offloaded (for the memory plan and the model build).
-- `prepare_model_build`: DeepSpeed's process group before a ZeRO-3 model is built inside `zero.Init`.
+- `prepare_model_build`: DeepSpeed's process group before a ZeRO-3 model is built inside `zero.Init`;
+  `outside_zero_init`: a model built normally (the planner's meta-device shapes) while a ZeRO-3 config is live.
 - `universal_load_config` / `convert_for_resume`: a ZeRO checkpoint of another process count loaded as a universal
   checkpoint, converted once with DeepSpeed's own `ds_to_universal`; `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
@@ -16,6 +17,7 @@ resume and merge call these, never DeepSpeed's config or modules directly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -68,7 +70,7 @@ def prepare_config(deepspeed: str | dict | None, processes: int) -> tuple[str | 
     `zero_optimization.overlap_comm: "auto"`: on with several processes (the gradient reduction overlaps the
     backward), off with one, where there is nothing to communicate and DeepSpeed's overlap path only adds stream
     synchronisation: 1B shape on 1 x H100, ZeRO-2, 62,609 vs 60,711 tokens/s without/with it
-    (benchmarks/results/profile_1b_h100). A config without `"auto"` is returned as given (a path stays a path).
+    (benchmarks/results/profile_step_1b_h100). A config without `"auto"` is returned as given (a path stays a path).
     """
     if deepspeed is None or (isinstance(deepspeed, str) and deepspeed.lower() in ("", "none", "null")):
         return None, {}
@@ -121,6 +123,20 @@ def prepare_model_build(training_args) -> bool:
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return True
+
+
+@contextlib.contextmanager
+def outside_zero_init():
+    """Build a model normally even while a ZeRO-3 config is live (transformers would build it inside `zero.Init`):
+    the memory planner builds its shapes on the meta device."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = live
 
 
 def ensure_universal(checkpoint: str) -> None:

@@ -14,7 +14,6 @@ from sft.checkpoint import MARKER
 from tests.conftest import ROOT, read_jsonl
 from tests.test_launch_scripts import env, slurm_env
 
-SCRIPTS = ["launch/torchrun.sh", "launch/deepspeed.sh", "launch/slurm.sbatch"]
 # 8 optimizer steps of the demo, 2 processes x micro batch 1 x accumulation 2, ZeRO-2, a checkpoint every 4 steps
 TRAIN = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "8", "--logging_steps", "1",

@@ -23,6 +23,7 @@ import safetensors.torch
 import torch
 
 from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER, PREEMPTED_EXIT_CODE
+from sft.metrics import samples_per_step
 from tests.conftest import ROOT, cli_env, finish, read_jsonl, run_cli, start_cli, wait_for
 
 STEPS = 12
@@ -73,15 +74,6 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = weights(reference), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def samples_per_step(out: Path) -> dict[int, list[str]]:
-    """Every sample trained at each optimizer step, over all ranks (from the data trace), in a canonical order."""
-    steps: dict[int, list[str]] = {}
-    for path in (out / "data_trace").glob("rank*.jsonl"):
-        for record in read_jsonl(path):
-            steps.setdefault(record["step"], []).extend(record["samples"])
-    return {step: sorted(samples) for step, samples in sorted(steps.items())}
 
 
 def kill_tree(pid: int) -> None:
