@@ -12,7 +12,7 @@ micro_batch x max_length tokens), so one model build measures many settings. For
 ranks. Models are built from their config (random weights): memory does not depend on the weights' values.
 
 The measured rows are written first (`memory_plan_<set>_measured.json`), then each row is compared with
-`sft.plan.estimate` for the same setting (`memory_plan_<set>.{json,md}`); `--auto` checks the CLI's `auto` choice
+`sft.plan.estimate` for the same setting (`memory_plan_<set>.{json,md}`); `--auto-check` checks the CLI's `auto` choice
 (`memory_plan_auto.json`).
 """
 

@@ -111,6 +111,11 @@ def plan_batch(
     )
 
 
+def micro_batches_for(global_batch: int | None, dp_size: int, candidates) -> tuple[int, ...]:
+    """The `candidates` that reach `global_batch` exactly on `dp_size` replicas (all of them without a target)."""
+    return tuple(m for m in candidates if not global_batch or global_batch % (dp_size * m) == 0)
+
+
 def keep_global_batch(global_batch: int, dp_size: int, per_device_batch_size: int, trained_with: str) -> BatchPlan:
     """A resume: the checkpoint's global batch on `dp_size` replicas of `per_device_batch_size` rows.
 
@@ -118,7 +123,7 @@ def keep_global_batch(global_batch: int, dp_size: int, per_device_batch_size: in
     """
     per_step = dp_size * per_device_batch_size
     if global_batch % per_step:
-        feasible = [m for m in range(1, global_batch + 1) if global_batch % (dp_size * m) == 0]
+        feasible = list(micro_batches_for(global_batch, dp_size, range(1, global_batch + 1)))
         raise ConfigError(
             f"{trained_with}; data-parallel size {dp_size} x per_device_train_batch_size {per_device_batch_size} "
             f"cannot make {global_batch}. Use --per_device_train_batch_size in {feasible or 'none'} or a process "

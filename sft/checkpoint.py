@@ -32,6 +32,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from sft.batch import BatchPlan
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -126,9 +127,9 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
         "parallel": {"dp": dims.dp, "sp": dims.sp},
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-        "global_batch": dims.dp
-        * training_args.per_device_train_batch_size
-        * training_args.gradient_accumulation_steps,
+        "global_batch": BatchPlan(
+            dims.dp, training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
+        ).global_batch_size,
         VERSION_KEY: {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

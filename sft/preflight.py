@@ -15,7 +15,7 @@ import dataclasses
 import logging
 
 from sft import plan as memplan
-from sft.batch import BatchPlan, keep_global_batch, plan_batch
+from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 
@@ -162,7 +162,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         dp = training_args.parallel.dp
         micro_choices = (micro,)
         if "per_device_train_batch_size" in auto:
-            micro_choices = tuple(m for m in memplan.MICRO_BATCHES if not target or target % (dp * m) == 0)
+            micro_choices = micro_batches_for(target, dp, memplan.MICRO_BATCHES)
         ckpt_choices = (False, True) if "activation_checkpointing" in auto else (checkpointing,)
         estimate = memplan.suggest(
             shape, base, memory, headroom, micro_choices or (1,), candidates=[base], checkpointing=ckpt_choices
