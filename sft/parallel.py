@@ -79,10 +79,6 @@ class ParallelDims:
         """This process's place among the sequence-parallel ranks of its replica."""
         return self.rank % self.sp
 
-    @property
-    def nodes(self) -> int:
-        return max(self.world_size // (self.gpus_per_node or self.world_size), 1)
-
     def describe(self) -> str:
         text = f"{self.world_size} process{'es' * (self.world_size > 1)}: data-parallel {self.dp}"
         return text + (f" x sequence-parallel {self.sp}" if self.sp > 1 else "")

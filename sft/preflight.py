@@ -76,6 +76,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         target = resume.global_batch
     micro, checkpointing = _plan_memory(training_args, model_args, target)
     batch = _plan_batch(training_args, micro, resume)
+    logger.info("Parallel sizes: %s", dims.describe())
     logger.info("Batch plan: %s", batch.describe())
     changes = {}
     auto = training_args.auto_settings

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 def test_data_parallel_fills_what_sequence_parallel_leaves():
     assert ParallelDims.build(8) == ParallelDims(world_size=8, dp=8, sp=1)
     dims = ParallelDims.build(8, sp=4, gpus_per_node=4, rank=6)
-    assert (dims.dp, dims.sp, dims.nodes) == (2, 4, 2)
+    assert (dims.dp, dims.sp, dims.gpus_per_node) == (2, 4, 4)
     assert (dims.dp_rank, dims.sp_rank) == (1, 2)  # the sequence-parallel ranks of one replica are neighbours
     assert dims.describe() == "8 processes: data-parallel 2 x sequence-parallel 4"
 
