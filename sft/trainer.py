@@ -75,7 +75,9 @@ class Trainer(SFTTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        """transformers loads the checkpoint here; a universal (other process count) load needs its state placed."""
+        """transformers loads the checkpoint here. After any DeepSpeed load the optimizer state is placed as torch's
+        `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
+        moves."""
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         optimizer = ds_engine.base_optimizer(self.model_wrapped) if resume_from_checkpoint else None
         if optimizer is not None:
