@@ -3,11 +3,14 @@
 `attn_implementation: auto` picks, in order: flash-attn's `flash_attention_2` (flash-attn installed, CUDA GPU of
 compute capability 8.0 or newer); PyTorch's own varlen FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`,
 CUDA), registered with transformers' `AttentionInterface` as `sft_varlen`; on CPU, `sdpa`, for which transformers
-builds a block-diagonal mask from the packed `position_ids`.
+builds a block-diagonal mask from the packed `position_ids`. With sequence parallelism (`sft.sequence_parallel`)
+`sdpa` cannot keep samples apart, and `auto` picks `sft_varlen` on CPU too.
 
 transformers has no varlen backend of PyTorch's own, which is why `sft_varlen` is written here. It reads the sequence
-boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch, and falls back
-to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches.
+boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch; without them
+(sequence parallelism drops them) it derives them from `position_ids` (a sample starts where its position is 0);
+it falls back to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches. On CPU (no
+varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample.
 """
 
 from __future__ import annotations
@@ -50,11 +53,34 @@ def _causal_kwargs(fn) -> dict:
     return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
 
 
+def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_):
+    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA) on sdpa, one sample at a time: for CPU."""
+    out = torch.empty_like(q)
+    bounds = cu_q.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative sample lengths of a flattened batch from its position ids (a sample starts at position 0)."""
+    flat = position_ids.flatten()
+    starts = (flat == 0).nonzero().flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    return torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok)."""
-    varlen_attn = _varlen_attn()
+    on_gpu = query.is_cuda and _varlen_attn() is not None
+    varlen_attn = _varlen_attn() if on_gpu else per_sample_sdpa
     batch, heads, seq, dim = query.shape
-    if query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast (RoPE upcasts): as flash does
+    if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
         query, key, value = query.to(half), key.to(half), value.to(half)
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
@@ -65,6 +91,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
             kwargs["cu_seq_lens_k"].to(q.device, torch.int32),
         )
         max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    elif kwargs.get("position_ids") is not None and attention_mask is None:  # packed, boundaries from positions
+        cu_q = cu_k = boundaries_from_positions(kwargs["position_ids"]).to(q.device)
+        max_q = max_k = int(cu_q.diff().max())
     elif attention_mask is not None and attention_mask.dim() == 2:  # right- or left-padded rows: drop the padding
         keep = attention_mask.flatten().bool()
         lengths = attention_mask.sum(-1, dtype=torch.int32)
@@ -76,7 +105,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         max_q = max_k = seq
     if dropout and module.training:
         logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **_causal_kwargs(varlen_attn))
+    causal = _causal_kwargs(varlen_attn) if on_gpu else {}
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)
     if keep is not None:
         full = out.new_zeros(batch * seq, heads, dim)
         full[keep] = out
@@ -93,13 +123,13 @@ def register_varlen() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, flash_attention_mask)
 
 
-def resolve_attn_implementation(requested: str | None) -> str | None:
+def resolve_attn_implementation(requested: str | None, sequence_parallel: bool = False) -> str | None:
     """The backend for `attn_implementation` (`auto` or unset: the fastest available one); logs the choice."""
     if requested not in (None, "auto"):
         if requested == VARLEN:
-            if _varlen_attn() is None or not torch.cuda.is_available():
+            if torch.cuda.is_available() and _varlen_attn() is None:
                 raise ConfigError(
-                    f"`attn_implementation: {VARLEN}` needs a CUDA GPU and torch.nn.attention.varlen (torch >= 2.9). "
+                    f"`attn_implementation: {VARLEN}` on a GPU needs torch.nn.attention.varlen (torch >= 2.9). "
                     "Use `auto` to pick the best available backend."
                 )
             register_varlen()
@@ -113,6 +143,9 @@ def resolve_attn_implementation(requested: str | None) -> str | None:
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
         else:
             chosen, why = "sdpa", "no varlen kernel in this torch and no flash-attn"
+    elif sequence_parallel:
+        register_varlen()
+        chosen, why = VARLEN, "no GPU, sequence parallel: exact per-sample sdpa on the gathered rows"
     else:
         chosen, why = "sdpa", "no GPU; packed sequences are kept apart by a block mask from position_ids"
     logger.info("Attention backend: %s (%s)", chosen, why)

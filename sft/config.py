@@ -138,6 +138,10 @@ class TrainConfig(SFTConfig):
             (H100/H200 989, A100 312; see `sft.flops`); MFU is not logged for a GPU not on file unless this is set.
         compile_decoder_layers (`bool`, *optional*, defaults to `False`):
             `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`).
+        sequence_parallel_size (`int` or `"auto"`, *optional*, defaults to `1`):
+            Processes that share the tokens of one packed row (Ulysses sequence parallelism on DeepSpeed, see
+            `sft.sequence_parallel`); the data-parallel size is the world size / this. `auto`: the smallest size whose
+            memory plan fits (1 without a GPU to plan for).
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
             `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
@@ -148,6 +152,10 @@ class TrainConfig(SFTConfig):
         metadata={
             "help": "`auto` (newest complete checkpoint in output_dir, or a fresh start), a checkpoint, or `none`."
         },
+    )
+    sequence_parallel_size: str = field(
+        default="1",
+        metadata={"help": "Processes sharing one row's tokens (Ulysses SP on DeepSpeed), or `auto` (the plan's)."},
     )
     trace_data: bool = field(
         default=False,
@@ -210,6 +218,15 @@ class TrainConfig(SFTConfig):
                     f"`per_device_train_batch_size` must be a positive integer or `auto`, got {micro!r}."
                 )
         self.per_device_train_batch_size = micro
+        sp = str(self.sequence_parallel_size).strip().lower()
+        if sp == "auto":
+            self.auto_settings.add("sequence_parallel_size")
+            sp = "1"  # a placeholder until the plan chooses
+        if not sp.isdigit() or int(sp) < 1:
+            raise ConfigError(
+                f"`sequence_parallel_size` must be a whole number >= 1 or `auto`, got {self.sequence_parallel_size!r}."
+            )
+        self.sequence_parallel_size = int(sp)
         checkpointing = self.activation_checkpointing
         if isinstance(checkpointing, str):
             value = checkpointing.strip().lower()
@@ -248,11 +265,17 @@ class TrainConfig(SFTConfig):
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
+        ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
         self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
             self.deepspeed, ParallelDims.from_env().world_size
         )
         super().__post_init__()
         ds_engine.check_agrees(self)
+
+    @property
+    def padding_free_batches(self) -> bool:
+        """Batches are one flattened row whose samples are told apart by position_ids (TRL's padding-free path)."""
+        return bool(self.padding_free or (self.packing and self.packing_strategy in {"bfd", "bfd_split"}))
 
     @functools.cached_property
     def parallel(self) -> ParallelDims:

@@ -94,8 +94,8 @@ class FlopCounter:
         lengths = sample_lengths(inputs).double()
         return self.per_token * lengths.sum() + 6 * self.layers * self.width * (lengths * lengths).sum()
 
-    def add(self, inputs: dict) -> None:
-        flops = self.batch_flops(inputs)
+    def add(self, inputs: dict, share: float = 1.0) -> None:
+        flops = self.batch_flops(inputs) * share
         self.pending = flops if self.pending is None else self.pending + flops.to(self.pending.device)
 
     def take(self, device: torch.device) -> torch.Tensor:

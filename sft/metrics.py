@@ -116,8 +116,13 @@ class Throughput(TrainerCallback):
         finally:
             self._paused_s += time.perf_counter() - start
 
-    def add(self, inputs: dict) -> None:
-        self.flops.add(inputs)
+    def add(self, inputs: dict, info=None, sp: int = 1) -> None:
+        """Count a micro-batch. Under sequence parallelism (`info`: the row before it was split) every sp rank
+        counts 1/sp of the whole row's real samples, so the sum over ranks counts each real token once."""
+        if info is None:
+            self.flops.add(inputs)
+        else:
+            self.flops.add({"cu_seq_lens_q": torch.tensor((0, *info.lengths)).cumsum(0)}, share=1 / sp)
 
     def log(self, logs: dict, step: int, tokens: int, device: torch.device) -> None:
         """Add the figures since the last training log to `logs`; a collective (every rank calls it)."""
@@ -167,7 +172,7 @@ class DataTrace:
                 lines = path.read_text().splitlines(keepends=True)
                 path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
 
-    def record(self, step: int, inputs: dict) -> None:
+    def record(self, step: int, inputs: dict, info=None) -> None:
         """One line: step, real tokens, SHA-1 of the micro-batch, and a short digest of every sample in it.
 
         The per-sample digests let runs on different process counts be compared step by step: the rows of one
@@ -177,9 +182,12 @@ class DataTrace:
         mask = inputs.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         digest = hashlib.sha1(input_ids.numpy().tobytes()).hexdigest()
-        lengths = sample_lengths(inputs).cpu().tolist()
-        flat = input_ids[mask.bool().cpu()] if mask is not None else input_ids.flatten()
-        samples = [hashlib.sha1(s.numpy().tobytes()).hexdigest()[:16] for s in flat.split(lengths)]
+        if info is not None:  # a slice of a sequence-parallel row: the row's samples, digested before the split
+            tokens, samples = info.tokens, list(info.samples)
+        else:
+            lengths = sample_lengths(inputs).cpu().tolist()
+            flat = input_ids[mask.bool().cpu()] if mask is not None else input_ids.flatten()
+            samples = [hashlib.sha1(s.numpy().tobytes()).hexdigest()[:16] for s in flat.split(lengths)]
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "tokens": tokens, "sha1": digest, "samples": samples}) + "\n")

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import set_seed as hf_set_seed
 from trl import get_quantization_config
 
+from sft import sequence_parallel
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.engines import deepspeed as ds_engine
@@ -43,11 +44,15 @@ def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> Pr
 
 
 def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
-    padding_free = training_args.padding_free or (
-        training_args.packing and training_args.packing_strategy in {"bfd", "bfd_split"}
-    )
-    attn_implementation = resolve_attn_implementation(model_args.attn_implementation)
+    padding_free = training_args.padding_free_batches
+    sp = training_args.parallel.sp
+    attn_implementation = resolve_attn_implementation(model_args.attn_implementation, sequence_parallel=sp > 1)
     check_packing(attn_implementation, padding_free, training_args.model_init_kwargs)
+    if sp > 1:
+        config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code
+        )
+        sequence_parallel.check_model(config, sp, attn_implementation)
     partitioned = ds_engine.prepare_model_build(training_args)
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
     model = _build(model_args, training_args, attn_implementation, partitioned)

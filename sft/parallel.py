@@ -1,8 +1,8 @@
 """Parallel dimensions: how the processes of a run split the work, computed once and read everywhere else.
 
-Every process of a run is one GPU (or one CPU process). Today sft spreads work one way, data parallelism with
-DeepSpeed ZeRO, so the data-parallel size equals the world size; sequence parallelism (several ranks sharing the
-tokens of one sample) is the next dimension, and tensor parallelism may follow. Everything that needs one of these
+Every process of a run is one GPU (or one CPU process). sft spreads work two ways: data parallelism with DeepSpeed
+ZeRO (`dp` replicas, each reading its own data) and sequence parallelism (`sp` ranks sharing the tokens of one packed
+row, `sft.sequence_parallel`); world size = dp x sp. Tensor parallelism may follow. Everything that needs one of these
 sizes — the batch arithmetic (`sft.batch`: global batch = data-parallel size x micro batch x accumulation), the memory
 planner, the checkpoint fingerprint and the resume on another process count, tokens/s and MFU per GPU — reads it
 from `ParallelDims`, so that a new dimension is a change here plus its consumers' use of it, not a search for every
@@ -66,8 +66,8 @@ class ParallelDims:
     @classmethod
     def of(cls, training_args) -> ParallelDims:
         """The dimensions of a run from its training arguments (the processes accelerate found)."""
-        world = training_args.world_size
-        return cls.build(world, 1, int(os.environ.get("LOCAL_WORLD_SIZE", world)), training_args.process_index)
+        world, sp = training_args.world_size, getattr(training_args, "sequence_parallel_size", 1)
+        return cls.build(world, sp, int(os.environ.get("LOCAL_WORLD_SIZE", world)), training_args.process_index)
 
     @property
     def dp_rank(self) -> int:

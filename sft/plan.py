@@ -138,10 +138,12 @@ class Setting:
     lora_dropout: float = 0.0
     qlora: bool = False
     dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
+    sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens one GPU holds activations for: its slice of each row."""
+        return self.micro_batch * -(-self.seq_len // self.sp)
 
     def describe(self) -> str:
         zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
@@ -151,8 +153,9 @@ class Setting:
             )
         method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
         ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
+        sp = f", sequence-parallel {self.sp}" if self.sp > 1 else ""
         return (
-            f"{zero}, {self.gpus} GPU(s), micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
+            f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
             f"checkpointing {ckpt}, Liger {liger}, {method}"
         )
 
@@ -330,16 +333,30 @@ def suggest(
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
     candidates: list[Setting] | None = None,
     checkpointing: tuple[bool, ...] = (False, True),
+    sp_choices: tuple[int, ...] | None = None,
 ) -> Estimate | None:
-    """The fastest setting that fits: the first of `candidates` (default: `ladder(base)`) that fits, activation
-    checkpointing only if needed, the largest micro batch. None if nothing fits."""
-    for candidate in ladder(base) if candidates is None else candidates:
-        for ckpt in checkpointing:
-            for micro in sorted(micro_batches, reverse=True):
-                e = estimate(shape, dataclasses.replace(candidate, micro_batch=micro, activation_checkpointing=ckpt))
-                if e.fits(gpu_memory, headroom):
-                    return e
+    """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
+    the first of `candidates` (default: `ladder(base)`) that fits, activation checkpointing only if needed, the
+    largest micro batch. None if nothing fits."""
+    for sp in sorted(sp_choices or (base.sp,)):
+        for candidate in ladder(base) if candidates is None else candidates:
+            for ckpt in checkpointing:
+                for micro in sorted(micro_batches, reverse=True):
+                    setting = dataclasses.replace(candidate, micro_batch=micro, activation_checkpointing=ckpt, sp=sp)
+                    e = estimate(shape, setting)
+                    if e.fits(gpu_memory, headroom):
+                        return e
     return None
+
+
+def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
+    """Sequence-parallel sizes a run of `gpus` processes can use with this model (they divide the GPUs and the
+    attention heads, and divide or are a multiple of the key/value heads)."""
+    return tuple(
+        d
+        for d in range(1, gpus + 1)
+        if gpus % d == 0 and shape.heads % d == 0 and (shape.kv_heads % d == 0 or d % shape.kv_heads == 0)
+    )
 
 
 def detected_gpu_memory() -> float | None:
@@ -357,6 +374,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
     parser.add_argument("--zero", default="2", choices=["none", "0", "1", "2", "3"], help="DeepSpeed ZeRO stage")
     parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
+    parser.add_argument("--sp", type=int, help="Sequence-parallel size (default 1; --suggest tries the smallest fit)")
     parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
     parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per row (max_length)")
     parser.add_argument("--activation-checkpointing", action="store_true")
@@ -385,7 +403,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             lora_dropout=args.lora_dropout,
             qlora=args.qlora,
             dtype_bytes=4 if args.dtype == "float32" else 2,
+            sp=args.sp or 1,
         )
+        if args.gpus % setting.sp:
+            raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
         result = estimate(shape, setting)
     except ConfigError as e:
         print(f"sft.plan: {e}", file=sys.stderr)
@@ -406,7 +427,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%})"
         )
         if args.suggest or not fits:
-            best = suggest(shape, setting, memory, args.headroom)
+            sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+            best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices)
             if best is None:
                 print("Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA.")
             else:

@@ -15,9 +15,11 @@ import dataclasses
 import logging
 
 from sft import plan as memplan
+from sft import sequence_parallel as seqpar
 from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
+from sft.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def base_setting(training_args, model_args) -> memplan.Setting:
         lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
         qlora=bool(model_args.use_peft and model_args.load_in_4bit),
         dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
+        sp=dims.sp,
     )
 
 
@@ -68,17 +71,22 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     """Resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a resume), check
     the memory plan, set up a resume on another process count; returns the training arguments, rebuilt once if
     anything changed."""
-    dims = training_args.parallel
+    seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
     target = training_args.global_batch_size
     if training_args.tokens_per_step and training_args.max_length:
         target = training_args.tokens_per_step // training_args.max_length
     if resume is not None:
         target = resume.global_batch
-    micro, checkpointing = _plan_memory(training_args, model_args, target)
-    batch = _plan_batch(training_args, micro, resume)
+    micro, checkpointing, sp = _plan_memory(training_args, model_args, target)
+    changes = {}
+    dims = training_args.parallel
+    if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
+        changes["sequence_parallel_size"] = sp
+        dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
+        seqpar.check(dims, training_args, training_args.padding_free_batches)
+    batch = _plan_batch(training_args, micro, resume, dims.dp)
     logger.info("Parallel sizes: %s", dims.describe())
     logger.info("Batch plan: %s", batch.describe())
-    changes = {}
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
@@ -108,8 +116,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     return dataclasses.replace(training_args, **changes) if changes else training_args
 
 
-def _plan_batch(training_args, micro: int, resume: Resume | None) -> BatchPlan:
-    dp = training_args.parallel.dp
+def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int) -> BatchPlan:
     if resume is not None:
         return keep_global_batch(resume.global_batch, dp, micro, resume.describe())
     batch = plan_batch(
@@ -129,12 +136,13 @@ def _plan_batch(training_args, micro: int, resume: Resume | None) -> BatchPlan:
     return batch
 
 
-def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bool]:
-    """(micro batch, activation checkpointing): the `auto` ones chosen by the memory plan; the plan logged and
-    checked against the GPU."""
+def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bool, int]:
+    """(micro batch, activation checkpointing, sequence-parallel size): the `auto` ones chosen by the memory plan
+    (the smallest sp first); the plan logged and checked against the GPU."""
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
     checkpointing = bool(training_args.activation_checkpointing)
+    sp = training_args.sequence_parallel_size
     memory = (
         training_args.plan_gpu_memory_gib * memplan.GiB
         if training_args.plan_gpu_memory_gib
@@ -148,7 +156,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
                 "to plan for a GPU).",
                 " and ".join(sorted(auto)),
             )
-        return micro, checkpointing
+        return micro, checkpointing, sp
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -156,23 +164,31 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, checkpointing
+        return micro, checkpointing, sp
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args)
     if auto:
-        dp = training_args.parallel.dp
-        micro_choices = (micro,)
-        if "per_device_train_batch_size" in auto:
-            micro_choices = micro_batches_for(target, dp, memplan.MICRO_BATCHES)
+        world = training_args.parallel.world_size
+        sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
         ckpt_choices = (False, True) if "activation_checkpointing" in auto else (checkpointing,)
-        estimate = memplan.suggest(
-            shape, base, memory, headroom, micro_choices or (1,), candidates=[base], checkpointing=ckpt_choices
-        )
+        estimate = micro_choices = None
+        for sp_choice in sp_choices:  # the smallest sp that fits: every step of sp costs all-to-all traffic
+            micro_choices = (micro,)
+            if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
+                rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
+                micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
+            estimate = memplan.suggest(
+                shape, base, memory, headroom, micro_choices, [base], ckpt_choices, sp_choices=(sp_choice,)
+            )
+            if estimate is not None:
+                break
         if estimate is not None:
             micro, checkpointing = estimate.setting.micro_batch, estimate.setting.activation_checkpointing
+            sp = estimate.setting.sp
         else:
-            micro, checkpointing = min(micro_choices or (1,)), ckpt_choices != (False,)
-    setting = dataclasses.replace(base, micro_batch=micro, activation_checkpointing=checkpointing)
+            micro, checkpointing = min(micro_choices), ckpt_choices != (False,)
+            sp = max(sp_choices)
+    setting = dataclasses.replace(base, micro_batch=micro, activation_checkpointing=checkpointing, sp=sp)
     estimate = memplan.estimate(shape, setting)
     fits = estimate.fits(memory, headroom)
     usable = memory * (1 - headroom)
@@ -201,4 +217,4 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         if training_args.plan_check:
             raise ConfigError(message)
         logger.warning(message)
-    return micro, checkpointing
+    return micro, checkpointing, sp

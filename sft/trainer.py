@@ -3,7 +3,9 @@
 - checkpoints (`sft.checkpoint`): complete-marked saves with sft_state.json, rotation after the marker, pre-emption;
 - metrics (`sft.metrics`): metrics.jsonl, throughput/MFU/memory in every training log, the data trace, the wandb link;
 - the DeepSpeed engine (`sft.engines.deepspeed`): optimizer state placed after a universal-checkpoint load;
-- packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart.
+- packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
+- sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
+  SP's weighting, tokens and FLOPs of the real samples counted once per replica.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from pathlib import Path
 
 from trl import SFTTrainer
 
+import torch
+
 from sft import checkpoint as ckpt
 from sft import metrics
+from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
@@ -33,9 +38,17 @@ class Trainer(SFTTrainer):
     """
 
     def __init__(self, *args, fingerprint: dict | None = None, **kwargs):
+        args_ = kwargs["args"]
+        dims = args_.parallel
+        if dims.sp > 1:
+            args_.parallelism_config = seqpar.parallelism_config(dims, kwargs["model"].config._attn_implementation)
         super().__init__(*args, **kwargs)
         self.fingerprint = fingerprint or {}
-        dims = self.args.parallel
+        self._shard_info: seqpar.ShardInfo | None = None
+        if dims.sp > 1:
+            pad = self.processing_class.pad_token_id
+            self.data_collator = seqpar.ShardableCollator(self.data_collator, dims.sp, pad, self.args.trace_data)
+            self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
         self.throughput = metrics.Throughput(self.model, getattr(self.args, "peak_tflops", None), dims.world_size)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)
@@ -79,6 +92,8 @@ class Trainer(SFTTrainer):
         `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
         moves."""
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.args.parallel.sp > 1:
+            train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)
         optimizer = ds_engine.base_optimizer(self.model_wrapped) if resume_from_checkpoint else None
         if optimizer is not None:
             moved = ds_engine.place_optimizer_state(optimizer)
@@ -91,7 +106,8 @@ class Trainer(SFTTrainer):
         if self.args.max_steps > 0:
             total, what = self.args.max_steps, f"max_steps {self.args.max_steps}"
         else:
-            per_epoch = max(len(self.get_train_dataloader()) // self.args.gradient_accumulation_steps, 1)
+            batches = len(self.get_train_dataloader()) * self.args.parallel.sp  # each sp rank's batch is a micro-step
+            per_epoch = max(batches // self.args.gradient_accumulation_steps, 1)
             total = math.ceil(per_epoch * self.args.num_train_epochs)
             what = f"num_train_epochs {self.args.num_train_epochs} ({total} steps)"
         if step >= total:
@@ -120,17 +136,50 @@ class Trainer(SFTTrainer):
             ckpt.save_complete(self, lambda: super(Trainer, self)._save_checkpoint(model, trial), folder, state, keep)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        info = self._shard_info = seqpar.take_info(inputs)
         if self.padding_free:
             check_batch(inputs)
             if self.args.max_length:  # real tokens / (rows x max_length) of this micro-batch, on this rank
                 rows = self.args.per_device_train_batch_size
-                self._metrics["train"]["packing_efficiency"].append(
-                    inputs["input_ids"].numel() / (rows * self.args.max_length)
-                )
-        if getattr(self.args, "trace_data", False):
-            self.trace.record(self.state.global_step, inputs)
-        self.throughput.add(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+                tokens = info.tokens if info else inputs["input_ids"].numel()
+                self._metrics["train"]["packing_efficiency"].append(tokens / (rows * self.args.max_length))
+        sp = self.args.parallel
+        if getattr(self.args, "trace_data", False) and (info is None or sp.sp_rank == 0):
+            self.trace.record(self.state.global_step, inputs, info)
+        self.throughput.add(inputs, info, sp.sp)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # Each rank's loss is its slice's share of the replica's loss (see compute_loss); the Trainer logs the mean
+        # over all ranks, so the replica's loss is sp x that.
+        return loss * sp.sp if info is not None else loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        info = self._shard_info
+        if info is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # Sequence parallel: TRL's loss under Ulysses (its metrics included) is the mean over the micro-batch's own
+        # trained tokens, all-gathered over the sp ranks; rescaled to weigh every token of the optimizer step alike.
+        counted = self._total_train_tokens
+        loss = super().compute_loss(model, inputs, False, num_items_in_batch)
+        padding = torch.tensor(float(info.padded - info.tokens) if self.args.parallel.sp_rank == 0 else 0.0)
+        padding = self.accelerator.reduce(padding.to(self.args.device), reduction="sum")
+        self._total_train_tokens = counted + (self._total_train_tokens - counted) - int(padding)
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        loss = loss * seqpar.loss_scale(self.args.parallel, info.targets, num_items_in_batch)
+        if return_outputs:
+            raise ConfigError("sequence parallelism does not return model outputs in training")
+        return loss
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """Under sequence parallelism: the trained tokens of the optimizer step, over every replica, each counted
+        once (transformers' count is off for Ulysses, which does not use it)."""
+        if self.args.parallel.sp == 1:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum((batch["shift_labels"] != -100).sum() for batch in batch_samples).to(device)
+        return self.accelerator.reduce(count, reduction="sum")
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        seqpar.take_info(inputs)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here (the loss was just all-gathered)

@@ -114,15 +114,17 @@ def zero_setup(training_args) -> ZeroSetup:
 
 
 def prepare_model_build(training_args) -> bool:
-    """Before the model is built: under ZeRO-3 start DeepSpeed's process group, which `zero.Init` needs (on CPU it
-    must be gloo: without it `zero.Init` starts one itself and fails with a batch-size/world-size mismatch).
-    Returns whether the model is built partitioned (inside `zero.Init`)."""
-    if zero_setup(training_args).stage != 3:
+    """Before the model is built: under ZeRO-3 or sequence parallelism start DeepSpeed's process group, which
+    `zero.Init` and the Ulysses groups need (on CPU it must be gloo: without it `zero.Init` starts one itself and
+    fails with a batch-size/world-size mismatch). Returns whether the model is built partitioned (inside
+    `zero.Init`)."""
+    stage3 = zero_setup(training_args).stage == 3
+    if not stage3 and training_args.parallel.sp == 1:
         return False
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return True
+    return stage3
 
 
 @contextlib.contextmanager

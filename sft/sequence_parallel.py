@@ -1,0 +1,228 @@
+"""Sequence parallelism: the tokens of one packed row split over `sp` ranks (Ulysses, DeepSpeed ALST).
+
+The engine is DeepSpeed's and accelerate's: `ParallelismConfig(sp_backend="deepspeed")` makes transformers' Trainer
+register `UlyssesSPAttentionHF` (an all-to-all before and after attention, so each rank attends over the whole row
+with `heads / sp` heads), pass DeepSpeed the sequence-parallel groups, and wrap the training data loader in
+`UlyssesSPDataLoaderAdapter` (the sp ranks of a replica take turns: each rank's batch is cut into `sp` contiguous
+slices and every rank trains one slice). What this module adds is what those leave to the user:
+
+- **Packing stays exact.** TRL's padding-free collator puts the boundaries of the packed samples in every batch as
+  whole-row tensors (`cu_seq_lens_q`, ...) that cannot be sliced along the sequence; they are dropped here, and the
+  attention backend derives the boundaries from the `position_ids` that Ulysses gathers back to the whole row
+  (`sft.attention`: `sft_varlen`, PyTorch's varlen FlashAttention-2 on CUDA and an exact per-sample sdpa on CPU).
+  `sdpa` is refused: under Ulysses it attends across the samples of a row. Rows are padded to a multiple of `sp`
+  only (at most sp - 1 tokens, labels -100, each its own one-token "sample"), and that padding is not counted as
+  tokens or FLOPs: the real sample lengths travel with the batch as `ShardInfo`.
+- **The loss is the one without SP.** transformers' Ulysses loss averages each micro-batch over its own tokens, so
+  with gradient accumulation micro-batches of few tokens weigh as much as full ones. Here every rank's loss is the sum
+  of its tokens' losses over the tokens of the whole optimizer step (all replicas, all accumulation steps), as
+  TRL's loss is without SP; `loss_scale` gives the factor.
+- **Checks before any model is built**: sp divides the world size and the attention heads, DeepSpeed is on, the
+  batches are padding-free, the backend can do it. Each micro-batch is one packed row (`per_device_train_batch_size`
+  1, the batch Ulysses' attention wrapper is sized for); accumulation makes up the global batch.
+
+`ParallelDims.sp` (from `sequence_parallel_size`) is the size everything else reads: the batch arithmetic counts the
+global batch over `dp = world / sp` replicas, the memory planner divides activations by sp, the fingerprint holds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from sft.errors import ConfigError
+
+# Whole-row tensors of TRL's padding-free collator that cannot be sliced along the sequence
+ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+INFO_KEY = "sft_shard_info"
+# Backends that keep packed samples apart when Ulysses hands them the whole row with `attention_mask=None`
+SP_BACKENDS = ("sft_varlen", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What one micro-batch held before it was split over the sp ranks: the real sample lengths (padding excluded),
+    the padded row length, the number of trained (label) tokens and, with `trace_data`, a digest per sample."""
+
+    lengths: tuple[int, ...]
+    padded: int
+    targets: int
+    samples: tuple[str, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def check(dims, training_args, padding_free: bool) -> None:
+    """Refuse a sequence-parallel setting that cannot run, before data or model are loaded."""
+    if dims.sp == 1:
+        return
+    if not training_args.deepspeed:
+        raise ConfigError(
+            f"`sequence_parallel_size: {dims.sp}` runs on DeepSpeed (Ulysses / ALST): add `--deepspeed "
+            "ds_configs/zero2.json` (or zero3), or set sequence_parallel_size: 1."
+        )
+    if not padding_free:
+        raise ConfigError(
+            f"`sequence_parallel_size: {dims.sp}` needs padding-free batches, whose samples are kept apart by their "
+            "position_ids: set `packing: true` (or `padding_free: true`)."
+        )
+    micro = training_args.per_device_train_batch_size
+    if micro != 1 and "per_device_train_batch_size" not in training_args.auto_settings:
+        raise ConfigError(
+            f"`per_device_train_batch_size: {micro}` with `sequence_parallel_size: {dims.sp}`: each sequence-parallel "
+            "micro-batch is one packed row (DeepSpeed's Ulysses attention is sized for a 1-row batch). Set "
+            "per_device_train_batch_size: 1 (or auto); gradient accumulation makes up the global batch."
+        )
+
+
+def check_model(config, sp: int, attn_implementation: str | None) -> None:
+    """The model's attention can be split over `sp` ranks by heads, with a backend that keeps samples apart."""
+    if sp == 1:
+        return
+    if attn_implementation not in SP_BACKENDS:
+        raise ConfigError(
+            f"`attn_implementation: {attn_implementation}` cannot do sequence parallelism with packing: Ulysses hands "
+            "the attention the whole row without a mask, and this backend would attend across samples. Use `auto` "
+            f"(or one of {list(SP_BACKENDS)}), or set sequence_parallel_size: 1."
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not heads or getattr(text, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"sequence parallelism: DeepSpeed's Ulysses wraps the attention of transformers decoder models with "
+            f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
+            "sequence_parallel_size: 1."
+        )
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    recurrent = layer_types - {"full_attention", "sliding_attention"}
+    if recurrent:
+        raise ConfigError(
+            f"sequence parallelism: {getattr(config, 'model_type', '?')} has {sorted(recurrent)} layers, which "
+            "Ulysses cannot split along the sequence. Set sequence_parallel_size: 1."
+        )
+    if heads % sp or (kv_heads % sp and sp % kv_heads):
+        raise ConfigError(
+            f"`sequence_parallel_size: {sp}` must divide the model's {heads} attention heads, and divide or be a "
+            f"multiple of its {kv_heads} key/value heads. Use one of "
+            f"{[d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]}."
+        )
+
+
+def parallelism_config(dims, attn_implementation: str):
+    """accelerate's ParallelismConfig for `dims` (None without SP): Ulysses on DeepSpeed, variable row lengths."""
+    if dims.sp == 1:
+        return None
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True)
+    # accelerate validates the backend against a fixed list (flash_attention_2/3, sdpa) that misses transformers'
+    # registered backends; DeepSpeed itself checks the name against transformers' registry when it wraps it.
+    handler.sp_attn_implementation = attn_implementation
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=dims.sp, dp_replicate_size=dims.dp, sp_handler=handler)
+
+
+class ShardableCollator:
+    """TRL's padding-free collator, its output made sliceable along the sequence: the whole-row boundary tensors
+    dropped, the row padded to a multiple of `sp` (input pad token, label -100, position 0), and a `ShardInfo` added
+    (a non-tensor value, which the data loader adapter copies to every sp rank unchanged)."""
+
+    def __init__(self, collator, sp: int, pad_token_id: int, trace: bool = False):
+        self.collator, self.sp, self.pad_token_id, self.trace = collator, sp, pad_token_id, trace
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        input_ids = batch["input_ids"]
+        if input_ids.shape[0] != 1 or "position_ids" not in batch:
+            raise ConfigError("sequence parallelism needs padding-free batches (one row with position_ids).")
+        cu = batch.get("cu_seq_lens_q")
+        if cu is None:
+            starts = (batch["position_ids"][0] == 0).nonzero().flatten()
+            cu = torch.cat([starts, torch.tensor([input_ids.shape[1]])])
+        lengths = cu.diff().tolist()
+        samples = ()
+        if self.trace:
+            samples = tuple(
+                hashlib.sha1(s.numpy().tobytes()).hexdigest()[:16] for s in input_ids[0].cpu().split(lengths)
+            )
+        for key in ROW_KEYS:
+            batch.pop(key, None)
+        pad = -input_ids.shape[1] % self.sp
+        if pad:
+            for key, value in (("input_ids", self.pad_token_id), ("labels", -100), ("position_ids", 0)):
+                batch[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
+        targets = int((batch["labels"][..., 1:] != -100).sum())
+        batch[INFO_KEY] = ShardInfo(tuple(lengths), input_ids.shape[1] + pad, targets, samples)
+        return batch
+
+
+def take_info(inputs: dict) -> ShardInfo | None:
+    """Remove the ShardInfo from a batch before it reaches the model."""
+    return inputs.pop(INFO_KEY, None)
+
+
+def loss_scale(dims, replica_targets: int, step_targets) -> torch.Tensor:
+    """The factor on transformers' Ulysses loss that gives the gradient of the loss without SP.
+
+    transformers' loss is the micro-batch's token mean, `sum / replica_targets`, all-gathered over the sp ranks, so
+    the backward of the gather sums its gradient over them (x sp); DeepSpeed sums the gradients of all ranks and
+    divides by the data-parallel size (its `dp_world_size / sequence_parallel_size`). Without SP, TRL's loss is
+    `sum / step_targets` (the trained tokens of the whole optimizer step: every replica, every accumulation step)
+    and the gradients are averaged over the dp replicas: so the factor is replica_targets x dp / (sp x step_targets).
+    """
+    step_targets = torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
+    return replica_targets * dims.dp / (dims.sp * step_targets)
+
+
+def uneven_rows_adapter(adapter):
+    """DeepSpeed's `UlyssesSPDataLoaderAdapter` (as transformers' Trainer made it), gathering the sp ranks' rows of
+    different lengths on any backend. DeepSpeed's `refill` all-gathers each rank's batch with rank-sized receive
+    buffers, which NCCL accepts and gloo refuses ("invalid tensor size"); here each rank's tensors are padded to the
+    longest row of the group for the gather and cut back to their own length after it. Everything else is
+    DeepSpeed's: each batch is split into sp contiguous slices, `labels` become pre-shifted `shift_labels`."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    class UnevenRowsAdapter(UlyssesSPDataLoaderAdapter):
+        def refill(self):
+            import torch.distributed as dist
+
+            try:
+                batch = next(self.iter)
+            except StopIteration:
+                self.iter = iter(self.dl)
+                raise
+            if "position_ids" not in batch:
+                raise ConfigError("sequence parallelism needs `position_ids` in every batch (padding-free batches).")
+            length = torch.tensor([batch["input_ids"].shape[1]], device=self.device)
+            lengths = [torch.zeros_like(length) for _ in range(self.sp_world_size)]
+            dist.all_gather(lengths, length, group=self.sp_group)
+            lengths = [int(x) for x in lengths]
+            longest = max(lengths)
+            rows: list[dict] = [{} for _ in range(self.sp_world_size)]
+            for key, value in batch.items():
+                if torch.is_tensor(value):
+                    value = torch.nn.functional.pad(value.to(self.device), (0, longest - value.shape[1]))
+                    gathered = [torch.empty_like(value) for _ in range(self.sp_world_size)]
+                    dist.all_gather(gathered, value, group=self.sp_group)
+                    gathered = [t[:, :n] for t, n in zip(gathered, lengths)]
+                else:
+                    gathered = [None] * self.sp_world_size
+                    dist.all_gather_object(gathered, value, group=self.sp_group)
+                for row, item in zip(rows, gathered):
+                    row[key] = item
+            for row in rows:
+                seq = row["input_ids"].shape[1]
+                if seq % self.sp_world_size:
+                    raise ConfigError(f"a row of {seq} tokens is not a multiple of sequence_parallel_size.")
+                chunk = seq // self.sp_world_size
+                labels = torch.nn.functional.pad(row.pop("labels"), (0, 1), value=-100)
+                row["shift_labels"] = labels[..., 1:].contiguous()
+                part = slice(chunk * self.sp_rank, chunk * (self.sp_rank + 1))
+                self.micro_batches.append({k: v[:, part].cpu() if torch.is_tensor(v) else v for k, v in row.items()})
+
+    return UnevenRowsAdapter(adapter.dl, adapter.sp_rank, adapter.sp_group, adapter.sp_world_size, adapter.device)
