@@ -57,7 +57,7 @@ def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_):
     """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA) on sdpa, one sample at a time: for CPU."""
     out = torch.empty_like(q)
     bounds = cu_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         attended = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]

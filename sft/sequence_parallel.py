@@ -209,11 +209,11 @@ def uneven_rows_adapter(adapter):
                     value = torch.nn.functional.pad(value.to(self.device), (0, longest - value.shape[1]))
                     gathered = [torch.empty_like(value) for _ in range(self.sp_world_size)]
                     dist.all_gather(gathered, value, group=self.sp_group)
-                    gathered = [t[:, :n] for t, n in zip(gathered, lengths)]
+                    gathered = [t[:, :n] for t, n in zip(gathered, lengths, strict=True)]
                 else:
                     gathered = [None] * self.sp_world_size
                     dist.all_gather_object(gathered, value, group=self.sp_group)
-                for row, item in zip(rows, gathered):
+                for row, item in zip(rows, gathered, strict=True):
                     row[key] = item
             for row in rows:
                 seq = row["input_ids"].shape[1]

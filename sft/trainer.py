@@ -14,9 +14,8 @@ import logging
 import math
 from pathlib import Path
 
-from trl import SFTTrainer
-
 import torch
+from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
 from sft import metrics
