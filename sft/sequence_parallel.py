@@ -166,17 +166,19 @@ def take_info(inputs: dict) -> ShardInfo | None:
     return inputs.pop(INFO_KEY, None)
 
 
-def loss_scale(dims, replica_targets: int, step_targets) -> torch.Tensor:
+def loss_scale(dims, divisor: int, replica_targets: int, step_targets) -> torch.Tensor:
     """The factor on transformers' Ulysses loss that gives the gradient of the loss without SP.
 
     transformers' loss is the micro-batch's token mean, `sum / replica_targets`, all-gathered over the sp ranks, so
     the backward of the gather sums its gradient over them (x sp); DeepSpeed sums the gradients of all ranks and
-    divides by the data-parallel size (its `dp_world_size / sequence_parallel_size`). Without SP, TRL's loss is
-    `sum / step_targets` (the trained tokens of the whole optimizer step: every replica, every accumulation step)
-    and the gradients are averaged over the dp replicas: so the factor is replica_targets x dp / (sp x step_targets).
+    divides by `divisor` (`sft.engines.deepspeed.gradient_divisor`: the data-parallel size, or the world size on
+    ZeRO-3's reduce-scatter path). Without SP, TRL's loss is `sum / step_targets` (the trained tokens of the whole
+    optimizer step: every replica, every accumulation step) and the gradients are averaged over the dp replicas:
+    so the factor is replica_targets x divisor / (sp x step_targets). The Trainer logs the mean of the ranks' losses,
+    which is then the step's loss x divisor / world: `training_step` rescales what it reports by world / divisor.
     """
     step_targets = torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
-    return replica_targets * dims.dp / (dims.sp * step_targets)
+    return replica_targets * divisor / (dims.sp * step_targets)
 
 
 def uneven_rows_adapter(adapter):
@@ -188,6 +190,17 @@ def uneven_rows_adapter(adapter):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     class UnevenRowsAdapter(UlyssesSPDataLoaderAdapter):
+        def skip(self, micro_batches: int) -> None:
+            """Drop the first `micro_batches` (a resume): whole batches of the wrapped loader are skipped without
+            being gathered, the remainder out of the next refill. accelerate's `skip_first_batches`, which
+            transformers uses, rebuilds a plain DataLoader from a loader's sampler and so cannot skip through an
+            adapter."""
+            whole, rest = divmod(micro_batches, self.sp_world_size)
+            for _ in range(whole):
+                next(self.iter)
+            for _ in range(rest):
+                next(self)
+
         def refill(self):
             import torch.distributed as dist
 

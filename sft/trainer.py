@@ -93,6 +93,15 @@ class Trainer(SFTTrainer):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.args.parallel.sp > 1:
             train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)
+            if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:
+                # transformers' skip (accelerate's skip_first_batches) cannot go through the adapter: skip here, as
+                # many micro-batches as transformers would, and tell transformers not to skip again
+                per_epoch = max(len(train_dataloader) // self.args.gradient_accumulation_steps, 1)
+                skipped = self.state.global_step % per_epoch * self.args.gradient_accumulation_steps
+                train_dataloader.skip(skipped)
+                self.args.ignore_data_skip = True
+                self._load_rng_state(resume_from_checkpoint)  # what transformers does after its own skip
+                logger.info("Sequence parallel resume: skipped %d micro-batches of this epoch", skipped)
         optimizer = ds_engine.base_optimizer(self.model_wrapped) if resume_from_checkpoint else None
         if optimizer is not None:
             moved = ds_engine.place_optimizer_state(optimizer)
@@ -147,9 +156,11 @@ class Trainer(SFTTrainer):
             self.trace.record(self.state.global_step, inputs, info)
         self.throughput.add(inputs, info, sp.sp)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        # Each rank's loss is its slice's share of the replica's loss (see compute_loss); the Trainer logs the mean
-        # over all ranks, so the replica's loss is sp x that.
-        return loss * sp.sp if info is not None else loss
+        if info is None:
+            return loss
+        # What each rank backpropagates is scaled for DeepSpeed's gradient divisor (see compute_loss); the Trainer
+        # logs the mean over all ranks, so the step's loss is world / divisor x that.
+        return loss * (sp.world_size / ds_engine.gradient_divisor(self.args))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         info = self._shard_info
@@ -163,7 +174,8 @@ class Trainer(SFTTrainer):
         padding = self.accelerator.reduce(padding.to(self.args.device), reduction="sum")
         self._total_train_tokens = counted + (self._total_train_tokens - counted) - int(padding)
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        loss = loss * seqpar.loss_scale(self.args.parallel, info.targets, num_items_in_batch)
+        divisor = ds_engine.gradient_divisor(self.args)
+        loss = loss * seqpar.loss_scale(self.args.parallel, divisor, info.targets, num_items_in_batch)
         if return_outputs:
             raise ConfigError("sequence parallelism does not return model outputs in training")
         return loss

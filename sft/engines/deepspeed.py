@@ -127,6 +127,21 @@ def prepare_model_build(training_args) -> bool:
     return stage3
 
 
+def gradient_divisor(training_args) -> int:
+    """What DeepSpeed divides the sum of all ranks' gradients by under sequence parallelism.
+
+    ZeRO-1/2 (`stage_1_and_2.py`) and ZeRO-3's contiguous-bucket path (`__avg_scatter_contiguous_grads`) divide by
+    `world / sequence_parallel_size`, the data-parallel size. ZeRO-3's reduce-scatter path (`__avg_scatter_grads`,
+    taken whenever `reduce_scatter` is on, its default) averages over the whole partition group, the world size,
+    without that correction: measured on the demo, the same step's grad norm is half (sp = 2) of ZeRO-2's.
+    """
+    dims = training_args.parallel
+    zero = read_config(training_args.deepspeed).get("zero_optimization", {}) if training_args.deepspeed else {}
+    if zero_setup(training_args).stage == 3 and zero.get("reduce_scatter", True):
+        return dims.world_size
+    return dims.dp
+
+
 @contextlib.contextmanager
 def outside_zero_init():
     """Build a model normally even while a ZeRO-3 config is live (transformers would build it inside `zero.Init`):

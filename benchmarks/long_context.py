@@ -1,0 +1,172 @@
+"""Long-context SFT with sequence parallelism (Ulysses) on 2 GPUs: exactness, the longest row, throughput.
+
+    python -m benchmarks.long_context --out $OUT                      # every part
+    python -m benchmarks.long_context --parts equality --out $OUT
+
+Every run is the real CLI (`sft/train.py` under torchrun) on random-weight Llama shapes (bf16 mixed precision, the
+demo tokenizer's ids, no dropout), padding-free packing on `sft_varlen`, Liger when installed, `--trace_data`.
+
+- `equality`: the Llama-3.2-1B shape on rows of 16,384 tokens packed from SFT-like samples (many samples per row,
+  some straddling the split between the two sp ranks), global batch 2 rows, ZeRO-2, 4 steps: sp=1 on 1 GPU against
+  sp=2 on 2 GPUs; per-step loss and grad norm, samples per step, tokens.
+- `limit`: the Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs, one sample of L tokens per row, `auto` micro batch and
+  activation checkpointing (the plan decides), 2 steps, for each L of `--limit-lengths`: whether it trains, the
+  measured peak memory and the planner's figure for the same setting.
+- `throughput`: the 8B shape, ZeRO-3, sp=2, rows of 32k and 64k tokens (one sample each), 5 steps: tokens/s per GPU
+  and MFU (dense bf16 spec peak) of the last 3.
+Results: `long_context.{json,md}` (and the logs) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.common import LLAMA_SHAPES, ROOT, environment, model_dir, read_jsonl, run, sft_command, write_results
+from sft.metrics import samples_per_step
+
+
+def on_gpus(n: int) -> dict:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n)), "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"}
+
+
+def fixed_length_data(path: Path, n: int, length: int, vocab: int) -> Path:
+    """`n` records of exactly `length` random token ids: one sample per packed row."""
+    import numpy as np
+
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        with open(path, "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"input_ids": rng.integers(10, vocab, size=length).tolist()}) + "\n")
+    return path
+
+
+def sft_like_data(path: Path, n: int, vocab: int) -> Path:
+    from benchmarks.common import make_sft_data
+
+    if not path.exists():
+        make_sft_data(path, n, vocab, 8192)
+    return path
+
+
+def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: list[str]) -> dict:
+    import yaml
+
+    out = work / name
+    recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
+    recipe.pop("eval_datasets")
+    recipe.update(
+        model_name_or_path=str(model), from_scratch=True, datasets=[{"path": str(data)}], output_dir=str(out),
+        bf16=True, dtype="bfloat16", eval_strategy="no", save_strategy="no", logging_steps=1, report_to="none",
+        assistant_only_loss=False, trace_data=True, learning_rate=1e-5, warmup_steps=0,
+    )  # fmt: skip
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    args = ["--config", str(work / f"{name}.yaml"), *extra]
+    start = time.time()
+    rc, _ = run(sft_command(nproc, args), work / f"{name}.log", env=on_gpus(nproc))
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] if (out / "metrics.jsonl").exists() else []
+    log = (work / f"{name}.log").read_text()
+    return {"name": name, "rc": rc, "seconds": round(time.time() - start, 1), "records": records, "out": str(out),
+            "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log,
+            "plan": [line.split("INFO sft.preflight: ")[-1] for line in log.splitlines() if "Memory plan" in line
+                     or "peak per GPU" in line or "fits" in line][:3]}  # fmt: skip
+
+
+def equality(work: Path) -> dict:
+    model = model_dir(work / "llama-1b", LLAMA_SHAPES["llama-1b"])
+    data = sft_like_data(work / "sft_like.jsonl", 4000, LLAMA_SHAPES["llama-1b"]["vocab_size"])
+    common = ["--max_length", "16384", "--per_device_train_batch_size", "1", "--global_batch_size", "2",
+              "--gradient_accumulation_steps", "1", "--max_steps", "4",
+              "--deepspeed", "ds_configs/zero2.json"]  # fmt: skip
+    sp1 = train(work, "equality_sp1", 1, model, data, common)
+    sp2 = train(work, "equality_sp2", 2, model, data, [*common, "--sequence_parallel_size", "2"])
+    result = {"sp1": summary(sp1), "sp2": summary(sp2)}
+    if sp1["records"] and sp2["records"]:
+        for key in ("loss", "grad_norm"):
+            result[f"{key}_max_rel_diff"] = max(
+                abs(a[key] - b[key]) / abs(a[key]) for a, b in zip(sp1["records"], sp2["records"], strict=False)
+            )
+        result["num_tokens_equal"] = [r["num_tokens"] for r in sp1["records"]] == [
+            r["num_tokens"] for r in sp2["records"]
+        ]
+        result["samples_equal_every_step"] = samples_per_step(sp1["out"]) == samples_per_step(sp2["out"])
+    return result
+
+
+def summary(run_: dict) -> dict:
+    records = run_["records"]
+    tail = records[-3:]
+    mean = lambda key: sum(r.get(key, 0) for r in tail) / len(tail) if tail else None  # noqa: E731
+    return {
+        "rc": run_["rc"], "oom": run_["oom"], "seconds": run_["seconds"], "steps": len(records),
+        "loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
+        "tokens_per_second_per_gpu": mean("tokens_per_second_per_gpu"), "mfu": mean("mfu"),
+        "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in records), default=None),
+        "plan": run_["plan"],
+    }  # fmt: skip
+
+
+def eight_b(work: Path, name: str, length: int, steps: int) -> dict:
+    model = model_dir(work / "llama-8b", LLAMA_SHAPES["llama-8b"], max_position_embeddings=max(length, 8192))
+    data = fixed_length_data(work / f"fixed_{length}.jsonl", 8, length, LLAMA_SHAPES["llama-8b"]["vocab_size"])
+    extra = ["--max_length", str(length), "--global_batch_size", "1", "--gradient_accumulation_steps", "1",
+             "--max_steps", str(steps), "--deepspeed", "ds_configs/zero3.json", "--sequence_parallel_size", "2",
+             "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto"]  # fmt: skip
+    return summary(train(work, name, 2, model, data, extra))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="equality,throughput,limit")
+    parser.add_argument("--limit-lengths", default="131072,196608")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/long_context"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment()}
+    parts = args.parts.split(",")
+    if "equality" in parts:
+        result["equality"] = equality(args.work)
+        dump(args, result)
+    if "throughput" in parts:
+        result["throughput"] = {str(n): eight_b(args.work, f"throughput_{n}", n, 5) for n in (32768, 65536)}
+        dump(args, result)
+    if "limit" in parts:
+        result["limit"] = {}
+        for n in (int(x) for x in args.limit_lengths.split(",")):
+            result["limit"][str(n)] = eight_b(args.work, f"limit_{n}", n, 2)
+            dump(args, result)
+    dump(args, result)
+
+
+def dump(args, result: dict) -> None:
+    lines = ["# Long-context SFT with sequence parallelism", "", f"{result['environment']['device']}", ""]
+    eq = result.get("equality")
+    if eq:
+        lines += ["## sp=2 (2 GPUs) vs sp=1 (1 GPU), Llama-3.2-1B shape, 16k-token packed rows, bf16, ZeRO-2", ""]
+        lines += [f"- {k}: {v}" for k, v in eq.items() if not isinstance(v, dict)]
+        for k in ("sp1", "sp2"):
+            lines.append(f"- {k}: {json.dumps(eq[k])}")
+        lines.append("")
+    for part in ("throughput", "limit"):
+        if result.get(part):
+            header = "| tokens per row | rc | OOM | steps | tokens/s/GPU | MFU | peak GiB | s |"
+            lines += [f"## {part}: Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs", "", header, "|---" * 8 + "|"]
+            for n, s in result[part].items():
+                tps = f"{s['tokens_per_second_per_gpu']:.0f}" if s["tokens_per_second_per_gpu"] else "-"
+                mfu = f"{s['mfu']:.3f}" if s["mfu"] else "-"
+                peak = f"{s['peak_memory_gib']:.1f}" if s["peak_memory_gib"] else "-"
+                cells = (n, s["rc"], s["oom"], s["steps"], tps, mfu, peak, s["seconds"])
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+            lines.append("")
+    write_results(args.out, "long_context", result, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
