@@ -4,11 +4,12 @@
     python -m sft.batch --tokens-per-step 1048576 --max-length 4096 --world-size 16 --per-device-batch-size 4
 
 global batch = data-parallel size x per-device micro batch x gradient accumulation steps (the data-parallel size
-comes from `sft.parallel`: the world size today). With packing every row holds `max_length` tokens, so tokens per
-step = global batch x max_length. A target that the data-parallel size and micro batch cannot reach exactly is an
-error that lists the nearest reachable targets and the settings that reach the target. transformers and DeepSpeed
-take accumulation steps, not a global batch; this is the one place that converts, for a fresh start (`plan_batch`)
-and for a resume that keeps a checkpoint's global batch on another number of processes (`keep_global_batch`).
+comes from `sft.parallel`: the world size / the sequence-parallel size, whose ranks share each row). With packing
+every row holds `max_length` tokens, so tokens per step = global batch x max_length. A target that the
+data-parallel size and micro batch cannot reach exactly is an error that lists the nearest reachable targets and the
+settings that reach the target. transformers and DeepSpeed take accumulation steps, not a global batch; this is the
+one place that converts, for a fresh start (`plan_batch`) and for a resume that keeps a checkpoint's global batch on
+another number of processes (`keep_global_batch`).
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True, help="Processes in all: nodes x GPUs per node")
     parser.add_argument("--per-device-batch-size", type=int, required=True, help="Micro batch per process")
     parser.add_argument("--max-length", type=int, help="Tokens per packed row")
+    parser.add_argument("--sp", type=int, default=1, help="Sequence-parallel size: processes sharing each row")
     args = parser.parse_args(argv)
     try:
-        dims = ParallelDims.build(args.world_size)
+        dims = ParallelDims.build(args.world_size, args.sp)
         plan = plan_batch(
             dims.dp, args.per_device_batch_size, args.global_batch_size, args.tokens_per_step, args.max_length
         )
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"sft.batch: {e}", file=sys.stderr)
         return 2
     print(f"gradient_accumulation_steps: {plan.gradient_accumulation_steps}")
+    print(f"parallel sizes: {dims.describe()}")
     print(plan.describe())
     return 0
 
