@@ -78,12 +78,12 @@ def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: lis
                      or "peak per GPU" in line or "fits" in line][:3]}  # fmt: skip
 
 
-def equality(work: Path) -> dict:
+def equality(work: Path, extra: list[str]) -> dict:
     model = model_dir(work / "llama-1b", LLAMA_SHAPES["llama-1b"])
     data = sft_like_data(work / "sft_like.jsonl", 4000, LLAMA_SHAPES["llama-1b"]["vocab_size"])
     common = ["--max_length", "16384", "--per_device_train_batch_size", "1", "--global_batch_size", "2",
               "--gradient_accumulation_steps", "1", "--max_steps", "4",
-              "--deepspeed", "ds_configs/zero2.json"]  # fmt: skip
+              "--deepspeed", "ds_configs/zero2.json", *extra]  # fmt: skip
     sp1 = train(work, "equality_sp1", 1, model, data, common)
     sp2 = train(work, "equality_sp2", 2, model, data, [*common, "--sequence_parallel_size", "2"])
     result = {"sp1": summary(sp1), "sp2": summary(sp2)}
@@ -127,12 +127,13 @@ def main() -> None:
     parser.add_argument("--parts", default="equality,throughput,limit")
     parser.add_argument("--limit-lengths", default="131072,196608")
     parser.add_argument("--work", type=Path, default=Path("/tmp/long_context"))
+    parser.add_argument("--no-liger", action="store_true", help="equality part with Liger's kernels off")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment()}
     parts = args.parts.split(",")
     if "equality" in parts:
-        result["equality"] = equality(args.work)
+        result["equality"] = equality(args.work, ["--use_liger_kernel", "false"] if args.no_liger else [])
         dump(args, result)
     if "throughput" in parts:
         result["throughput"] = {str(n): eight_b(args.work, f"throughput_{n}", n, 5) for n in (32768, 65536)}
