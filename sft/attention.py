@@ -77,8 +77,9 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok)."""
-    on_gpu = query.is_cuda and _varlen_attn() is not None
-    varlen_attn = _varlen_attn() if on_gpu else per_sample_sdpa
+    kernel = _varlen_attn() if query.is_cuda else None
+    on_gpu = kernel is not None
+    varlen_attn = kernel if on_gpu else per_sample_sdpa
     batch, heads, seq, dim = query.shape
     if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16

@@ -265,10 +265,8 @@ class TrainConfig(SFTConfig):
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
-        ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
-        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
-            self.deepspeed, ParallelDims.from_env().world_size
-        )
+        launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
+        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(self.deepspeed, launch.world_size)
         super().__post_init__()
         ds_engine.check_agrees(self)
 

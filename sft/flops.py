@@ -91,11 +91,16 @@ class FlopCounter:
         self.pending: torch.Tensor | None = None
 
     def batch_flops(self, inputs: dict) -> torch.Tensor:
-        lengths = sample_lengths(inputs).double()
+        return self.flops_of(sample_lengths(inputs))
+
+    def flops_of(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Training FLOPs of samples of these lengths."""
+        lengths = lengths.double()
         return self.per_token * lengths.sum() + 6 * self.layers * self.width * (lengths * lengths).sum()
 
-    def add(self, inputs: dict, share: float = 1.0) -> None:
-        flops = self.batch_flops(inputs) * share
+    def add(self, inputs: dict, lengths: torch.Tensor | None = None, share: float = 1.0) -> None:
+        """Count a micro-batch (or, given `lengths`, samples of those lengths), times `share`."""
+        flops = (self.batch_flops(inputs) if lengths is None else self.flops_of(lengths)) * share
         self.pending = flops if self.pending is None else self.pending + flops.to(self.pending.device)
 
     def take(self, device: torch.device) -> torch.Tensor:

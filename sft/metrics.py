@@ -122,7 +122,7 @@ class Throughput(TrainerCallback):
         if info is None:
             self.flops.add(inputs)
         else:
-            self.flops.add({"cu_seq_lens_q": torch.tensor((0, *info.lengths)).cumsum(0)}, share=1 / sp)
+            self.flops.add(inputs, torch.tensor(info.lengths), share=1 / sp)
 
     def log(self, logs: dict, step: int, tokens: int, device: torch.device) -> None:
         """Add the figures since the last training log to `logs`; a collective (every rank calls it)."""

@@ -350,13 +350,11 @@ def suggest(
 
 
 def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
-    """Sequence-parallel sizes a run of `gpus` processes can use with this model (they divide the GPUs and the
-    attention heads, and divide or are a multiple of the key/value heads)."""
-    return tuple(
-        d
-        for d in range(1, gpus + 1)
-        if gpus % d == 0 and shape.heads % d == 0 and (shape.kv_heads % d == 0 or d % shape.kv_heads == 0)
-    )
+    """Sequence-parallel sizes a run of `gpus` processes can use with this model (they divide the GPUs and split the
+    attention heads as Ulysses needs)."""
+    from sft.sequence_parallel import splits_heads
+
+    return tuple(d for d in range(1, gpus + 1) if gpus % d == 0 and splits_heads(shape.heads, shape.kv_heads, d))
 
 
 def detected_gpu_memory() -> float | None:

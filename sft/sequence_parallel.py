@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sft.attention import boundaries_from_positions
 from sft.errors import ConfigError
 
 # Whole-row tensors of TRL's padding-free collator that cannot be sliced along the sequence
@@ -79,6 +80,12 @@ def check(dims, training_args, padding_free: bool) -> None:
         )
 
 
+def splits_heads(heads: int, kv_heads: int, sp: int) -> bool:
+    """DeepSpeed's Ulysses rule: sp divides the attention heads, and divides or is a multiple of the key/value heads
+    (it replicates key/value heads when there are fewer than sp)."""
+    return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
+
+
 def check_model(config, sp: int, attn_implementation: str | None) -> None:
     """The model's attention can be split over `sp` ranks by heads, with a backend that keeps samples apart."""
     if sp == 1:
@@ -105,11 +112,11 @@ def check_model(config, sp: int, attn_implementation: str | None) -> None:
             f"sequence parallelism: {getattr(config, 'model_type', '?')} has {sorted(recurrent)} layers, which "
             "Ulysses cannot split along the sequence. Set sequence_parallel_size: 1."
         )
-    if heads % sp or (kv_heads % sp and sp % kv_heads):
+    if not splits_heads(heads, kv_heads, sp):
         raise ConfigError(
             f"`sequence_parallel_size: {sp}` must divide the model's {heads} attention heads, and divide or be a "
             f"multiple of its {kv_heads} key/value heads. Use one of "
-            f"{[d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]}."
+            f"{[d for d in range(1, heads + 1) if splits_heads(heads, kv_heads, d)]}."
         )
 
 
@@ -141,10 +148,7 @@ class ShardableCollator:
         if input_ids.shape[0] != 1 or "position_ids" not in batch:
             raise ConfigError("sequence parallelism needs padding-free batches (one row with position_ids).")
         cu = batch.get("cu_seq_lens_q")
-        if cu is None:
-            starts = (batch["position_ids"][0] == 0).nonzero().flatten()
-            cu = torch.cat([starts, torch.tensor([input_ids.shape[1]])])
-        lengths = cu.diff().tolist()
+        lengths = (cu if cu is not None else boundaries_from_positions(batch["position_ids"])).diff().tolist()
         samples = ()
         if self.trace:
             samples = tuple(

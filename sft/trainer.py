@@ -45,6 +45,7 @@ class Trainer(SFTTrainer):
         self.fingerprint = fingerprint or {}
         self._shard_info: seqpar.ShardInfo | None = None
         if dims.sp > 1:
+            self._gradient_divisor = ds_engine.gradient_divisor(self.args)  # fixed for the run: read its config once
             pad = self.processing_class.pad_token_id
             self.data_collator = seqpar.ShardableCollator(self.data_collator, dims.sp, pad, self.args.trace_data)
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
@@ -151,34 +152,30 @@ class Trainer(SFTTrainer):
                 rows = self.args.per_device_train_batch_size
                 tokens = info.tokens if info else inputs["input_ids"].numel()
                 self._metrics["train"]["packing_efficiency"].append(tokens / (rows * self.args.max_length))
-        sp = self.args.parallel
-        if getattr(self.args, "trace_data", False) and (info is None or sp.sp_rank == 0):
+        dims = self.args.parallel
+        if getattr(self.args, "trace_data", False) and (info is None or dims.sp_rank == 0):
             self.trace.record(self.state.global_step, inputs, info)
-        self.throughput.add(inputs, info, sp.sp)
+        self.throughput.add(inputs, info, dims.sp)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if info is None:
             return loss
         # What each rank backpropagates is scaled for DeepSpeed's gradient divisor (see compute_loss); the Trainer
         # logs the mean over all ranks, so the step's loss is world / divisor x that.
-        return loss * (sp.world_size / ds_engine.gradient_divisor(self.args))
+        return loss * (dims.world_size / self._gradient_divisor)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         info = self._shard_info
-        if info is None or not model.training:
+        if info is None or not model.training or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # Sequence parallel: TRL's loss under Ulysses (its metrics included) is the mean over the micro-batch's own
         # trained tokens, all-gathered over the sp ranks; rescaled to weigh every token of the optimizer step alike.
-        counted = self._total_train_tokens
         loss = super().compute_loss(model, inputs, False, num_items_in_batch)
+        # TRL counted the padded rows; take the padding back out (each row's once, from its first sp rank)
         padding = torch.tensor(float(info.padded - info.tokens) if self.args.parallel.sp_rank == 0 else 0.0)
-        padding = self.accelerator.reduce(padding.to(self.args.device), reduction="sum")
-        self._total_train_tokens = counted + (self._total_train_tokens - counted) - int(padding)
+        self._total_train_tokens -= int(self.accelerator.reduce(padding.to(self.args.device), reduction="sum"))
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        divisor = ds_engine.gradient_divisor(self.args)
-        loss = loss * seqpar.loss_scale(self.args.parallel, divisor, info.targets, num_items_in_batch)
-        if return_outputs:
-            raise ConfigError("sequence parallelism does not return model outputs in training")
-        return loss
+        scale = seqpar.loss_scale(self.args.parallel, self._gradient_divisor, info.targets, num_items_in_batch)
+        return loss * scale
 
     def _get_num_items_in_batch(self, batch_samples, device):
         """Under sequence parallelism: the trained tokens of the optimizer step, over every replica, each counted
