@@ -81,6 +81,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     on_gpu = kernel is not None
     varlen_attn = kernel if on_gpu else per_sample_sdpa
     batch, heads, seq, dim = query.shape
+    dtype = query.dtype
     if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
         query, key, value = query.to(half), key.to(half), value.to(half)
@@ -112,7 +113,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         full = out.new_zeros(batch * seq, heads, dim)
         full[keep] = out
         out = full
-    return out.reshape(batch, seq, heads, dim), None
+    return out.reshape(batch, seq, heads, dim).to(dtype), None
 
 
 def register_varlen() -> None:

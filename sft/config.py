@@ -266,7 +266,9 @@ class TrainConfig(SFTConfig):
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
         launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
-        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(self.deepspeed, launch.world_size)
+        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
+            self.deepspeed, launch.world_size, launch.sp
+        )
         super().__post_init__()
         ds_engine.check_agrees(self)
 

@@ -82,6 +82,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
+        changes["deepspeed"] = ds_engine.unresolved_config(training_args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, training_args.padding_free_batches)
     batch = _plan_batch(training_args, micro, resume, dims.dp)
@@ -95,8 +96,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
     if resume is not None and resume.world_size != dims.world_size:
-        if training_args.deepspeed:
-            changes["deepspeed"] = ds_engine.universal_load_config(training_args.deepspeed)
+        universal = bool(training_args.deepspeed)
+        if universal:
+            changes["deepspeed"] = ds_engine.universal_load_config(changes.get("deepspeed", training_args.deepspeed))
         logger.warning(
             "Resuming %s on %d processes (was %d): global batch %d = %s%s",
             resume.checkpoint,
@@ -104,16 +106,17 @@ def preflight(training_args, model_args, resume: Resume | None = None):
             resume.world_size,
             batch.global_batch_size,
             f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
-            ", loading the ZeRO state as a universal checkpoint" if "deepspeed" in changes else "",
+            ", loading the ZeRO state as a universal checkpoint" if universal else "",
         )
-    world = dims.world_size
-    for key, value in getattr(training_args, "resolved_ds_settings", {}).items():
-        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
     if auto:
         logger.info(
             "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
         )
-    return dataclasses.replace(training_args, **changes) if changes else training_args
+    planned = dataclasses.replace(training_args, **changes) if changes else training_args
+    world = dims.world_size
+    for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+    return planned
 
 
 def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int) -> BatchPlan:

@@ -9,7 +9,7 @@ import yaml
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from sft.config import parse_args
-from sft.engines.deepspeed import prepare_config
+from sft.engines.deepspeed import prepare_config, unresolved_config
 from sft.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -111,6 +111,32 @@ def test_overlap_comm_auto_is_off_on_one_process_and_on_with_several(tmp_path, m
     (tmp_path / "bad.json").write_text(json.dumps(explicit))
     with pytest.raises(ConfigError, match=r'overlap_comm in .*bad.json must be true, false or "auto", got \'yes\''):
         parse_args([*args[:-1], str(tmp_path / "bad.json")])
+
+
+def test_overlap_comm_is_off_under_sequence_parallelism_on_zero_1_and_2(tmp_path, monkeypatch):
+    """DeepSpeed's overlapped ZeRO-1/2 reduction gives wrong gradients under Ulysses on GPUs
+    (benchmarks/results/sp_gradients): `auto` turns it off there, an explicit `true` is refused; ZeRO-3 is not
+    touched. With `sequence_parallel_size: auto` the plan's choice of sp resolves it again."""
+    monkeypatch.chdir(ROOT)
+    config, chosen = prepare_config("ds_configs/zero2.json", processes=2, sp=2)
+    assert config["zero_optimization"]["overlap_comm"] is False and chosen == {"zero_optimization.overlap_comm": False}
+    assert prepare_config("ds_configs/zero2.json", processes=4, sp=1)[0]["zero_optimization"]["overlap_comm"] is True
+    assert prepare_config("ds_configs/zero3.json", processes=2, sp=2) == ("ds_configs/zero3.json", {})
+    explicit = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    explicit["zero_optimization"]["overlap_comm"] = True
+    (tmp_path / "overlap.json").write_text(json.dumps(explicit))
+    with pytest.raises(ConfigError, match=r"overlap_comm: true in .*overlap.json with sequence_parallel_size 2.*wrong "
+                       r'gradients.*Set it to "auto" or false'):  # fmt: skip
+        prepare_config(str(tmp_path / "overlap.json"), processes=2, sp=2)
+    # what preflight hands back when `sequence_parallel_size: auto` becomes 2: sft's choices are "auto" again
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--config", "recipes/demo.yaml", "--output_dir", str(tmp_path), "--deepspeed", "ds_configs/zero2.json"]
+    _, _, training_args, _ = parse_args(args)
+    again = unresolved_config(training_args)
+    assert again["zero_optimization"]["overlap_comm"] == "auto"
+    assert training_args.deepspeed["zero_optimization"]["overlap_comm"] is False  # the run's own config untouched
+    assert prepare_config(again, processes=2, sp=2)[0]["zero_optimization"]["overlap_comm"] is False
+    assert prepare_config(again, processes=2, sp=1)[0]["zero_optimization"]["overlap_comm"] is True
 
 
 def test_fraction_on_some_sources_only(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """DeepSpeed, the engine that shards and steps the model: everything sft asks of it, behind one narrow interface.
 
-- `prepare_config`: the `--deepspeed` JSON checked (exists, is an object) and sft's own `"auto"` values resolved;
+- `prepare_config`: the `--deepspeed` JSON checked (exists, is an object) and sft's own `"auto"` values resolved
+  (`unresolved_config` gives them back as `"auto"` when the plan changes what they depend on);
   `check_agrees`: after transformers has filled its `"auto"` values, a DeepSpeed value that contradicts a training
   argument is an error naming both.
 - `zero_setup`: the ZeRO stage and what is offloaded (for the memory plan and the model build).
@@ -63,14 +64,17 @@ def read_config(deepspeed: str | dict) -> dict:
     return copy.deepcopy(deepspeed) if isinstance(deepspeed, dict) else json.loads(Path(deepspeed).read_text())
 
 
-def prepare_config(deepspeed: str | dict | None, processes: int) -> tuple[str | dict | None, dict]:
-    """The `deepspeed` training argument checked and resolved for a run of `processes` processes; returns (config
-    for transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
+def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) -> tuple[str | dict | None, dict]:
+    """The `deepspeed` training argument checked and resolved for a run of `processes` processes and sequence-parallel
+    size `sp`; returns (config for transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
 
     `zero_optimization.overlap_comm: "auto"`: on with several processes (the gradient reduction overlaps the
     backward), off with one, where there is nothing to communicate and DeepSpeed's overlap path only adds stream
     synchronisation: 1B shape on 1 x H100, ZeRO-2, 62,609 vs 60,711 tokens/s without/with it
-    (benchmarks/results/profile_step_1b_h100). A config without `"auto"` is returned as given (a path stays a path).
+    (benchmarks/results/profile_step_1b_h100). Off, too, under sequence parallelism on ZeRO-1/2, and `true` there is
+    refused: DeepSpeed's overlapped reduction of ZeRO-1/2 gives wrong gradients when the backward runs Ulysses'
+    all-to-alls (measured on 2 x H200: gradient norm 11,341 against 2.5997 without SP; 2.5997 with overlap off;
+    benchmarks/results/sp_gradients). A config without `"auto"` is returned as given (a path stays a path).
     """
     if deepspeed is None or (isinstance(deepspeed, str) and deepspeed.lower() in ("", "none", "null")):
         return None, {}
@@ -79,15 +83,34 @@ def prepare_config(deepspeed: str | dict | None, processes: int) -> tuple[str | 
     config = read_config(deepspeed)
     zero = config.get("zero_optimization")
     value = zero.get("overlap_comm") if isinstance(zero, dict) else None
+    where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if value is True and sp > 1 and stage in (1, 2):
+        raise ConfigError(
+            f"`deepspeed`: zero_optimization.overlap_comm: true in {where} with sequence_parallel_size {sp}: "
+            f"DeepSpeed's overlapped ZeRO-{stage} gradient reduction gives wrong gradients under sequence parallelism "
+            '(measured on GPUs, benchmarks/results/sp_gradients). Set it to "auto" or false.'
+        )
     if value is None or isinstance(value, bool):
         return deepspeed, {}
     if value != "auto":
-        where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
         raise ConfigError(
             f'`deepspeed`: zero_optimization.overlap_comm in {where} must be true, false or "auto", got {value!r}.'
         )
-    zero["overlap_comm"] = processes > 1
+    zero["overlap_comm"] = processes > 1 and not (sp > 1 and stage in (1, 2))
     return config, {"zero_optimization.overlap_comm": zero["overlap_comm"]}
+
+
+def unresolved_config(training_args) -> str | dict | None:
+    """The run's DeepSpeed config with the values sft resolved from `"auto"` set back to `"auto"`, to be resolved
+    again when a setting they depend on changes (`sequence_parallel_size: auto`, chosen by the memory plan)."""
+    if not training_args.deepspeed or not training_args.resolved_ds_settings:
+        return training_args.deepspeed
+    config = read_config(training_args.deepspeed)
+    for key in training_args.resolved_ds_settings:
+        section, name = key.split(".")
+        config[section][name] = "auto"
+    return config
 
 
 def check_agrees(training_args) -> None:
