@@ -16,7 +16,7 @@ slices and every rank trains one slice). What this module adds is what those lea
 - **The loss is the one without SP.** transformers' Ulysses loss averages each micro-batch over its own tokens, so
   with gradient accumulation micro-batches of few tokens weigh as much as full ones. Here every rank's loss is the sum
   of its tokens' losses over the tokens of the whole optimizer step (all replicas, all accumulation steps), as
-  TRL's loss is without SP; `loss_scale` gives the factor.
+  TRL's loss is without SP, from TRL's fused LM head; `loss_scale` gives the factor.
 - **Checks before any model is built**: sp divides the world size and the attention heads, DeepSpeed is on, the
   batches are padding-free, the backend can do it. Each micro-batch is one packed row (`per_device_train_batch_size`
   1, the batch Ulysses' attention wrapper is sized for); accumulation makes up the global batch.
@@ -45,11 +45,10 @@ SP_BACKENDS = ("sft_varlen", "flash_attention_2", "flash_attention_3")
 @dataclass(frozen=True)
 class ShardInfo:
     """What one micro-batch held before it was split over the sp ranks: the real sample lengths (padding excluded),
-    the padded row length, the number of trained (label) tokens and, with `trace_data`, a digest per sample."""
+    the padded row length and, with `trace_data`, a digest per sample."""
 
     lengths: tuple[int, ...]
     padded: int
-    targets: int
     samples: tuple[str, ...] = ()
 
     @property
@@ -160,8 +159,7 @@ class ShardableCollator:
         if pad:
             for key, value in (("input_ids", self.pad_token_id), ("labels", -100), ("position_ids", 0)):
                 batch[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
-        targets = int((batch["labels"][..., 1:] != -100).sum())
-        batch[INFO_KEY] = ShardInfo(tuple(lengths), input_ids.shape[1] + pad, targets, samples)
+        batch[INFO_KEY] = ShardInfo(tuple(lengths), input_ids.shape[1] + pad, samples)
         return batch
 
 
@@ -170,19 +168,20 @@ def take_info(inputs: dict) -> ShardInfo | None:
     return inputs.pop(INFO_KEY, None)
 
 
-def loss_scale(dims, divisor: int, replica_targets: int, step_targets) -> torch.Tensor:
-    """The factor on transformers' Ulysses loss that gives the gradient of the loss without SP.
+def loss_scale(divisor: int, step_targets) -> torch.Tensor:
+    """The factor on a rank's summed token losses that gives, after DeepSpeed, the gradient of the loss without SP.
 
-    transformers' loss is the micro-batch's token mean, `sum / replica_targets`, all-gathered over the sp ranks, so
-    the backward of the gather sums its gradient over them (x sp); DeepSpeed sums the gradients of all ranks and
-    divides by `divisor` (`sft.engines.deepspeed.gradient_divisor`: the data-parallel size, or the world size on
-    ZeRO-3's reduce-scatter path). Without SP, TRL's loss is `sum / step_targets` (the trained tokens of the whole
-    optimizer step: every replica, every accumulation step) and the gradients are averaged over the dp replicas:
-    so the factor is replica_targets x divisor / (sp x step_targets). The Trainer logs the mean of the ranks' losses,
-    which is then the step's loss x divisor / world: `training_step` rescales what it reports by world / divisor.
+    Without SP, TRL's loss is the sum of token losses over the trained tokens of the whole optimizer step
+    (`step_targets`: every replica, every accumulation step), and DeepSpeed averages the replicas' gradients. Under
+    SP every rank holds a slice of a row: DeepSpeed sums all ranks' gradients and divides by `divisor`
+    (`sft.engines.deepspeed.gradient_divisor`: the data-parallel size, or the world size on ZeRO-3's reduce-scatter
+    path), so each rank's summed loss is multiplied by divisor / step_targets. No collective enters the backward
+    (transformers' Ulysses loss all-gathers the ranks' losses differentiably, which on gloo fails for any sp group
+    but the first: torch's all-to-all fallback scatters from group ranks as if they were global ranks). The Trainer
+    logs the mean of the ranks' losses, which is then the step's loss x divisor / world: `training_step` reports it
+    x world / divisor.
     """
-    step_targets = torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
-    return replica_targets * divisor / (dims.sp * step_targets)
+    return divisor / torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
 
 
 def uneven_rows_adapter(adapter):

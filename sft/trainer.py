@@ -91,7 +91,10 @@ class Trainer(SFTTrainer):
         """transformers loads the checkpoint here. After any DeepSpeed load the optimizer state is placed as torch's
         `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
         moves."""
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        with ds_engine.universal_load(self.args):
+            model, train_dataloader = super()._prepare_for_training(
+                max_steps, train_dataloader, resume_from_checkpoint
+            )
         if self.args.parallel.sp > 1:
             train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)
             if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:
@@ -167,15 +170,19 @@ class Trainer(SFTTrainer):
         info = self._shard_info
         if info is None or not model.training or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # Sequence parallel: TRL's loss under Ulysses (its metrics included) is the mean over the micro-batch's own
-        # trained tokens, all-gathered over the sp ranks; rescaled to weigh every token of the optimizer step alike.
-        loss = super().compute_loss(model, inputs, False, num_items_in_batch)
-        # TRL counted the padded rows; take the padding back out (each row's once, from its first sp rank)
-        padding = torch.tensor(float(info.padded - info.tokens) if self.args.parallel.sp_rank == 0 else 0.0)
-        self._total_train_tokens -= int(self.accelerator.reduce(padding.to(self.args.device), reduction="sum"))
+        # Sequence parallel: TRL's loss without SP, from the same fused LM head, on this rank's slice of the row
+        # (`sft.sequence_parallel.loss_scale`); TRL's metrics as TRL keeps them, the tokens counted once per row.
+        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+        loss = -outputs.log_probs.sum() * seqpar.loss_scale(self._gradient_divisor, num_items_in_batch)
+        gather = self.accelerator.gather_for_metrics
+        valid = gather(outputs.label_mask.sum()).sum()
+        entropy, correct = gather(outputs.entropy.detach().sum()).sum(), gather(outputs.is_top1.sum()).sum()
+        self._metrics["train"]["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        self._metrics["train"]["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        tokens = torch.tensor(float(info.tokens) if self.args.parallel.sp_rank == 0 else 0.0, device=self.args.device)
+        self._total_train_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        scale = seqpar.loss_scale(self.args.parallel, self._gradient_divisor, info.targets, num_items_in_batch)
-        return loss * scale
+        return loss
 
     def _get_num_items_in_batch(self, batch_samples, device):
         """Under sequence parallelism: the trained tokens of the optimizer step, over every replica, each counted

@@ -7,8 +7,9 @@
 - `zero_setup`: the ZeRO stage and what is offloaded (for the memory plan and the model build).
 - `prepare_model_build`: DeepSpeed's process group before a ZeRO-3 model is built inside `zero.Init`;
   `outside_zero_init`: a model built normally (the planner's meta-device shapes) while a ZeRO-3 config is live.
-- `universal_load_config` / `convert_for_resume`: a ZeRO checkpoint of another process count loaded as a universal
-  checkpoint, converted once with DeepSpeed's own `ds_to_universal`; `place_optimizer_state` mends the load.
+- `universal_load_config` / `convert_for_resume` / `universal_load`: a ZeRO checkpoint of another process count
+  loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
+  included); `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
 
 A second engine (FSDP2) would be a sibling module with the same functions; the planner, preflight, the model build,
@@ -197,7 +198,36 @@ def ensure_universal(checkpoint: str) -> None:
         inject_missing_state=True,  # plain (non-Megatron) DeepSpeed clients do not write the universal info
     )
     logger.info("Converting %s to a universal checkpoint for a different number of processes", ckpt / tag)
-    ds_to_universal.main(args)
+    with _sequence_parallel_topology():
+        ds_to_universal.main(args)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_topology():
+    """Read a sequence-parallel checkpoint's topology from its files. DeepSpeed's Ulysses groups stand in for
+    model-parallel ones (`parallel_state_sp`: get_model_parallel_world_size = the sp size), so the checkpoint of an
+    sp=2 run records tensor-parallel degree 2 next to its one model-state file, and `ds_to_universal` stops:
+    "Checkpoint model-state file count 1 does not match pp_degree=1 * tp_degree=2". Its weights are whole and its ZeRO
+    files are one per rank of the partition group, which is what DeepSpeed's reading without the recorded degrees
+    finds. A real tensor-parallel checkpoint (one model-state file per tp rank) is read as recorded."""
+    from deepspeed.checkpoint import deepspeed_checkpoint
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+
+    recorded = deepspeed_checkpoint.get_model_3d_descriptor_from_metadata
+
+    def topology(file_list, zero_file_list, model_state_metadata):
+        dims = [m.get(CHECKPOINT_PARALLEL_DIMS) or {} for _, m in model_state_metadata]
+        if len(model_state_metadata) == 1 and dims[0].get(CHECKPOINT_TP_DEGREE, 1) > 1:
+            model_state_metadata = [
+                (f, {k: v for k, v in m.items() if k != CHECKPOINT_PARALLEL_DIMS}) for f, m in model_state_metadata
+            ]
+        return recorded(file_list, zero_file_list, model_state_metadata)
+
+    deepspeed_checkpoint.get_model_3d_descriptor_from_metadata = topology
+    try:
+        yield
+    finally:
+        deepspeed_checkpoint.get_model_3d_descriptor_from_metadata = recorded
 
 
 def universal_load_config(deepspeed: str | dict) -> dict:
@@ -220,6 +250,27 @@ def convert_for_resume(training_args, checkpoint: str) -> None:
     with training_args.main_process_first(desc="universal checkpoint conversion"):
         if training_args.process_index == 0:
             ensure_universal(checkpoint)
+
+
+@contextlib.contextmanager
+def universal_load(training_args):
+    """Around the checkpoint load of a sequence-parallel run that loads a universal checkpoint: DeepSpeed's loader
+    asks its model-parallel unit for the tensor-parallel size, which the Ulysses unit (`parallel_state_sp`) does not
+    have ("AttributeError: ... has no attribute 'get_tensor_model_parallel_world_size'"). Under SP the weights are
+    whole on every rank, so the answer is 1 (each rank loads the full parameters, then its ZeRO partition)."""
+    if training_args.parallel.sp == 1 or not loads_universal(training_args):
+        yield
+        return
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if hasattr(parallel_state_sp, "get_tensor_model_parallel_world_size"):  # a DeepSpeed that has it
+        yield
+        return
+    parallel_state_sp.get_tensor_model_parallel_world_size = lambda: 1
+    try:
+        yield
+    finally:
+        del parallel_state_sp.get_tensor_model_parallel_world_size
 
 
 def lora_state_from_checkpoint(checkpoint: Path) -> dict:
