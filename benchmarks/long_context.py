@@ -14,6 +14,12 @@ demo tokenizer's ids, no dropout), padding-free packing on `sft_varlen`, Liger w
   measured peak memory and the planner's figure for the same setting.
 - `throughput`: the 8B shape, ZeRO-3, sp=2, rows of 32k and 64k tokens (one sample each), 5 steps: tokens/s per GPU
   and MFU (dense bf16 spec peak) of the last 3.
+- `trl`: TRL's own sequence-parallel path side by side with sft at `--trl-lengths` (default 32k): a plain script
+  (`--trl-worker`, no sft code in the loop) with TRL's SFTTrainer and `parallelism_config` (accelerate's
+  ParallelismConfig, sp_backend deepspeed, sp 2), the same model shape, data (one sample per row), ZeRO-3 config,
+  activation checkpointing and Liger as sft's run; sdpa attention (flash-attn has no wheel here, and with one sample
+  per row sdpa's causal flash kernel keeps samples apart), 5 steps; tokens/s per GPU from its step times over the
+  last 3, MFU as sft's x the tokens/s ratio (the same FLOPs per token).
 Results: `long_context.{json,md}` (and the logs) under --out.
 """
 
@@ -121,6 +127,65 @@ def eight_b(work: Path, name: str, length: int, steps: int) -> dict:
     return summary(train(work, name, 2, model, data, extra))
 
 
+def trl_worker(args) -> None:
+    """TRL's own SP path (run under torchrun with 2 processes): SFTTrainer + parallelism_config, nothing of sft's."""
+    import datasets
+    import torch
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    config = SFTConfig(
+        output_dir=str(args.work / "trl_out"), max_length=args.trl_length, packing=False, padding_free=False,
+        per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=5, learning_rate=1e-5,
+        bf16=True, gradient_checkpointing=True, use_liger_kernel=True, logging_steps=1, save_strategy="no",
+        report_to="none", deepspeed=str(ROOT / "ds_configs" / "zero3.json"), dataset_num_proc=1,
+        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2, dp_replicate_size=1,
+                                             sp_handler=handler),
+    )  # fmt: skip
+    model_path = args.work / "llama-8b"
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_path), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    data = datasets.load_dataset("json", data_files=str(fixed_length_data(
+        args.work / f"fixed_{args.trl_length}.jsonl", 8, args.trl_length, LLAMA_SHAPES["llama-8b"]["vocab_size"])),
+        split="train")  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer.train()
+    if torch.distributed.get_rank() == 0:
+        tail = times[-4:]  # the last 3 steps
+        tps = args.trl_length * (len(tail) - 1) / (tail[-1] - tail[0]) / 2
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        print("TRL_RESULT " + json.dumps({"tokens_per_second_per_gpu": tps, "loss": losses, "steps": len(times),
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)  # fmt: skip
+
+
+def trl_side_by_side(work: Path, length: int) -> dict:
+    ours = eight_b(work, f"sft_{length}", length, 5)
+    args = ["-m", "benchmarks.long_context", "--trl-worker", "--trl-length", str(length), "--work", str(work)]
+    from benchmarks.common import torchrun
+
+    log = work / f"trl_{length}.log"
+    rc, seconds = run([*torchrun(2), *args], log, env=on_gpus(2))
+    lines = [line for line in log.read_text().splitlines() if line.startswith("TRL_RESULT ")]
+    trl = {"rc": rc, "seconds": round(seconds, 1), **(json.loads(lines[-1][11:]) if lines else {})}
+    result = {"sft": ours, "trl": trl}
+    if ours["tokens_per_second_per_gpu"] and trl.get("tokens_per_second_per_gpu"):
+        result["sft_over_trl"] = ours["tokens_per_second_per_gpu"] / trl["tokens_per_second_per_gpu"]
+        result["trl_mfu"] = ours["mfu"] / result["sft_over_trl"] if ours["mfu"] else None
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -128,7 +193,13 @@ def main() -> None:
     parser.add_argument("--limit-lengths", default="131072,196608")
     parser.add_argument("--work", type=Path, default=Path("/tmp/long_context"))
     parser.add_argument("--no-liger", action="store_true", help="equality part with Liger's kernels off")
+    parser.add_argument("--trl-lengths", default="32768")
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-length", type=int, default=32768, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args)
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment()}
     parts = args.parts.split(",")
@@ -137,6 +208,9 @@ def main() -> None:
         dump(args, result)
     if "throughput" in parts:
         result["throughput"] = {str(n): eight_b(args.work, f"throughput_{n}", n, 5) for n in (32768, 65536)}
+        dump(args, result)
+    if "trl" in parts:
+        result["trl"] = {n: trl_side_by_side(args.work, int(n)) for n in args.trl_lengths.split(",")}
         dump(args, result)
     if "limit" in parts:
         result["limit"] = {}
@@ -155,6 +229,15 @@ def dump(args, result: dict) -> None:
         for k in ("sp1", "sp2"):
             lines.append(f"- {k}: {json.dumps(eq[k])}")
         lines.append("")
+    for n, side in (result.get("trl") or {}).items():
+        trl, ours = side["trl"], side["sft"]
+        lines += [f"## sft vs TRL's own SP path, 8B shape, ZeRO-3, sp=2, {n} tokens per row (one sample)", ""]
+        lines.append(f"- sft: {ours['tokens_per_second_per_gpu']} tokens/s/GPU, MFU {ours['mfu']}, peak "
+                     f"{ours['peak_memory_gib']} GiB, rc {ours['rc']}")  # fmt: skip
+        tps, peak = trl.get("tokens_per_second_per_gpu"), trl.get("peak_memory_gib")
+        mfu = side.get("trl_mfu")
+        lines.append(f"- TRL: {tps} tokens/s/GPU, MFU {mfu}, peak {peak} GiB (allocated), rc {trl['rc']}")
+        lines += [f"- sft / TRL: {side.get('sft_over_trl')}", ""]
     for part in ("throughput", "limit"):
         if result.get(part):
             header = "| tokens per row | rc | OOM | steps | tokens/s/GPU | MFU | peak GiB | s |"
