@@ -10,13 +10,14 @@ demo tokenizer's ids, no dropout), padding-free packing on `sft_varlen`, Liger w
   some straddling the split between the two sp ranks), global batch 2 rows, ZeRO-2, 4 steps: sp=1 on 1 GPU against
   sp=2 on 2 GPUs; per-step loss and grad norm, samples per step, tokens.
 - `limit`: the Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs, one sample of L tokens per row, `auto` micro batch and
-  activation checkpointing (the plan decides), 2 steps, for each L of `--limit-lengths`: whether it trains, the
-  measured peak memory and the planner's figure for the same setting.
+  activation checkpointing (the plan decides), `--limit-steps` steps (2), for each L of `--limit-lengths`: whether it
+  trains, the measured peak memory and the planner's figure for the same setting.
 - `throughput`: the 8B shape, ZeRO-3, sp=2, rows of 32k and 64k tokens (one sample each), 5 steps: tokens/s per GPU
   and MFU (dense bf16 spec peak) of the last 3.
 - `trl`: TRL's own sequence-parallel path side by side with sft at `--trl-lengths` (default 32k): a plain script
   (`--trl-worker`, no sft code in the loop) with TRL's SFTTrainer and `parallelism_config` (accelerate's
-  ParallelismConfig, sp_backend deepspeed, sp 2), the same model shape, data (one sample per row), ZeRO-3 config,
+  ParallelismConfig, sp_backend deepspeed, sp 2; DeepSpeed's process group started before the model is built, which
+  ZeRO-3's zero.Init needs), the same model shape, data (one sample per row), ZeRO-3 config,
   activation checkpointing and Liger as sft's run; sdpa attention (flash-attn has no wheel here, and with one sample
   per row sdpa's causal flash kernel keeps samples apart), 5 steps; tokens/s per GPU from its step times over the
   last 3, MFU as sft's x the tokens/s ratio (the same FLOPs per token).
@@ -130,6 +131,7 @@ def eight_b(work: Path, name: str, length: int, steps: int) -> dict:
 def trl_worker(args) -> None:
     """TRL's own SP path (run under torchrun with 2 processes): SFTTrainer + parallelism_config, nothing of sft's."""
     import datasets
+    import deepspeed
     import torch
     from accelerate import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -153,6 +155,9 @@ def trl_worker(args) -> None:
                                              sp_handler=handler),
     )  # fmt: skip
     model_path = args.work / "llama-8b"
+    # DeepSpeed's process group before the model is built inside zero.Init, as sft does (without it DeepSpeed's batch
+    # check counts one process: "train_batch_size is not equal to ... 2 != 1 * 1 * 1")
+    deepspeed.init_distributed()
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(model_path), dtype=torch.bfloat16, attn_implementation="sdpa"
     )
@@ -194,6 +199,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/long_context"))
     parser.add_argument("--no-liger", action="store_true", help="equality part with Liger's kernels off")
     parser.add_argument("--trl-lengths", default="32768")
+    parser.add_argument("--limit-steps", type=int, default=2)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-length", type=int, default=32768, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -215,7 +221,7 @@ def main() -> None:
     if "limit" in parts:
         result["limit"] = {}
         for n in (int(x) for x in args.limit_lengths.split(",")):
-            result["limit"][str(n)] = eight_b(args.work, f"limit_{n}", n, 2)
+            result["limit"][str(n)] = eight_b(args.work, f"limit_{n}", n, args.limit_steps)
             dump(args, result)
     dump(args, result)
 
