@@ -193,7 +193,7 @@ def trl_side_by_side(work: Path, length: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where the results go (required but for the worker)")
     parser.add_argument("--parts", default="equality,throughput,limit")
     parser.add_argument("--limit-lengths", default="131072,196608")
     parser.add_argument("--work", type=Path, default=Path("/tmp/long_context"))
@@ -206,6 +206,8 @@ def main() -> None:
     if args.trl_worker:
         trl_worker(args)
         return
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     args.work.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment()}
     parts = args.parts.split(",")
