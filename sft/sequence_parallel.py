@@ -163,6 +163,16 @@ class ShardableCollator:
         return batch
 
 
+def row_boundaries(info: ShardInfo, device) -> dict:
+    """The whole row's sample boundaries for the attention, which Ulysses hands the whole row: each padding token a
+    sample of its own. Given with every micro-batch, the attention does not derive them from the gathered
+    position_ids in every layer (a device-to-host copy per layer, which stalls the launch queue)."""
+    lengths = torch.tensor([*info.lengths, *[1] * (info.padded - info.tokens)], dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    longest = max(info.lengths + (1,))
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def take_info(inputs: dict) -> ShardInfo | None:
     """Remove the ShardInfo from a batch before it reaches the model."""
     return inputs.pop(INFO_KEY, None)

@@ -149,6 +149,8 @@ class Trainer(SFTTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         info = self._shard_info = seqpar.take_info(inputs)
+        if info is not None:
+            inputs.update(seqpar.row_boundaries(info, self.args.device))
         if self.padding_free:
             check_batch(inputs)
             if self.args.max_length:  # real tokens / (rows x max_length) of this micro-batch, on this rank

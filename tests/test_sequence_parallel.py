@@ -58,6 +58,9 @@ def test_sliceable_batch_pads_to_sp_only_and_keeps_real_lengths():
     # the second sample straddles the split between sp ranks 1 and 2 (tokens 4..7 | 8..11)
     starts = boundaries_from_positions(out["position_ids"]).tolist()
     assert 4 < starts[1] < 8 < starts[2]
+    # what the attention is handed with every micro-batch: the same boundaries, the padding one-token samples
+    given = seqpar.row_boundaries(info, "cpu")
+    assert given["cu_seq_lens_q"].tolist() == starts == [0, 7, 13, 14, 15, 16] and given["max_length_q"] == 7
 
 
 def test_checks_name_the_setting_and_the_fix():
