@@ -7,8 +7,9 @@ builds a block-diagonal mask from the packed `position_ids`. With sequence paral
 `sdpa` cannot keep samples apart, and `auto` picks `sft_varlen` on CPU too.
 
 transformers has no varlen backend of PyTorch's own, which is why `sft_varlen` is written here. It reads the sequence
-boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch; without them
-(sequence parallelism drops them) it derives them from `position_ids` (a sample starts where its position is 0);
+boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch (sequence
+parallelism hands them back for the whole row); without them it derives them from `position_ids` (a sample starts
+where its position is 0);
 it falls back to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches. On CPU (no
 varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample.
 """

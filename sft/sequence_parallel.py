@@ -7,9 +7,10 @@ with `heads / sp` heads), pass DeepSpeed the sequence-parallel groups, and wrap 
 slices and every rank trains one slice). What this module adds is what those leave to the user:
 
 - **Packing stays exact.** TRL's padding-free collator puts the boundaries of the packed samples in every batch as
-  whole-row tensors (`cu_seq_lens_q`, ...) that cannot be sliced along the sequence; they are dropped here, and the
-  attention backend derives the boundaries from the `position_ids` that Ulysses gathers back to the whole row
-  (`sft.attention`: `sft_varlen`, PyTorch's varlen FlashAttention-2 on CUDA and an exact per-sample sdpa on CPU).
+  whole-row tensors (`cu_seq_lens_q`, ...) that cannot be sliced along the sequence; they are dropped before the
+  split and handed back whole with every training micro-batch (`row_boundaries`), since Ulysses gives the attention
+  the whole row (`sft.attention`: `sft_varlen`, PyTorch's varlen FlashAttention-2 on CUDA and an exact per-sample sdpa
+  on CPU; without them it derives the boundaries from the gathered `position_ids`).
   `sdpa` is refused: under Ulysses it attends across the samples of a row. Rows are padded to a multiple of `sp`
   only (at most sp - 1 tokens, labels -100, each its own one-token "sample"), and that padding is not counted as
   tokens or FLOPs: the real sample lengths travel with the batch as `ShardInfo`.

@@ -86,7 +86,8 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
     value = zero.get("overlap_comm") if isinstance(zero, dict) else None
     where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if value is True and sp > 1 and stage in (1, 2):
+    breaks = sp > 1 and stage in (1, 2)  # the overlapped reduction under sequence parallelism: wrong gradients
+    if value is True and breaks:
         raise ConfigError(
             f"`deepspeed`: zero_optimization.overlap_comm: true in {where} with sequence_parallel_size {sp}: "
             f"DeepSpeed's overlapped ZeRO-{stage} gradient reduction gives wrong gradients under sequence parallelism "
@@ -98,7 +99,7 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
         raise ConfigError(
             f'`deepspeed`: zero_optimization.overlap_comm in {where} must be true, false or "auto", got {value!r}.'
         )
-    zero["overlap_comm"] = processes > 1 and not (sp > 1 and stage in (1, 2))
+    zero["overlap_comm"] = processes > 1 and not breaks
     return config, {"zero_optimization.overlap_comm": zero["overlap_comm"]}
 
 
