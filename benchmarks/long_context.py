@@ -31,7 +31,17 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.common import LLAMA_SHAPES, ROOT, environment, model_dir, read_jsonl, run, sft_command, write_results
+from benchmarks.common import (
+    LLAMA_SHAPES,
+    ROOT,
+    environment,
+    model_dir,
+    read_jsonl,
+    run,
+    sft_command,
+    torchrun,
+    write_results,
+)
 from sft.metrics import samples_per_step
 
 
@@ -62,7 +72,9 @@ def sft_like_data(path: Path, n: int, vocab: int) -> Path:
     return path
 
 
-def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: list[str]) -> dict:
+def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: list[str], profile: int = 0) -> dict:
+    """One run of the CLI; with `profile`, optimizer step `profile` runs under torch.profiler
+    (`benchmarks.profile_step`) and its kernel-class summary is returned."""
     import yaml
 
     out = work / name
@@ -76,11 +88,18 @@ def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: lis
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     args = ["--config", str(work / f"{name}.yaml"), *extra]
     start = time.time()
-    rc, _ = run(sft_command(nproc, args), work / f"{name}.log", env=on_gpus(nproc))
+    trace = work / f"{name}.profile.json"
+    if profile:
+        command = [*torchrun(nproc), "-m", "benchmarks.profile_step", "--inner", str(work / f"{name}.yaml"),
+                   "--profile-step", str(profile), "--out", str(trace), *extra]  # fmt: skip
+    else:
+        command = sft_command(nproc, args)
+    rc, _ = run(command, work / f"{name}.log", env=on_gpus(nproc))
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] if (out / "metrics.jsonl").exists() else []
     log = (work / f"{name}.log").read_text()
     return {"name": name, "rc": rc, "seconds": round(time.time() - start, 1), "records": records, "out": str(out),
             "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log,
+            "profile": json.loads(trace.read_text()) if profile and trace.exists() else None,
             "plan": [line.split("INFO sft.preflight: ")[-1] for line in log.splitlines() if "Memory plan" in line
                      or "peak per GPU" in line or "fits" in line][:3]}  # fmt: skip
 
@@ -115,17 +134,17 @@ def summary(run_: dict) -> dict:
         "loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
         "tokens_per_second_per_gpu": mean("tokens_per_second_per_gpu"), "mfu": mean("mfu"),
         "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in records), default=None),
-        "plan": run_["plan"],
+        "plan": run_["plan"], **({"profile": run_["profile"]} if run_.get("profile") else {}),
     }  # fmt: skip
 
 
-def eight_b(work: Path, name: str, length: int, steps: int) -> dict:
+def eight_b(work: Path, name: str, length: int, steps: int, profile: int = 0, more: tuple = ()) -> dict:
     model = model_dir(work / "llama-8b", LLAMA_SHAPES["llama-8b"], max_position_embeddings=max(length, 8192))
     data = fixed_length_data(work / f"fixed_{length}.jsonl", 8, length, LLAMA_SHAPES["llama-8b"]["vocab_size"])
     extra = ["--max_length", str(length), "--global_batch_size", "1", "--gradient_accumulation_steps", "1",
              "--max_steps", str(steps), "--deepspeed", "ds_configs/zero3.json", "--sequence_parallel_size", "2",
-             "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto"]  # fmt: skip
-    return summary(train(work, name, 2, model, data, extra))
+             "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto", *more]  # fmt: skip
+    return summary(train(work, name, 2, model, data, extra, profile))
 
 
 def trl_worker(args) -> None:
@@ -146,6 +165,11 @@ def trl_worker(args) -> None:
             times.append(time.perf_counter())
 
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    callbacks = [StepTimes()]
+    if args.profile_step:
+        from benchmarks.profile_step import step_profiler
+
+        callbacks.append(step_profiler(args.profile_step, args.work / f"trl_{args.trl_length}.profile.json"))
     config = SFTConfig(
         output_dir=str(args.work / "trl_out"), max_length=args.trl_length, packing=False, padding_free=False,
         per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=5, learning_rate=1e-5,
@@ -165,7 +189,7 @@ def trl_worker(args) -> None:
         args.work / f"fixed_{args.trl_length}.jsonl", 8, args.trl_length, LLAMA_SHAPES["llama-8b"]["vocab_size"])),
         split="train")  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
     trainer.train()
     if torch.distributed.get_rank() == 0:
         tail = times[-4:]  # the last 3 steps
@@ -175,15 +199,17 @@ def trl_worker(args) -> None:
               "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)  # fmt: skip
 
 
-def trl_side_by_side(work: Path, length: int) -> dict:
-    ours = eight_b(work, f"sft_{length}", length, 5)
+def trl_side_by_side(work: Path, length: int, profile: int = 0) -> dict:
+    ours = eight_b(work, f"sft_{length}", length, 5, profile)
     args = ["-m", "benchmarks.long_context", "--trl-worker", "--trl-length", str(length), "--work", str(work)]
-    from benchmarks.common import torchrun
-
+    args += ["--profile-step", str(profile)] if profile else []
     log = work / f"trl_{length}.log"
     rc, seconds = run([*torchrun(2), *args], log, env=on_gpus(2))
     lines = [line for line in log.read_text().splitlines() if line.startswith("TRL_RESULT ")]
     trl = {"rc": rc, "seconds": round(seconds, 1), **(json.loads(lines[-1][11:]) if lines else {})}
+    trace = work / f"trl_{length}.profile.json"
+    if profile and trace.exists():
+        trl["profile"] = json.loads(trace.read_text())
     result = {"sft": ours, "trl": trl}
     if ours["tokens_per_second_per_gpu"] and trl.get("tokens_per_second_per_gpu"):
         result["sft_over_trl"] = ours["tokens_per_second_per_gpu"] / trl["tokens_per_second_per_gpu"]
@@ -200,6 +226,7 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true", help="equality part with Liger's kernels off")
     parser.add_argument("--trl-lengths", default="32768")
     parser.add_argument("--limit-steps", type=int, default=2)
+    parser.add_argument("--profile-step", type=int, default=0, help="trl part: profile this step of both runs")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-length", type=int, default=32768, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -218,7 +245,8 @@ def main() -> None:
         result["throughput"] = {str(n): eight_b(args.work, f"throughput_{n}", n, 5) for n in (32768, 65536)}
         dump(args, result)
     if "trl" in parts:
-        result["trl"] = {n: trl_side_by_side(args.work, int(n)) for n in args.trl_lengths.split(",")}
+        lengths = args.trl_lengths.split(",")
+        result["trl"] = {n: trl_side_by_side(args.work, int(n), args.profile_step) for n in lengths}
         dump(args, result)
     if "limit" in parts:
         result["limit"] = {}
@@ -246,6 +274,22 @@ def dump(args, result: dict) -> None:
         mfu = side.get("trl_mfu")
         lines.append(f"- TRL: {tps} tokens/s/GPU, MFU {mfu}, peak {peak} GiB (allocated), rc {trl['rc']}")
         lines += [f"- sft / TRL: {side.get('sft_over_trl')}", ""]
+        profiles = {who: run_["profile"] for who, run_ in (("sft", ours), ("TRL", trl)) if run_.get("profile")}
+        if profiles:
+            classes = sorted({c for p in profiles.values() for c in p["by_class_s"]})
+            lines += ["One profiled step (rank 0; kernel seconds by class):", "",
+                      "| run | step wall s | GPU busy s | " + " | ".join(classes) + " |",
+                      "|---" * (3 + len(classes)) + "|"]  # fmt: skip
+            for who, p in profiles.items():
+                cells = [who, f"{p['step_wall_s']:.3f}", f"{p['gpu_busy_s']:.3f}"]
+                cells += [f"{p['by_class_s'].get(c, 0.0):.3f}" for c in classes]
+                lines.append("| " + " | ".join(cells) + " |")
+            for who, p in profiles.items():
+                lines += ["", f"{who}: top kernels (s)", ""]
+                lines += [f"- {v:.4f} {k[:140]}" for k, v in p["top_kernels_s"][:15]]
+                lines += ["", f"{who}: top host ops by self CPU time (s)", ""]
+                lines += [f"- {v:.4f} {k[:140]}" for k, v in p["top_cpu_self_s"][:12]]
+            lines.append("")
     for part in ("throughput", "limit"):
         if result.get(part):
             header = "| tokens per row | rc | OOM | steps | tokens/s/GPU | MFU | peak GiB | s |"

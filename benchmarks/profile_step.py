@@ -113,17 +113,17 @@ def profile(name: str, args, work: Path, data: Path) -> dict:
     return result
 
 
-def inner(args) -> None:
-    """Inside torchrun: sft's CLI with a callback that profiles one optimizer step."""
+def step_profiler(step: int, out: Path):
+    """A TrainerCallback that runs optimizer step `step` (1-based) under torch.profiler and writes `summarize`'s
+    figures to `out` (rank 0 only)."""
+    import os
+
     import torch
     from transformers import TrainerCallback
 
-    import sft.trainer
-    from sft.train import main
-
     class StepProfiler(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
-            if state.global_step + 1 == args.profile_step:
+            if state.global_step + 1 == step:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 activities = [torch.profiler.ProfilerActivity.CPU]
@@ -134,21 +134,30 @@ def inner(args) -> None:
                 self.start = time.perf_counter()
 
         def on_step_end(self, _args, state, control, **kwargs):
-            if state.global_step == args.profile_step:
+            if state.global_step == step:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 wall = time.perf_counter() - self.start
                 self.prof.__exit__(None, None, None)
-                args.out.write_text(json.dumps(summarize(self.prof, wall)))
+                if int(os.environ.get("RANK", "0")) == 0:
+                    out.write_text(json.dumps(summarize(self.prof, wall)))
+
+    return StepProfiler()
+
+
+def inner(args) -> None:
+    """Inside torchrun: sft's CLI (`--config` plus any further flags) with a callback that profiles one step."""
+    import sft.trainer
+    from sft.train import main
 
     init = sft.trainer.Trainer.__init__
 
     def patched(self, *a, **kw):
         init(self, *a, **kw)
-        self.add_callback(StepProfiler())
+        self.add_callback(step_profiler(args.profile_step, args.out))
 
     sft.trainer.Trainer.__init__ = patched
-    main(["--config", str(args.inner)])
+    main(["--config", str(args.inner), *args.rest])
 
 
 def summarize(prof, wall: float) -> dict:
@@ -217,7 +226,10 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=6000)
     parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")
     parser.add_argument("--inner", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if rest and not args.inner:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     if args.inner:
         inner(args)
         return
