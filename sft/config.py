@@ -115,6 +115,13 @@ class TrainConfig(SFTConfig):
             (and that divides the global batch); 1 without a GPU to plan for.
         activation_checkpointing (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Recompute activations in the backward pass. `auto`: only if the plan does not fit without it.
+        activation_offloading (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            TRL's field with an `auto` value: keep the activations saved for backward (with checkpointing, each
+            layer's input) in pinned CPU memory. `auto`: only if the plan does not fit with checkpointing alone.
+        tiled_mlp (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            Run each decoder layer's MLP over the row in tiles of about `hidden_size` tokens (DeepSpeed ALST's
+            `TiledMLP`, see `sft.tiling`), so its intermediate activations never exist for the whole row at once.
+            `auto`: only if the plan does not fit with checkpointing and offloading.
         global_batch_size (`int`, *optional*):
             Samples (packed rows) per optimizer step; accumulation steps are derived from the world size and micro
             batch, so the same target gives the same global batch on any number of GPUs.
@@ -173,6 +180,14 @@ class TrainConfig(SFTConfig):
             "const": "true",
         },
     )
+    activation_offloading: str = field(
+        default="auto",
+        metadata={"help": "Keep saved activations in CPU memory: true, false, or `auto` (only if the plan needs it)."},
+    )
+    tiled_mlp: str = field(
+        default="auto",
+        metadata={"help": "The MLP in tiles along the row: true, false, or `auto` (only if the plan needs it)."},
+    )
     gradient_checkpointing: bool | None = field(
         default=None,
         metadata={"help": "Deprecated alias of `activation_checkpointing` (TRL's default True is not applied)."},
@@ -227,21 +242,12 @@ class TrainConfig(SFTConfig):
                 f"`sequence_parallel_size` must be a whole number >= 1 or `auto`, got {self.sequence_parallel_size!r}."
             )
         self.sequence_parallel_size = int(sp)
-        checkpointing = self.activation_checkpointing
-        if isinstance(checkpointing, str):
-            value = checkpointing.strip().lower()
-            if value == "auto" and self.gradient_checkpointing is not None:
-                checkpointing = bool(self.gradient_checkpointing)  # the deprecated name, set explicitly
-            elif value == "auto":
-                self.auto_settings.add("activation_checkpointing")
-                checkpointing = False
-            elif value in ("true", "1", "yes"):
-                checkpointing = True
-            elif value in ("false", "0", "no"):
-                checkpointing = False
-            else:
-                raise ConfigError(f"`activation_checkpointing` must be true, false or `auto`, got {checkpointing!r}.")
-        self.activation_checkpointing = checkpointing
+        # `gradient_checkpointing` is the deprecated name of activation_checkpointing
+        explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
+        for name in ("activation_checkpointing", "activation_offloading", "tiled_mlp"):
+            setattr(self, name, self._switch(name, explicit if name == "activation_checkpointing" else None))
+        if self.tiled_mlp and not self.max_length:
+            raise ConfigError("`tiled_mlp: true` sizes tiles by `max_length`: set max_length, or tiled_mlp: false.")
         for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -271,6 +277,23 @@ class TrainConfig(SFTConfig):
         )
         super().__post_init__()
         ds_engine.check_agrees(self)
+
+    def _switch(self, name: str, explicit: bool | None) -> bool:
+        """A true/false/`auto` field as a bool; `auto` recorded in `auto_settings` (False until the plan decides)."""
+        value = getattr(self, name)
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            if explicit is not None:
+                return explicit
+            self.auto_settings.add(name)
+            return False
+        if text in ("true", "1", "yes"):
+            return True
+        if text in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"`{name}` must be true, false or `auto`, got {value!r}.")
 
     @property
     def padding_free_batches(self) -> bool:

@@ -10,7 +10,8 @@ The peak adds what those leave out, each as its own line:
 - activations: what autograd keeps per token and decoder layer for the transformers Llama-style decoder, counted
   tensor by tensor (with and without Liger's RMSNorm/SwiGLU/RoPE kernels, FlashAttention-2 varlen, bf16), plus a
   per-token allowance for the loss and backward working set; with activation checkpointing, each layer's input plus
-  one layer recomputed;
+  one layer recomputed; with activation offloading, those inputs in pinned host memory and two layers' on the GPU;
+  with the tiled MLP, no MLP intermediates but one tile's (about `hidden` tokens);
 - the loss: TRL's fused LM head never builds the logits, but its backward holds the head's gradient in fp32 and bf16
   and a [4096 x 32768] tile;
 - DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
@@ -34,6 +35,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from sft.errors import ConfigError
 
@@ -48,6 +50,28 @@ TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
 EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# TRL's activation offloading keeps up to this many layers' saved tensors on the GPU while copies are in flight
+OFFLOAD_STASH_LAYERS = 2
+
+
+class Tools(NamedTuple):
+    """The memory tools for long rows, one setting of each."""
+
+    checkpointing: bool
+    offload: bool
+    tiled_mlp: bool
+
+
+# From cheapest to dearest, each on top of the last (`suggest` tries them in this order): activation checkpointing
+# (one more forward), its checkpoints offloaded to pinned CPU memory (copies that overlap compute on long rows),
+# the MLP in tiles (DeepSpeed's TiledMLP runs each MLP forward once more). Measured in
+# benchmarks/results/long_context (the `tools` part).
+MEMORY_LEVELS = (
+    Tools(False, False, False),
+    Tools(True, False, False),
+    Tools(True, True, False),
+    Tools(True, True, True),
+)
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,8 @@ class Setting:
     qlora: bool = False
     dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
     sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
+    offload_activations: bool = False  # the tensors saved for backward (with checkpointing: layer inputs) on CPU
+    tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
 
     @property
     def tokens(self) -> int:
@@ -154,10 +180,25 @@ class Setting:
         method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
         ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
         sp = f", sequence-parallel {self.sp}" if self.sp > 1 else ""
+        tools = "".join(
+            f", {name}"
+            for name, on in (("offloaded to CPU", self.offload_activations), ("tiled MLP", self.tiled_mlp))
+            if on
+        )
         return (
             f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
-            f"checkpointing {ckpt}, Liger {liger}, {method}"
+            f"checkpointing {ckpt}{tools}, Liger {liger}, {method}"
         )
+
+    def with_tools(self, tools: Tools) -> Setting:
+        return dataclasses.replace(
+            self, activation_checkpointing=tools.checkpointing, offload_activations=tools.offload,
+            tiled_mlp=tools.tiled_mlp,
+        )  # fmt: skip
+
+    @property
+    def tools(self) -> Tools:
+        return Tools(self.activation_checkpointing, self.offload_activations, self.tiled_mlp)
 
 
 @dataclass
@@ -167,7 +208,7 @@ class Estimate:
     model_states: float  # DeepSpeed's estimator figure (weights + gradients + optimizer), bytes per GPU
     peak: float
     peak_phase: str  # "forward/backward" or "optimizer step"
-    host: float  # bytes per node (DeepSpeed's estimate)
+    host: float  # bytes per node (DeepSpeed's estimate, plus offloaded activations)
     at_backward: float = 0.0  # peak of forward + backward
     at_step: float = 0.0  # peak of the optimizer step
     states_own: float = 0.0  # weights + gradients + optimizer at the step by sft's equations (cf. model_states)
@@ -180,13 +221,15 @@ class Estimate:
         lines.append(f"  {'peak per GPU (' + self.peak_phase + ')':<44} {self.peak / GiB:8.2f} GiB")
         lines.append(f"  {'model states (these equations)':<44} {self.states_own / GiB:8.2f} GiB")
         lines.append(f"  {'model states (DeepSpeed estimator)':<44} {self.model_states / GiB:8.2f} GiB")
-        lines.append(f"  {'host memory per node (DeepSpeed estimator)':<44} {self.host / GiB:8.2f} GiB")
+        host = "host memory per node (DeepSpeed estimator" + (
+            " + activations)" if self.setting.offload_activations else ")"
+        )
+        lines.append(f"  {host:<44} {self.host / GiB:8.2f} GiB")
         return "\n".join(lines)
 
 
-def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
-    """Bytes autograd keeps per token for the whole model (the saved tensors of every layer, or with checkpointing
-    the layers' inputs and one layer recomputed), plus the per-token working set."""
+def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes autograd keeps per token for one decoder layer."""
     b = s.dtype_bytes
     h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     attention = b * (2 * hq + 2 * kv) + 4 * shape.heads  # q, k, v and the output; fp32 log-sum-exp per head
@@ -194,13 +237,35 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     # transformers: each RMSNorm keeps an fp32 copy and the normalised input; SiLU's input, its output, up_proj's
     # output and down_proj's input. Both: each norm's output is kept by the projections that read it.
     norms = 2 * (2 * b * h + 4) if s.liger else 2 * (4 * h + 2 * b * h)
-    layer = attention + norms + (3 if s.liger else 4) * b * i
+    # Tiled, the MLP keeps only its input (the norm's output, counted above) and recomputes the rest per tile
+    layer = attention + norms + (0 if s.tiled_mlp else mlp_bytes_per_token(shape, s))
     if s.lora_r and s.lora_dropout > 0:  # PEFT's dropout makes a copy of each adapted layer's input
         layer += b * (5 * h + hq + i)
-    extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * h
+    return layer
+
+
+def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    return (3 if s.liger else 4) * s.dtype_bytes * shape.intermediate
+
+
+def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes kept on the GPU per token for the whole model (the saved tensors of every layer, or with checkpointing
+    the layers' inputs and one layer recomputed; offloaded, only the few layers in flight), plus the per-token
+    working set."""
+    layer = layer_bytes_per_token(shape, s)
+    extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * shape.hidden
+    kept_layers = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_activations else shape.layers
     if s.activation_checkpointing:
-        return shape.layers * b * h + layer + extra
-    return shape.layers * layer + extra
+        return kept_layers * s.dtype_bytes * shape.hidden + layer + extra
+    return kept_layers * layer + extra
+
+
+def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes per token that activation offloading keeps in pinned CPU memory."""
+    if not s.offload_activations:
+        return 0.0
+    saved = s.dtype_bytes * shape.hidden if s.activation_checkpointing else layer_bytes_per_token(shape, s)
+    return shape.layers * saved
 
 
 def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
@@ -287,6 +352,10 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
 
     # Forward/backward: activations plus the largest of the buffers that live at the start of backward
     backward: dict[str, float] = {"activations": s.tokens * activation_bytes_per_token(shape, s)}
+    if s.tiled_mlp:  # one tile of about `hidden` tokens: its intermediates and their gradients
+        backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
+    per_node = s.gpus_per_node or s.gpus
+    host += s.tokens * offloaded_bytes_per_token(shape, s) * min(per_node, s.gpus)
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
@@ -332,17 +401,17 @@ def suggest(
     headroom: float = 0.1,
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
     candidates: list[Setting] | None = None,
-    checkpointing: tuple[bool, ...] = (False, True),
+    levels: tuple[Tools, ...] = MEMORY_LEVELS,
     sp_choices: tuple[int, ...] | None = None,
 ) -> Estimate | None:
     """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
-    the first of `candidates` (default: `ladder(base)`) that fits, activation checkpointing only if needed, the
-    largest micro batch. None if nothing fits."""
+    the first of `candidates` (default: `ladder(base)`) that fits, the first memory tools of `levels` that are
+    needed (checkpointing, offloading, tiling), the largest micro batch. None if nothing fits."""
     for sp in sorted(sp_choices or (base.sp,)):
         for candidate in ladder(base) if candidates is None else candidates:
-            for ckpt in checkpointing:
+            for tools in levels:
                 for micro in sorted(micro_batches, reverse=True):
-                    setting = dataclasses.replace(candidate, micro_batch=micro, activation_checkpointing=ckpt, sp=sp)
+                    setting = dataclasses.replace(candidate.with_tools(tools), micro_batch=micro, sp=sp)
                     e = estimate(shape, setting)
                     if e.fits(gpu_memory, headroom):
                         return e
@@ -376,6 +445,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
     parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per row (max_length)")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--offload-activations", action="store_true", help="Saved activations in CPU memory")
+    parser.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles along the row (DeepSpeed's TiledMLP)")
     parser.add_argument("--liger", action="store_true", help="Liger kernels (RMSNorm, SwiGLU, RoPE)")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
@@ -396,6 +467,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
             activation_checkpointing=args.activation_checkpointing,
+            offload_activations=args.offload_activations,
+            tiled_mlp=args.tiled_mlp,
             liger=args.liger,
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,

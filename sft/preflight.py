@@ -1,12 +1,12 @@
 """Before anything expensive: the global batch, the memory plan, the resume geometry and the `auto` values they set.
 
 `preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
-loaded. It resolves `per_device_train_batch_size: auto` and `activation_checkpointing: auto` from `sft.plan` (the
-largest micro batch that fits, checkpointing only if needed), turns the global-batch target into
-`gradient_accumulation_steps` with `sft.batch` (on a resume the target is the checkpoint's global batch, kept on any
-number of processes), sets DeepSpeed to load a ZeRO checkpoint of another process count as a universal checkpoint,
-logs the plan, and refuses a run whose planned peak does not fit the GPU (unless `plan_check: false`). The training
-arguments are then rebuilt once, with every change.
+loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory tools (`activation_checkpointing`,
+`activation_offloading`, `tiled_mlp`) from `sft.plan` (the largest micro batch that fits, each tool only if needed),
+turns the global-batch target into `gradient_accumulation_steps` with `sft.batch` (on a resume the target is the
+checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
+process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
+(unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batc
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.parallel import ParallelDims
+
+# The training arguments of the plan's memory tools, in `sft.plan.Tools` order
+TOOL_FIELDS = ("activation_checkpointing", "activation_offloading", "tiled_mlp")
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ def base_setting(training_args, model_args) -> memplan.Setting:
         micro_batch=training_args.per_device_train_batch_size,
         seq_len=training_args.max_length or 0,
         activation_checkpointing=bool(training_args.activation_checkpointing),
+        offload_activations=bool(training_args.activation_offloading),
+        tiled_mlp=bool(training_args.tiled_mlp),
         liger=bool(training_args.use_liger_kernel),
         lora_r=model_args.lora_r if model_args.use_peft else 0,
         lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
@@ -77,7 +82,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         target = training_args.tokens_per_step // training_args.max_length
     if resume is not None:
         target = resume.global_batch
-    micro, checkpointing, sp = _plan_memory(training_args, model_args, target)
+    micro, tools, sp = _plan_memory(training_args, model_args, target)
     changes = {}
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
@@ -91,8 +96,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
-    if checkpointing != training_args.activation_checkpointing or "activation_checkpointing" in auto:
-        changes["activation_checkpointing"] = checkpointing
+    for key, value in zip(TOOL_FIELDS, tools, strict=True):
+        if value != getattr(training_args, key) or key in auto:
+            changes[key] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
     if resume is not None and resume.world_size != dims.world_size:
@@ -139,12 +145,24 @@ def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int) -> Ba
     return batch
 
 
+def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
+    """The plan's memory levels with every tool that is not `auto` held at its given value (in the plan's order)."""
+    auto = training_args.auto_settings
+    levels = []
+    for level in memplan.MEMORY_LEVELS:
+        pairs = zip(TOOL_FIELDS, level, strict=True)
+        fixed = memplan.Tools(*(on if key in auto else bool(getattr(training_args, key)) for key, on in pairs))
+        if fixed not in levels:
+            levels.append(fixed)
+    return tuple(levels)
+
+
 def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bool, int]:
-    """(micro batch, activation checkpointing, sequence-parallel size): the `auto` ones chosen by the memory plan
-    (the smallest sp first); the plan logged and checked against the GPU."""
+    """(micro batch, memory tools, sequence-parallel size): the `auto` ones chosen by the memory plan (the smallest sp
+    first, then the cheapest tools); the plan logged and checked against the GPU."""
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
-    checkpointing = bool(training_args.activation_checkpointing)
+    tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS))
     sp = training_args.sequence_parallel_size
     memory = (
         training_args.plan_gpu_memory_gib * memplan.GiB
@@ -155,11 +173,11 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
     if memory is None:
         if auto:
             logger.info(
-                "No GPU to plan for: %s set to micro batch 1 / no activation checkpointing (set plan_gpu_memory_gib "
-                "to plan for a GPU).",
+                "No GPU to plan for: %s set to micro batch 1 / no activation checkpointing, offloading or tiling (set "
+                "plan_gpu_memory_gib to plan for a GPU).",
                 " and ".join(sorted(auto)),
             )
-        return micro, checkpointing, sp
+        return micro, tools, sp
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -167,13 +185,13 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, checkpointing, sp
+        return micro, tools, sp
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args)
     if auto:
         world = training_args.parallel.world_size
         sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
-        ckpt_choices = (False, True) if "activation_checkpointing" in auto else (checkpointing,)
+        levels = _tool_levels(training_args)
         estimate = micro_choices = None
         for sp_choice in sp_choices:  # the smallest sp that fits: every step of sp costs all-to-all traffic
             micro_choices = (micro,)
@@ -181,17 +199,15 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
                 rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
                 micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
             estimate = memplan.suggest(
-                shape, base, memory, headroom, micro_choices, [base], ckpt_choices, sp_choices=(sp_choice,)
+                shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,)
             )
             if estimate is not None:
                 break
         if estimate is not None:
-            micro, checkpointing = estimate.setting.micro_batch, estimate.setting.activation_checkpointing
-            sp = estimate.setting.sp
-        else:
-            micro, checkpointing = min(micro_choices), ckpt_choices != (False,)
-            sp = max(sp_choices)
-    setting = dataclasses.replace(base, micro_batch=micro, activation_checkpointing=checkpointing, sp=sp)
+            micro, tools, sp = estimate.setting.micro_batch, estimate.setting.tools, estimate.setting.sp
+        else:  # nothing fits: the most frugal setting, reported below
+            micro, tools, sp = min(micro_choices), levels[-1], max(sp_choices)
+    setting = dataclasses.replace(base.with_tools(tools), micro_batch=micro, sp=sp)
     estimate = memplan.estimate(shape, setting)
     fits = estimate.fits(memory, headroom)
     usable = memory * (1 - headroom)
@@ -220,4 +236,4 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         if training_args.plan_check:
             raise ConfigError(message)
         logger.warning(message)
-    return micro, checkpointing, sp
+    return micro, tools, sp

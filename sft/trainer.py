@@ -5,7 +5,8 @@
 - the DeepSpeed engine (`sft.engines.deepspeed`): optimizer state placed after a universal-checkpoint load;
 - packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
-  SP's weighting, tokens and FLOPs of the real samples counted once per replica.
+  SP's weighting, tokens and FLOPs of the real samples counted once per replica;
+- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it. Activation offloading is TRL's own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
-from sft import metrics
+from sft import metrics, tiling
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
@@ -90,7 +91,13 @@ class Trainer(SFTTrainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """transformers loads the checkpoint here. After any DeepSpeed load the optimizer state is placed as torch's
         `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
-        moves."""
+        moves. The tiled MLP goes on first: Liger has patched the MLPs by now (in `train`), and the tiles wrap it."""
+        if self.args.tiled_mlp:
+            hidden = self.model.config.get_text_config().hidden_size
+            tiles = tiling.tiles_for(self.args.max_length, self.args.parallel.sp, hidden)
+            changed = tiling.apply_tiled_mlp(self.model, tiles)
+            if changed:
+                logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
         with ds_engine.universal_load(self.args):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
