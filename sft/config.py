@@ -115,9 +115,10 @@ class TrainConfig(SFTConfig):
             (and that divides the global batch); 1 without a GPU to plan for.
         activation_checkpointing (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Recompute activations in the backward pass. `auto`: only if the plan does not fit without it.
-        activation_offloading (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
-            TRL's field with an `auto` value: keep the activations saved for backward (with checkpointing, each
-            layer's input) in pinned CPU memory. `auto`: only if the plan does not fit with checkpointing alone.
+        offload_checkpoints (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            Keep what activation checkpointing saves (each decoder layer's input) in pinned CPU memory, copied back
+            in the backward (transformers' `activation_checkpointing_kwargs` `offload`). `true` turns an `auto`
+            checkpointing on. `auto`: only if the plan does not fit with checkpointing alone.
         tiled_mlp (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Run each decoder layer's MLP over the row in tiles of about `hidden_size` tokens (DeepSpeed ALST's
             `TiledMLP`, see `sft.tiling`), so its intermediate activations never exist for the whole row at once.
@@ -180,9 +181,9 @@ class TrainConfig(SFTConfig):
             "const": "true",
         },
     )
-    activation_offloading: str = field(
+    offload_checkpoints: str = field(
         default="auto",
-        metadata={"help": "Keep saved activations in CPU memory: true, false, or `auto` (only if the plan needs it)."},
+        metadata={"help": "Checkpointed layer inputs in CPU memory: true, false, or `auto` (if the plan needs it)."},
     )
     tiled_mlp: str = field(
         default="auto",
@@ -244,8 +245,18 @@ class TrainConfig(SFTConfig):
         self.sequence_parallel_size = int(sp)
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
-        for name in ("activation_checkpointing", "activation_offloading", "tiled_mlp"):
+        for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp"):
             setattr(self, name, self._switch(name, explicit if name == "activation_checkpointing" else None))
+        if self.offload_checkpoints:
+            if "activation_checkpointing" in self.auto_settings:  # offloading the checkpoints implies taking them
+                self.auto_settings.discard("activation_checkpointing")
+                self.activation_checkpointing = True
+            if not self.activation_checkpointing:
+                raise ConfigError(
+                    "`offload_checkpoints: true` offloads what activation checkpointing keeps: set "
+                    "activation_checkpointing: true (or auto), or offload_checkpoints: false."
+                )
+            self.activation_checkpointing_kwargs = {**(self.activation_checkpointing_kwargs or {}), "offload": True}
         if self.tiled_mlp and not self.max_length:
             raise ConfigError("`tiled_mlp: true` sizes tiles by `max_length`: set max_length, or tiled_mlp: false.")
         for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib", "peak_tflops"):

@@ -10,7 +10,7 @@ The peak adds what those leave out, each as its own line:
 - activations: what autograd keeps per token and decoder layer for the transformers Llama-style decoder, counted
   tensor by tensor (with and without Liger's RMSNorm/SwiGLU/RoPE kernels, FlashAttention-2 varlen, bf16), plus a
   per-token allowance for the loss and backward working set; with activation checkpointing, each layer's input plus
-  one layer recomputed; with activation offloading, those inputs in pinned host memory and two layers' on the GPU;
+  one layer recomputed; with the checkpoints offloaded, those inputs in pinned host memory and two layers' on the GPU;
   with the tiled MLP, no MLP intermediates but one tile's (about `hidden` tokens);
 - the loss: TRL's fused LM head never builds the logits, but its backward holds the head's gradient in fp32 and bf16
   and a [4096 x 32768] tile;
@@ -50,7 +50,7 @@ TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
 EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# TRL's activation offloading keeps up to this many layers' saved tensors on the GPU while copies are in flight
+# With the checkpoints offloaded, this many layers' inputs are on the GPU at once (the one recomputed, the next)
 OFFLOAD_STASH_LAYERS = 2
 
 
@@ -63,7 +63,7 @@ class Tools(NamedTuple):
 
 
 # From cheapest to dearest, each on top of the last (`suggest` tries them in this order): activation checkpointing
-# (one more forward), its checkpoints offloaded to pinned CPU memory (copies that overlap compute on long rows),
+# (one more forward), its checkpoints offloaded to pinned CPU memory (a copy out and back per layer),
 # the MLP in tiles (DeepSpeed's TiledMLP runs each MLP forward once more). Measured in
 # benchmarks/results/long_context (the `tools` part).
 MEMORY_LEVELS = (
@@ -163,7 +163,7 @@ class Setting:
     qlora: bool = False
     dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
     sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
-    offload_activations: bool = False  # the tensors saved for backward (with checkpointing: layer inputs) on CPU
+    offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
     tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
 
     @property
@@ -182,7 +182,7 @@ class Setting:
         sp = f", sequence-parallel {self.sp}" if self.sp > 1 else ""
         tools = "".join(
             f", {name}"
-            for name, on in (("offloaded to CPU", self.offload_activations), ("tiled MLP", self.tiled_mlp))
+            for name, on in (("offloaded to CPU", self.offload_checkpoints), ("tiled MLP", self.tiled_mlp))
             if on
         )
         return (
@@ -192,13 +192,13 @@ class Setting:
 
     def with_tools(self, tools: Tools) -> Setting:
         return dataclasses.replace(
-            self, activation_checkpointing=tools.checkpointing, offload_activations=tools.offload,
+            self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
             tiled_mlp=tools.tiled_mlp,
         )  # fmt: skip
 
     @property
     def tools(self) -> Tools:
-        return Tools(self.activation_checkpointing, self.offload_activations, self.tiled_mlp)
+        return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp)
 
 
 @dataclass
@@ -208,23 +208,25 @@ class Estimate:
     model_states: float  # DeepSpeed's estimator figure (weights + gradients + optimizer), bytes per GPU
     peak: float
     peak_phase: str  # "forward/backward" or "optimizer step"
-    host: float  # bytes per node (DeepSpeed's estimate, plus offloaded activations)
+    host: float  # bytes per node (DeepSpeed's estimate)
     at_backward: float = 0.0  # peak of forward + backward
     at_step: float = 0.0  # peak of the optimizer step
     states_own: float = 0.0  # weights + gradients + optimizer at the step by sft's equations (cf. model_states)
+    host_pinned: float = 0.0  # bytes per node held on the host while training: offloaded ZeRO states, checkpoints
 
-    def fits(self, gpu_memory: float, headroom: float) -> bool:
-        return self.peak <= gpu_memory * (1 - headroom)
+    def fits(self, gpu_memory: float, headroom: float, host_memory: float | None = None) -> bool:
+        """The peak within (1 - headroom) of the GPU's memory and, when `host_memory` (bytes per node) is given, the
+        host figure (offloaded states and checkpoints, pinned) within (1 - headroom) of it."""
+        host_ok = host_memory is None or self.host_pinned <= host_memory * (1 - headroom)
+        return self.peak <= gpu_memory * (1 - headroom) and host_ok
 
     def table(self) -> str:
         lines = [f"  {name:<44} {value / GiB:8.2f} GiB" for name, value in self.items.items()]
         lines.append(f"  {'peak per GPU (' + self.peak_phase + ')':<44} {self.peak / GiB:8.2f} GiB")
         lines.append(f"  {'model states (these equations)':<44} {self.states_own / GiB:8.2f} GiB")
         lines.append(f"  {'model states (DeepSpeed estimator)':<44} {self.model_states / GiB:8.2f} GiB")
-        host = "host memory per node (DeepSpeed estimator" + (
-            " + activations)" if self.setting.offload_activations else ")"
-        )
-        lines.append(f"  {host:<44} {self.host / GiB:8.2f} GiB")
+        lines.append(f"  {'host memory per node (DeepSpeed estimator)':<44} {self.host / GiB:8.2f} GiB")
+        lines.append(f"  {'host memory held while training (per node)':<44} {self.host_pinned / GiB:8.2f} GiB")
         return "\n".join(lines)
 
 
@@ -254,18 +256,15 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     working set."""
     layer = layer_bytes_per_token(shape, s)
     extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * shape.hidden
-    kept_layers = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_activations else shape.layers
     if s.activation_checkpointing:
-        return kept_layers * s.dtype_bytes * shape.hidden + layer + extra
-    return kept_layers * layer + extra
+        kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
+        return kept * s.dtype_bytes * shape.hidden + layer + extra
+    return shape.layers * layer + extra
 
 
 def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
-    """Bytes per token that activation offloading keeps in pinned CPU memory."""
-    if not s.offload_activations:
-        return 0.0
-    saved = s.dtype_bytes * shape.hidden if s.activation_checkpointing else layer_bytes_per_token(shape, s)
-    return shape.layers * saved
+    """Bytes per token that checkpoint offloading keeps in pinned CPU memory: every layer's input."""
+    return shape.layers * s.dtype_bytes * shape.hidden if s.offload_checkpoints else 0.0
 
 
 def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
@@ -313,6 +312,8 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         raise ConfigError("Parameter offload needs ZeRO-3.")
     if s.qlora and not s.lora_r:
         raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
+    if s.offload_checkpoints and not s.activation_checkpointing:
+        raise ConfigError("Offloading checkpoints needs activation checkpointing (--activation-checkpointing).")
     b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
     p = trainable(shape, s)
     full = not s.lora_r
@@ -355,7 +356,10 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if s.tiled_mlp:  # one tile of about `hidden` tokens: its intermediates and their gradients
         backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
     per_node = s.gpus_per_node or s.gpus
-    host += s.tokens * offloaded_bytes_per_token(shape, s) * min(per_node, s.gpus)
+    # On the host while training: ZeRO's offloaded states (DeepSpeed's figure; without offload that figure is the
+    # model built in host memory at start, which sft does not do) and the offloaded checkpoints
+    host_pinned = host if (s.offload_optimizer or s.offload_params) else 0.0
+    host_pinned += s.tokens * offloaded_bytes_per_token(shape, s) * min(per_node, s.gpus)
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
@@ -381,7 +385,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     else:
         items.update(step)
         phase, peak = "optimizer step", at_step
-    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own)
+    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
 
 
 def ladder(base: Setting) -> list[Setting]:
@@ -403,6 +407,7 @@ def suggest(
     candidates: list[Setting] | None = None,
     levels: tuple[Tools, ...] = MEMORY_LEVELS,
     sp_choices: tuple[int, ...] | None = None,
+    host_memory: float | None = None,
 ) -> Estimate | None:
     """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
     the first of `candidates` (default: `ladder(base)`) that fits, the first memory tools of `levels` that are
@@ -413,9 +418,37 @@ def suggest(
                 for micro in sorted(micro_batches, reverse=True):
                     setting = dataclasses.replace(candidate.with_tools(tools), micro_batch=micro, sp=sp)
                     e = estimate(shape, setting)
-                    if e.fits(gpu_memory, headroom):
+                    if e.fits(gpu_memory, headroom, host_memory):
                         return e
     return None
+
+
+def longest(
+    shape: ModelShape,
+    base: Setting,
+    gpu_memory: float,
+    headroom: float = 0.1,
+    sp_choices: tuple[int, ...] = (1,),
+    step: int = 1024,
+    host_memory: float | None = None,
+) -> Estimate | None:
+    """The longest row (a multiple of `step` tokens, one row per micro-batch) that fits with `base`'s ZeRO setting,
+    any memory tools and one of `sp_choices`; its cheapest setting. None if not even `step` tokens fit."""
+
+    def fitting(tokens: int) -> Estimate | None:
+        setting = dataclasses.replace(base, seq_len=tokens, micro_batch=1)
+        return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], sp_choices=sp_choices,
+                       host_memory=host_memory)  # fmt: skip
+
+    if fitting(step) is None:
+        return None
+    low, high = 1, 2
+    while fitting(high * step) is not None:  # activations grow linearly: a fit is found in a few doublings
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fitting(middle * step) is not None else (low, middle)
+    return fitting(low * step)
 
 
 def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
@@ -424,6 +457,12 @@ def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
     from sft.sequence_parallel import splits_heads
 
     return tuple(d for d in range(1, gpus + 1) if gpus % d == 0 and splits_heads(shape.heads, shape.kv_heads, d))
+
+
+def detected_host_memory() -> float:
+    import psutil
+
+    return float(psutil.virtual_memory().total)
 
 
 def detected_gpu_memory() -> float | None:
@@ -445,7 +484,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
     parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per row (max_length)")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--offload-activations", action="store_true", help="Saved activations in CPU memory")
+    parser.add_argument("--offload-checkpoints", action="store_true", help="Checkpointed layer inputs in CPU memory")
     parser.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles along the row (DeepSpeed's TiledMLP)")
     parser.add_argument("--liger", action="store_true", help="Liger kernels (RMSNorm, SwiGLU, RoPE)")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
@@ -453,8 +492,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: this machine's GPU)")
+    parser.add_argument("--host-memory", type=float, help="GiB of host memory per node (default: this machine's)")
     parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of GPU memory left free")
     parser.add_argument("--suggest", action="store_true", help="Also search for the fastest setting that fits")
+    parser.add_argument(
+        "--longest", action="store_true", help="Also the longest row that fits (this ZeRO setting, any sp and tools)"
+    )
     args = parser.parse_args(argv)
     try:
         shape = load_shape(args.model)
@@ -467,7 +510,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
             activation_checkpointing=args.activation_checkpointing,
-            offload_activations=args.offload_activations,
+            offload_checkpoints=args.offload_checkpoints,
             tiled_mlp=args.tiled_mlp,
             liger=args.liger,
             lora_r=args.lora_r,
@@ -483,6 +526,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"sft.plan: {e}", file=sys.stderr)
         return 2
     memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
+    host = args.host_memory * GiB if args.host_memory else detected_host_memory()
     print(f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters")
     print(setting.describe())
     print(result.table())
@@ -491,19 +535,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print("No GPU here and no --gpu-memory: cannot say whether it fits.")
     else:
         usable = memory * (1 - args.headroom)
-        fits = result.fits(memory, args.headroom)
+        fits = result.fits(memory, args.headroom, host)
         rc = 0 if fits else 1
         print(
             f"{'fits' if fits else 'does NOT fit'}: {result.peak / GiB:.2f} GiB of {usable / GiB:.2f} GiB usable "
-            f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%})"
+            f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%}); host {result.host_pinned / GiB:.2f} GiB of "
+            f"{host * (1 - args.headroom) / GiB:.2f} GiB usable per node"
         )
         if args.suggest or not fits:
             sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
-            best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices)
+            best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
             if best is None:
                 print("Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA.")
             else:
                 print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
+        if args.longest:
+            sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+            top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)
+            if top is None:
+                print("longest row that fits: none (not even 1,024 tokens)")
+            else:
+                print(f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()} "
+                      f"(peak {top.peak / GiB:.2f} GiB)")  # fmt: skip
     return rc
 
 

@@ -2,7 +2,7 @@
 
 `preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
 loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory tools (`activation_checkpointing`,
-`activation_offloading`, `tiled_mlp`) from `sft.plan` (the largest micro batch that fits, each tool only if needed),
+`offload_checkpoints`, `tiled_mlp`) from `sft.plan` (the largest micro batch that fits, each tool only if needed),
 turns the global-batch target into `gradient_accumulation_steps` with `sft.batch` (on a resume the target is the
 checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
 process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
@@ -22,7 +22,7 @@ from sft.errors import ConfigError
 from sft.parallel import ParallelDims
 
 # The training arguments of the plan's memory tools, in `sft.plan.Tools` order
-TOOL_FIELDS = ("activation_checkpointing", "activation_offloading", "tiled_mlp")
+TOOL_FIELDS = ("activation_checkpointing", "offload_checkpoints", "tiled_mlp")
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def base_setting(training_args, model_args) -> memplan.Setting:
         micro_batch=training_args.per_device_train_batch_size,
         seq_len=training_args.max_length or 0,
         activation_checkpointing=bool(training_args.activation_checkpointing),
-        offload_activations=bool(training_args.activation_offloading),
+        offload_checkpoints=bool(training_args.offload_checkpoints),
         tiled_mlp=bool(training_args.tiled_mlp),
         liger=bool(training_args.use_liger_kernel),
         lora_r=model_args.lora_r if model_args.use_peft else 0,
@@ -152,7 +152,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     for level in memplan.MEMORY_LEVELS:
         pairs = zip(TOOL_FIELDS, level, strict=True)
         fixed = memplan.Tools(*(on if key in auto else bool(getattr(training_args, key)) for key, on in pairs))
-        if fixed not in levels:
+        if fixed not in levels and (fixed.checkpointing or not fixed.offload):
             levels.append(fixed)
     return tuple(levels)
 
@@ -170,6 +170,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         else memplan.detected_gpu_memory()
     )
     headroom = training_args.plan_headroom
+    host = memplan.detected_host_memory()
     if memory is None:
         if auto:
             logger.info(
@@ -199,7 +200,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
                 rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
                 micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
             estimate = memplan.suggest(
-                shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,)
+                shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
             )
             if estimate is not None:
                 break
@@ -209,7 +210,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
             micro, tools, sp = min(micro_choices), levels[-1], max(sp_choices)
     setting = dataclasses.replace(base.with_tools(tools), micro_batch=micro, sp=sp)
     estimate = memplan.estimate(shape, setting)
-    fits = estimate.fits(memory, headroom)
+    fits = estimate.fits(memory, headroom, host)
     usable = memory * (1 - headroom)
     logger.info(
         "Memory plan for %s: %s\n%s\n  %s: %.2f GiB of %.2f GiB usable per GPU",
@@ -221,17 +222,25 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         usable / memplan.GiB,
     )
     if not fits:
-        best = memplan.suggest(shape, setting, memory, headroom)
+        best = memplan.suggest(shape, setting, memory, headroom, host_memory=host)
         fix = (
             f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
             if best
             else "Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA."
         )
+        if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
+            over = (
+                f"needs {estimate.host / memplan.GiB:.2f} GiB of host memory per node (offloaded states and "
+                f"checkpoints), over the {host * (1 - headroom) / memplan.GiB:.2f} GiB usable"
+            )
+        else:
+            over = (
+                f"peaks at {estimate.peak / memplan.GiB:.2f} GiB per GPU, over the {usable / memplan.GiB:.2f} GiB "
+                f"usable ({memory / memplan.GiB:.1f} GiB, headroom {headroom:.0%})"
+            )
         message = (
-            f"The memory plan does not fit: {setting.describe()} peaks at {estimate.peak / memplan.GiB:.2f} GiB "
-            f"per GPU, over the {usable / memplan.GiB:.2f} GiB usable ({memory / memplan.GiB:.1f} GiB, headroom "
-            f"{headroom:.0%}). {fix} Change those settings, or set plan_check: false to start anyway (the plan "
-            "is an estimate)."
+            f"The memory plan does not fit: {setting.describe()} {over}. {fix} Change those settings, or set "
+            "plan_check: false to start anyway (the plan is an estimate)."
         )
         if training_args.plan_check:
             raise ConfigError(message)

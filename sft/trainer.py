@@ -6,7 +6,7 @@
 - packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
-- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it. Activation offloading is TRL's own.
+- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it (offloaded checkpoints are transformers').
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from benchmarks.common import LLAMA_SHAPES
-from sft import plan
+from sft import plan, tiling
 from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.preflight import preflight
@@ -83,12 +83,16 @@ def test_model_states_agree_with_deepspeed_estimators(tmp_path, name, gpus, per_
         )
 
 
-def test_activation_bytes_are_autograds_saved_tensors():
-    """The per-layer activation count equals what autograd saves for a transformers Llama decoder layer (bf16)."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_activation_bytes_are_autograds_saved_tensors(tiled):
+    """The per-layer activation count equals what autograd saves for a transformers Llama decoder layer (bf16), with
+    and without the tiled MLP (`sft.tiling`, which keeps none of the MLP's intermediates)."""
     config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=32, num_hidden_layers=1, vocab_size=1000)  # fmt: skip
     config._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    if tiled:
+        assert tiling.apply_tiled_mlp(layer, 4) == 1
     tokens = 512
     x = torch.randn(1, tokens, 256, dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(tokens)[None]
@@ -105,10 +109,10 @@ def test_activation_bytes_are_autograds_saved_tensors():
     measured = sum(n for ptr, n in saved.items() if ptr not in shared) / tokens
     shape = plan.ModelShape("llama", 0, 0, 0, 0, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32,
                             intermediate=688, vocab=1000, tied=True)  # fmt: skip
-    per_token = plan.activation_bytes_per_token(shape, plan.Setting())
+    per_token = plan.activation_bytes_per_token(shape, plan.Setting(tiled_mlp=tiled))
     layer_bytes = per_token - plan.EXTRA_PER_TOKEN["eager"] * 256
     assert abs(layer_bytes - measured) / measured < 0.01, (layer_bytes, measured)
-    ckpt = plan.activation_bytes_per_token(shape, plan.Setting(activation_checkpointing=True))
+    ckpt = plan.activation_bytes_per_token(shape, plan.Setting(activation_checkpointing=True, tiled_mlp=tiled))
     assert ckpt == per_token + 2 * 256  # one layer: its input kept, plus the same layer recomputed
 
 
@@ -142,6 +146,35 @@ def test_suggest_takes_lowest_stage_then_checkpointing_then_largest_micro_batch(
     assert plan.suggest(shape, dataclasses.replace(base, gpus=1), 4 * plan.GiB) is None
 
 
+def test_memory_tools_for_long_rows_come_in_order(tmp_path):
+    """8B shape, ZeRO-3, 2 GPUs, sp=2 (the long-context setting): as the rows grow, the plan takes checkpointing, then
+    offloads the checkpoints, then tiles the MLP; each tool takes off exactly its term."""
+    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    base = plan.Setting(gpus=2, zero_stage=3, liger=True, sp=2)
+    chosen = {}
+    for seq in (8192, 65536, 393216, 786432):
+        setting = dataclasses.replace(base, seq_len=seq)
+        best = plan.suggest(shape, setting, 141 * plan.GiB, micro_batches=(1,), candidates=[setting])
+        chosen[seq] = best.setting.tools if best else None
+    assert chosen == {
+        8192: plan.Tools(False, False, False),
+        65536: plan.Tools(True, False, False),
+        393216: plan.Tools(True, True, False),
+        786432: plan.Tools(True, True, True),
+    }
+    long = dataclasses.replace(base, seq_len=524288)
+    tokens = long.tokens
+    ckpt, offload, tiled = (plan.estimate(shape, long.with_tools(t)) for t in plan.MEMORY_LEVELS[1:])
+    b, h = 2, shape.hidden
+    assert ckpt.items["activations"] - offload.items["activations"] == tokens * (shape.layers - 2) * b * h
+    assert offload.host_pinned - ckpt.host_pinned == tokens * shape.layers * b * h * 2  # pinned, 2 GPUs on the node
+    assert not offload.fits(141 * plan.GiB, 0.1, host_memory=offload.host_pinned) and offload.fits(141 * plan.GiB, 0.1)
+    assert offload.items["activations"] - tiled.items["activations"] == tokens * 3 * b * shape.intermediate
+    assert tiled.items["tiled MLP: one tile in flight"] == 2 * h * 3 * b * shape.intermediate
+    with pytest.raises(ConfigError, match="needs activation checkpointing"):
+        plan.estimate(shape, dataclasses.replace(long, offload_checkpoints=True))
+
+
 def test_plan_cli_reports_fit_and_suggestion(tmp_path):
     config = write_config(tmp_path, "8b", SHAPES["llama-8b"])
     args = [sys.executable, "-m", "sft.plan", "--model", config, "--gpus", "2", "--zero", "2", "--seq-len", "4096"]
@@ -166,7 +199,9 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
         tmp_path, "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto",
         "--plan_gpu_memory_gib", memory_gib,
     )  # fmt: skip
-    assert training_args.auto_settings == {"per_device_train_batch_size", "activation_checkpointing"}
+    assert training_args.auto_settings == {
+        "per_device_train_batch_size", "activation_checkpointing", "offload_checkpoints", "tiled_mlp"
+    }  # fmt: skip
     resolved = preflight(training_args, model_args)
     shape = plan.load_shape(str(ROOT / "recipes" / "demo" / "model"))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4)

@@ -96,7 +96,7 @@ def test_plan_divides_activations_by_sp_and_suggests_the_smallest_sp():
     # memory for 1.5 x the sp=2 peak: sp=1 does not fit, sp=2 does, and is the answer
     memory = two.peak / 0.9 * 1.01
     base = plan.Setting(gpus=2, seq_len=4096)
-    best = plan.suggest(shape, base, memory, 0.1, (1,), [base], (False,), sp_choices=(1, 2))
+    best = plan.suggest(shape, base, memory, 0.1, (1,), [base], plan.MEMORY_LEVELS[:1], sp_choices=(1, 2))
     assert best is not None and best.setting.sp == 2
 
 
