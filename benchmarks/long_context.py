@@ -138,13 +138,45 @@ def summary(run_: dict) -> dict:
     }  # fmt: skip
 
 
-def eight_b(work: Path, name: str, length: int, steps: int, profile: int = 0, more: tuple = ()) -> dict:
-    model = model_dir(work / "llama-8b", LLAMA_SHAPES["llama-8b"], max_position_embeddings=max(length, 8192))
-    data = fixed_length_data(work / f"fixed_{length}.jsonl", 8, length, LLAMA_SHAPES["llama-8b"]["vocab_size"])
+def long_rows(
+    work: Path,
+    name: str,
+    length: int,
+    steps: int,
+    model: str = "llama-8b",
+    gpus: int = 2,
+    zero: int = 3,
+    profile: int = 0,
+    more: tuple = (),
+) -> dict:
+    """`model`'s shape on `gpus` GPUs (sp = gpus), one sample of `length` tokens per row, global batch 1 row, the
+    micro batch and the memory tools `auto` (the plan's) unless `more` sets them."""
+    shape = LLAMA_SHAPES[model]
+    path = model_dir(work / model, shape, max_position_embeddings=max(length, 8192))
+    data = fixed_length_data(work / f"fixed_{length}.jsonl", 8, length, shape["vocab_size"])
     extra = ["--max_length", str(length), "--global_batch_size", "1", "--gradient_accumulation_steps", "1",
-             "--max_steps", str(steps), "--deepspeed", "ds_configs/zero3.json", "--sequence_parallel_size", "2",
-             "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto", *more]  # fmt: skip
-    return summary(train(work, name, 2, model, data, extra, profile))
+             "--max_steps", str(steps), "--deepspeed", f"ds_configs/zero{zero}.json",
+             "--sequence_parallel_size", str(gpus), "--per_device_train_batch_size", "auto",
+             "--activation_checkpointing", "auto", *more]  # fmt: skip
+    return summary(train(work, name, gpus, path, data, extra, profile))
+
+
+def eight_b(work: Path, name: str, length: int, steps: int, profile: int = 0, more: tuple = ()) -> dict:
+    return long_rows(work, name, length, steps, profile=profile, more=more)
+
+
+def tools(work: Path, length: int) -> dict:
+    """The memory tools' cost: the 1B shape on 1 GPU (ZeRO-2), rows of `length` tokens, each level of the plan's
+    ladder with checkpointing forced on, 5 steps."""
+    from sft.plan import MEMORY_LEVELS
+
+    result = {}
+    for level in MEMORY_LEVELS[1:]:
+        flags = ("--activation_checkpointing", "--offload_checkpoints", "--tiled_mlp")
+        more = tuple(x for flag, on in zip(flags, level, strict=True) for x in (flag, str(on).lower()))
+        name = "tools_" + "_".join(k for k, on in zip(("ckpt", "offload", "tiled"), level, strict=True) if on)
+        result[name] = long_rows(work, name, length, 5, model="llama-1b", gpus=1, zero=2, more=more)
+    return result
 
 
 def trl_worker(args) -> None:
@@ -226,6 +258,8 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true", help="equality part with Liger's kernels off")
     parser.add_argument("--trl-lengths", default="32768")
     parser.add_argument("--limit-steps", type=int, default=2)
+    parser.add_argument("--tools-length", type=int, default=65536)
+    parser.add_argument("--limit1-lengths", default="6144,10240")
     parser.add_argument("--profile-step", type=int, default=0, help="trl part: profile this step of both runs")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-length", type=int, default=32768, help=argparse.SUPPRESS)
@@ -248,6 +282,15 @@ def main() -> None:
         lengths = args.trl_lengths.split(",")
         result["trl"] = {n: trl_side_by_side(args.work, int(n), args.profile_step) for n in lengths}
         dump(args, result)
+    if "tools" in parts:
+        result["tools"] = tools(args.work, args.tools_length)
+        dump(args, result)
+    if "limit1" in parts:  # the 8B shape on one GPU: the plan's longest row, and past it with the plan check off
+        result["limit1"] = {}
+        for n in (int(x) for x in args.limit1_lengths.split(",")):
+            more = ("--plan_check", "false")
+            result["limit1"][str(n)] = long_rows(args.work, f"limit1_{n}", n, args.limit_steps, gpus=1, more=more)
+            dump(args, result)
     if "limit" in parts:
         result["limit"] = {}
         for n in (int(x) for x in args.limit_lengths.split(",")):
@@ -290,15 +333,22 @@ def dump(args, result: dict) -> None:
                 lines += ["", f"{who}: top host ops by self CPU time (s)", ""]
                 lines += [f"- {v:.4f} {k[:140]}" for k, v in p["top_cpu_self_s"][:12]]
             lines.append("")
-    for part in ("throughput", "limit"):
+    titles = {
+        "throughput": "Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs",
+        "limit": "Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs",
+        "limit1": "Llama-3.1-8B shape, ZeRO-3, 1 GPU (plan check off past the plan's longest row)",
+        "tools": f"memory tools, Llama-3.2-1B shape, ZeRO-2, 1 GPU, rows of {args.tools_length} tokens",
+    }
+    for part, title in titles.items():
         if result.get(part):
-            header = "| tokens per row | rc | OOM | steps | tokens/s/GPU | MFU | peak GiB | s |"
-            lines += [f"## {part}: Llama-3.1-8B shape, ZeRO-3, sp=2 on 2 GPUs", "", header, "|---" * 8 + "|"]
+            header = "| run | rc | OOM | steps | tokens/s/GPU | MFU | peak GiB | planned GiB | s |"
+            lines += [f"## {part}: {title}", "", header, "|---" * 9 + "|"]
             for n, s in result[part].items():
                 tps = f"{s['tokens_per_second_per_gpu']:.0f}" if s["tokens_per_second_per_gpu"] else "-"
                 mfu = f"{s['mfu']:.3f}" if s["mfu"] else "-"
                 peak = f"{s['peak_memory_gib']:.1f}" if s["peak_memory_gib"] else "-"
-                cells = (n, s["rc"], s["oom"], s["steps"], tps, mfu, peak, s["seconds"])
+                planned = next((line.split()[-2] for line in s["plan"] if "peak per GPU" in line), "-")
+                cells = (n, s["rc"], s["oom"], s["steps"], tps, mfu, peak, planned, s["seconds"])
                 lines.append("| " + " | ".join(str(c) for c in cells) + " |")
             lines.append("")
     write_results(args.out, "long_context", result, "\n".join(lines))

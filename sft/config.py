@@ -256,7 +256,10 @@ class TrainConfig(SFTConfig):
                     "`offload_checkpoints: true` offloads what activation checkpointing keeps: set "
                     "activation_checkpointing: true (or auto), or offload_checkpoints: false."
                 )
-            self.activation_checkpointing_kwargs = {**(self.activation_checkpointing_kwargs or {}), "offload": True}
+            if torch.cuda.is_available():
+                kwargs = self.activation_checkpointing_kwargs or {}
+                self.activation_checkpointing_kwargs = {**kwargs, "offload": True}
+            # without a GPU the checkpoints are in host memory already (and pinned memory needs a GPU)
         if self.tiled_mlp and not self.max_length:
             raise ConfigError("`tiled_mlp: true` sizes tiles by `max_length`: set max_length, or tiled_mlp: false.")
         for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib", "peak_tflops"):

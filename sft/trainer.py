@@ -98,6 +98,12 @@ class Trainer(SFTTrainer):
             changed = tiling.apply_tiled_mlp(self.model, tiles)
             if changed:
                 logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
+        if self.args.offload_checkpoints:
+            offloaded = (self.args.activation_checkpointing_kwargs or {}).get("offload")
+            logger.info(
+                "Activation checkpoints %s",
+                "offloaded to pinned CPU memory" if offloaded else "not offloaded: no GPU, they are in host memory",
+            )
         with ds_engine.universal_load(self.args):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint

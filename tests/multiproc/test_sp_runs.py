@@ -33,6 +33,8 @@ ARGS = [
 ]  # fmt: skip
 RTOL = 1e-5
 # no LoRA dropout: its masks are drawn per rank, so sp=2 and sp=1 would drop different activations
+# every memory tool of the plan on: checkpointing, its checkpoints offloaded, the tiled MLP
+TOOLS = ["--activation_checkpointing", "true", "--offload_checkpoints", "true", "--tiled_mlp", "true"]
 LORA = [
     "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
 ]  # fmt: skip
@@ -63,6 +65,8 @@ def runs(tmp_path_factory, init_model) -> dict[str, Path]:
         ("sp1", 1, 1, 2, []),
         ("sp2_zero2", 2, 2, 2, []),
         ("sp2_zero3", 2, 2, 3, []),
+        ("sp1_tools", 1, 1, 2, TOOLS),
+        ("sp2_zero3_tools", 2, 2, 3, TOOLS),
         ("lora_sp1", 1, 1, 2, LORA),
         ("lora_sp2", 2, 2, 2, LORA),
     ):
@@ -88,8 +92,9 @@ def assert_same_steps(ref: list[dict], other: list[dict], rtol: float = RTOL) ->
             assert math.isclose(a, b, rel_tol=rtol), (key, a, b)
 
 
-@pytest.mark.parametrize("name", ["sp2_zero2", "sp2_zero3"])
+@pytest.mark.parametrize("name", ["sp2_zero2", "sp2_zero3", "sp1_tools", "sp2_zero3_tools"])
 def test_sp2_trains_as_sp1(runs, init_model, name):
+    """sp=2 under ZeRO-2 and ZeRO-3, and the memory tools (ZeRO-2 on 1 process, ZeRO-3 with sp=2), train as sp=1."""
     ref, sp2 = records(runs["sp1"]), records(runs[name])
     assert [r["step"] for r in sp2] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):
@@ -115,6 +120,13 @@ def test_sp2_logs_its_geometry(runs):
     assert "Attention backend: sft_varlen" in log
     # DeepSpeed's overlapped ZeRO-1/2 reduction gives wrong gradients under SP on GPUs (benchmarks/sp_gradients)
     assert "DeepSpeed zero_optimization.overlap_comm: auto -> false (2 processes)" in log
+
+
+def test_memory_tools_are_on(runs):
+    for name, tiles in (("sp1_tools", 4), ("sp2_zero3_tools", 2)):  # a rank's share of 256 tokens / hidden 64
+        log = runs[name + "_log"]
+        assert f"Tiled MLP: 2 decoder-layer MLPs run in {tiles} tiles per row" in log
+        assert "Activation checkpoints not offloaded: no GPU" in log  # offloading is shown on GPUs (benchmarks)
 
 
 def test_lora_with_sp2_trains_as_lora_with_sp1(runs):
