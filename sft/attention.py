@@ -11,7 +11,9 @@ boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collato
 parallelism hands them back for the whole row); without them it derives them from `position_ids` (a sample starts
 where its position is 0);
 it falls back to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches. On CPU (no
-varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample.
+varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample. A row
+that holds one sample (long-context training) goes to plain causal sdpa instead, whose cuDNN kernel is much faster
+than varlen FlashAttention-2 on Hopper.
 """
 
 from __future__ import annotations
@@ -86,28 +88,37 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
         query, key, value = query.to(half), key.to(half), value.to(half)
-    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
-    keep = None
+    device, keep = query.device, None
     if kwargs.get("cu_seq_lens_q") is not None:  # packed: TRL's collator gives the boundaries
         cu_q, cu_k = (
-            kwargs["cu_seq_lens_q"].to(q.device, torch.int32),
-            kwargs["cu_seq_lens_k"].to(q.device, torch.int32),
+            kwargs["cu_seq_lens_q"].to(device, torch.int32),
+            kwargs["cu_seq_lens_k"].to(device, torch.int32),
         )
         max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
     elif kwargs.get("position_ids") is not None and attention_mask is None:  # packed, boundaries from positions
-        cu_q = cu_k = boundaries_from_positions(kwargs["position_ids"]).to(q.device)
+        cu_q = cu_k = boundaries_from_positions(kwargs["position_ids"]).to(device)
         max_q = max_k = int(cu_q.diff().max())
     elif attention_mask is not None and attention_mask.dim() == 2:  # right- or left-padded rows: drop the padding
         keep = attention_mask.flatten().bool()
         lengths = attention_mask.sum(-1, dtype=torch.int32)
         cu_q = cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         max_q = max_k = int(lengths.max())
-        q, k, v = q[keep], k[keep], v[keep]
     else:  # one whole sequence per row
-        cu_q = cu_k = torch.arange(0, (batch + 1) * seq, seq, device=q.device, dtype=torch.int32)
+        cu_q = cu_k = torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
         max_q = max_k = seq
     if dropout and module.training:
         logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
+    if on_gpu and batch == 1 and keep is None and cu_q.numel() == 2 and cu_k.numel() == 2:
+        # One sample in the row (long-context rows; sequence-parallel padding is part of it, see
+        # `sft.sequence_parallel.row_boundaries`): plain causal sdpa, whose cuDNN kernel runs at 1.7-1.9x the varlen
+        # FlashAttention-2 kernel on H200 (benchmarks/results/attention_kernels)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != heads
+        )
+        return out.transpose(1, 2).to(dtype), None
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
+    if keep is not None:
+        q, k, v = q[keep], k[keep], v[keep]
     causal = _causal_kwargs(varlen_attn) if on_gpu else {}
     out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)
     if keep is not None:

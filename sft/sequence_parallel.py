@@ -165,12 +165,17 @@ class ShardableCollator:
 
 
 def row_boundaries(info: ShardInfo, device) -> dict:
-    """The whole row's sample boundaries for the attention, which Ulysses hands the whole row: each padding token a
-    sample of its own. Given with every micro-batch, the attention does not derive them from the gathered
-    position_ids in every layer (a device-to-host copy per layer, which stalls the launch queue)."""
-    lengths = torch.tensor([*info.lengths, *[1] * (info.padded - info.tokens)], dtype=torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(device)
-    longest = max(info.lengths + (1,))
+    """The whole row's sample boundaries for the attention, which Ulysses hands the whole row. The padding (at most
+    sp - 1 tokens at the end of the row) is counted into the last sample: under causal attention no earlier token
+    sees it, and its positions carry no loss, so the real tokens' outputs and gradients are those without it; a row
+    of one sample stays one sample (which `sft.attention` runs on the faster non-varlen kernel). Given with every
+    micro-batch, the attention does not derive the boundaries from the gathered position_ids in every layer (a
+    device-to-host copy per layer, which stalls the launch queue)."""
+    lengths = list(info.lengths or (0,))
+    lengths[-1] += info.padded - info.tokens
+    cu = torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu.to(device)
+    longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 

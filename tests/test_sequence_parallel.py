@@ -3,6 +3,8 @@ arithmetic. The runs that compare sp=2 with sp=1 are in tests/multiproc/test_seq
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -58,9 +60,16 @@ def test_sliceable_batch_pads_to_sp_only_and_keeps_real_lengths():
     # the second sample straddles the split between sp ranks 1 and 2 (tokens 4..7 | 8..11)
     starts = boundaries_from_positions(out["position_ids"]).tolist()
     assert 4 < starts[1] < 8 < starts[2]
-    # what the attention is handed with every micro-batch: the same boundaries, the padding one-token samples
+    assert starts == [0, 7, 13, 14, 15, 16]  # from the positions: each padding token a sample of its own
+    # what the attention is handed with every micro-batch: the padding counted into the last sample, which leaves
+    # the real tokens' attention as it is (causal: no real token sees the padding after it)
     given = seqpar.row_boundaries(info, "cpu")
-    assert given["cu_seq_lens_q"].tolist() == starts == [0, 7, 13, 14, 15, 16] and given["max_length_q"] == 7
+    assert given["cu_seq_lens_q"].tolist() == [0, 7, 16] and given["max_length_q"] == 9
+    module = types.SimpleNamespace(training=False)
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    merged, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.3, **given)
+    apart, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.3, position_ids=out["position_ids"])
+    torch.testing.assert_close(merged[:, :13], apart[:, :13], rtol=1e-5, atol=1e-6)  # fp32, other block shapes
 
 
 def test_checks_name_the_setting_and_the_fix():
