@@ -103,6 +103,33 @@ def measure(seqs: list[int], heads: int, kv_heads: int, dim: int, repeats: int) 
     return rows
 
 
+def agreement(seq: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """sft_varlen's two paths on one row of one sample: plain causal sdpa (cuDNN) against varlen FlashAttention-2,
+    outputs and input gradients (bf16), as max |difference| / max |value|."""
+    import torch
+
+    from sft.attention import varlen_attention_forward
+
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    module = torch.nn.Module()
+    one = {"cu_seq_lens_q": torch.tensor([0, seq], device="cuda", dtype=torch.int32), "max_length_q": seq}
+    one.update(cu_seq_lens_k=one["cu_seq_lens_q"], max_length_k=seq)
+    # the same row with a zero-length sample at its end: the boundaries of two samples, so the varlen kernel runs
+    two = {"cu_seq_lens_q": torch.tensor([0, seq, seq], device="cuda", dtype=torch.int32), "max_length_q": seq}
+    two.update(cu_seq_lens_k=two["cu_seq_lens_q"], max_length_k=seq)
+    grad = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for given in (one, two):
+        out, _ = varlen_attention_forward(module, q, k, v, None, scaling=dim**-0.5, **given)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
+    names = ("output", "grad_q", "grad_k", "grad_v")
+    return {"seq": seq, **{n: rel(a, b) for n, a, b in zip(names, *results, strict=True)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -112,7 +139,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    rows = measure([int(s) for s in args.seqs.split(",")], args.heads, args.kv_heads, args.dim, args.repeats)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    agree = [agreement(seq, args.heads, args.kv_heads, args.dim) for seq in seqs]
+    rows = measure(seqs, args.heads, args.kv_heads, args.dim, args.repeats)
     env = environment()
     lines = [f"# Attention kernels, {env['device']}", "",
              f"{args.heads} query heads, {args.kv_heads} key/value heads, head dim {args.dim}, causal, bf16 "
@@ -125,7 +154,13 @@ def main() -> None:
         else:
             lines.append(f"| {r['seq']} | {r['backend']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} | "
                          f"{r['forward_tflops']:.0f} | {r['forward_backward_tflops']:.0f} |")  # fmt: skip
-    write_results(args.out, "attention_kernels", {"environment": env, "rows": rows}, "\n".join(lines))
+    lines += ["", "sft_varlen on a row of one sample: causal sdpa (cuDNN) vs varlen FlashAttention-2, bf16, "
+              "max |diff| / max |value|:", "", "| row tokens | output | grad q | grad k | grad v |",
+              "|---" * 5 + "|"]  # fmt: skip
+    lines += [f"| {a['seq']} | {a['output']:.2e} | {a['grad_q']:.2e} | {a['grad_k']:.2e} | {a['grad_v']:.2e} |"
+              for a in agree]  # fmt: skip
+    result = {"environment": env, "rows": rows, "agreement": agree}
+    write_results(args.out, "attention_kernels", result, "\n".join(lines))
 
 
 if __name__ == "__main__":
