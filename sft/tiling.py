@@ -19,14 +19,11 @@ What sft adds to DeepSpeed's class:
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from sft.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 def tiles_for(max_length: int, sp: int, hidden: int) -> int:
