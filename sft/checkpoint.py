@@ -125,6 +125,7 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
         },
         "world_size": dims.world_size,
         "parallel": {"dp": dims.dp, "sp": dims.sp},
+        "fp8": training_args.fp8_recipe if training_args.fp8 else False,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
         "global_batch": BatchPlan(
@@ -139,8 +140,13 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
     }
 
 
+# Fingerprint keys added later, with the value a checkpoint written before them implies
+ADDED_KEYS = {"fp8": False}
+
+
 def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
     """Refuse a checkpoint of another run; warn when only library versions differ."""
+    saved = {**ADDED_KEYS, **saved}
     differ = [k for k in sorted(set(saved) | set(current)) if k not in GEOMETRY_KEYS | {VERSION_KEY}]
     differ = [k for k in differ if saved.get(k) != current.get(k)]
     if differ:

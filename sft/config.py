@@ -144,8 +144,14 @@ class TrainConfig(SFTConfig):
         peak_tflops (`float`, *optional*):
             Peak TFLOP/s of one GPU that MFU is computed against. Defaults to the dense bf16 peak of the GPU found
             (H100/H200 989, A100 312; see `sft.flops`); MFU is not logged for a GPU not on file unless this is set.
-        compile_decoder_layers (`bool`, *optional*, defaults to `False`):
-            `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`).
+        compile_decoder_layers (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`). `auto`:
+            on with FP8 (its casts and scales are fast only compiled), off otherwise (bf16 measured no faster).
+        fp8 (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            Train the decoder's linear layers in FP8 (torchao float8, see `sft.fp8`). `auto`: on only with a GPU
+            that has FP8 tensor cores, torchao installed, no LoRA, and a model wide enough that FP8 measured faster.
+        fp8_recipe (`str`, *optional*, defaults to `"rowwise"`):
+            torchao's float8 scaling: `rowwise` (a scale per row) or `tensorwise` (one per tensor).
         sequence_parallel_size (`int` or `"auto"`, *optional*, defaults to `1`):
             Processes that share the tokens of one packed row (Ulysses sequence parallelism on DeepSpeed, see
             `sft.sequence_parallel`); the data-parallel size is the world size / this. `auto`: the smallest size whose
@@ -189,6 +195,14 @@ class TrainConfig(SFTConfig):
         default="auto",
         metadata={"help": "The MLP in tiles along the row: true, false, or `auto` (only if the plan needs it)."},
     )
+    fp8: str = field(
+        default="auto",
+        metadata={"help": "Decoder linears in FP8 (torchao float8): true, false, or `auto` (FP8 GPU, where faster)."},
+    )
+    fp8_recipe: str = field(
+        default="rowwise",
+        metadata={"help": "torchao float8 scaling of the FP8 layers.", "choices": ["rowwise", "tensorwise"]},
+    )
     gradient_checkpointing: bool | None = field(
         default=None,
         metadata={"help": "Deprecated alias of `activation_checkpointing` (TRL's default True is not applied)."},
@@ -212,8 +226,9 @@ class TrainConfig(SFTConfig):
         default=None,
         metadata={"help": "Liger's Triton kernels; unset: on when a CUDA GPU and liger-kernel are present."},
     )
-    compile_decoder_layers: bool = field(
-        default=False, metadata={"help": "torch.compile each decoder layer (not the whole model)."}
+    compile_decoder_layers: str = field(
+        default="auto",
+        metadata={"help": "torch.compile each decoder layer: true, false, or `auto` (on with FP8)."},
     )
     peak_tflops: float | None = field(
         default=None,
@@ -245,7 +260,7 @@ class TrainConfig(SFTConfig):
         self.sequence_parallel_size = int(sp)
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
-        for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp"):
+        for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8", "compile_decoder_layers"):
             setattr(self, name, self._switch(name, explicit if name == "activation_checkpointing" else None))
         if self.offload_checkpoints:
             if "activation_checkpointing" in self.auto_settings:  # offloading the checkpoints implies taking them

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import set_seed as hf_set_seed
 from trl import get_quantization_config
 
-from sft import sequence_parallel
+from sft import fp8, sequence_parallel
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.engines import deepspeed as ds_engine
@@ -58,6 +58,10 @@ def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTra
     model = _build(model_args, training_args, attn_implementation, partitioned)
     if padding_free:
         model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
+    if training_args.fp8:
+        converted = fp8.convert(model, training_args.fp8_recipe, size_filter=torch.cuda.is_available())
+        recipe = training_args.fp8_recipe
+        logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling)", converted, recipe)
     if training_args.compile_decoder_layers:
         compile_decoder_layers(model)
     return model

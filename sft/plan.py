@@ -165,6 +165,7 @@ class Setting:
     sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
     offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
     tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
+    fp8: bool = False  # the decoder's linear layers in torchao float8 (`sft.fp8`)
 
     @property
     def tokens(self) -> int:
@@ -187,7 +188,7 @@ class Setting:
         )
         return (
             f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
-            f"checkpointing {ckpt}{tools}, Liger {liger}, {method}"
+            f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
         )
 
     def with_tools(self, tools: Tools) -> Setting:
@@ -260,6 +261,14 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
         kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
         return kept * s.dtype_bytes * shape.hidden + layer + extra
     return shape.layers * layer + extra
+
+
+def fp8_bytes_in_flight(shape: ModelShape, s: Setting) -> float:
+    """What float8 adds at the peak (`sft.fp8`): it saves the same high-precision input and weight for the backward
+    as a bf16 linear, so its cost is transient, in the backward of the widest linear (down_proj): its input and output
+    gradient each cast once per scaling axis (1 byte per element, two axes) and the weight cast twice (1 byte each)."""
+    widest = max(shape.intermediate, shape.heads * shape.head_dim)
+    return 2 * s.tokens * (widest + shape.hidden) + 2 * shape.hidden * widest
 
 
 def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
@@ -374,9 +383,11 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         backward["gradient partition / LM head gradient"] = during + buckets
     else:
         backward["gradients (16-bit) + loss tile"] = b * p + tile
+    largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
     if s.qlora:
-        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
         backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
+    if s.fp8:
+        backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
     at_backward = static + sum(backward.values())
     at_step = static + sum(step.values())
     if at_backward >= at_step:
@@ -490,6 +501,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
+    parser.add_argument("--fp8", action="store_true", help="Decoder linears in torchao float8 (sft.fp8)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: this machine's GPU)")
     parser.add_argument("--host-memory", type=float, help="GiB of host memory per node (default: this machine's)")
@@ -518,6 +530,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             qlora=args.qlora,
             dtype_bytes=4 if args.dtype == "float32" else 2,
             sp=args.sp or 1,
+            fp8=args.fp8,
         )
         if args.gpus % setting.sp:
             raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")

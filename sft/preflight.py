@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from sft import fp8
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
 from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
@@ -49,7 +50,7 @@ class Resume:
         )
 
 
-def base_setting(training_args, model_args) -> memplan.Setting:
+def base_setting(training_args, model_args, fp8_on: bool | None = None) -> memplan.Setting:
     zero = ds_engine.zero_setup(training_args)
     dims = training_args.parallel
     return memplan.Setting(
@@ -69,6 +70,7 @@ def base_setting(training_args, model_args) -> memplan.Setting:
         qlora=bool(model_args.use_peft and model_args.load_in_4bit),
         dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
         sp=dims.sp,
+        fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
     )
 
 
@@ -82,8 +84,13 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         target = training_args.tokens_per_step // training_args.max_length
     if resume is not None:
         target = resume.global_batch
-    micro, tools, sp = _plan_memory(training_args, model_args, target)
+    fp8_on = _resolve_fp8(training_args, model_args)
+    micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on)
     changes = {}
+    if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
+        changes["fp8"] = fp8_on
+    if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
+        changes["compile_decoder_layers"] = fp8_on
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -157,7 +164,23 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     return tuple(levels)
 
 
-def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bool, int]:
+def _resolve_fp8(training_args, model_args) -> bool:
+    """`fp8` resolved by `sft.fp8` (`true` refused where it cannot run), the choice and its reason logged."""
+    auto = "fp8" in training_args.auto_settings
+    hidden = 0
+    if auto and fp8.fp8_gpu() is not None:
+        remote = bool(getattr(model_args, "trust_remote_code", False))
+        hidden = memplan.load_shape(model_args.model_name_or_path, remote).hidden
+    decision = fp8.resolve(bool(training_args.fp8), auto, hidden, bool(model_args.use_peft))
+    if decision.on:
+        recipe = training_args.fp8_recipe
+        logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
+    else:
+        logger.info("FP8: off (%s)", decision.reason)
+    return decision.on
+
+
+def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = False) -> tuple[int, bool, int]:
     """(micro batch, memory tools, sequence-parallel size): the `auto` ones chosen by the memory plan (the smallest sp
     first, then the cheapest tools); the plan logged and checked against the GPU."""
     auto = training_args.auto_settings
@@ -188,7 +211,7 @@ def _plan_memory(training_args, model_args, target: int | None) -> tuple[int, bo
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
-    base = base_setting(training_args, model_args)
+    base = base_setting(training_args, model_args, fp8_on)
     if auto:
         world = training_args.parallel.world_size
         sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)

@@ -54,12 +54,18 @@ def cli_command(nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> list[str
     return [*launcher, *launcher_args, script]
 
 
-def start_cli(args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_cli(
+    args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = (), env: dict | None = None
+) -> subprocess.Popen:
     """Start the CLI in the background. Its stderr goes to a file, not a pipe: nobody reads a pipe while the test
     polls, and a full pipe would block the training processes."""
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: `finish` reads and closes it)
     proc = subprocess.Popen(
-        cli_command(nproc, launcher_args) + list(args), cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=log
+        cli_command(nproc, launcher_args) + list(args),
+        cwd=ROOT,
+        env={**cli_env(), **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=log,
     )
     proc.log = log
     return proc

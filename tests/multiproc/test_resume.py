@@ -84,9 +84,9 @@ def kill_tree(pid: int) -> None:
             proc.send_signal(signal.SIGKILL)
 
 
-def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2) -> None:
+def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2, env: dict | None = None) -> None:
     """Start the CLI and SIGKILL the launcher and every worker once checkpoint-<step> is complete."""
-    proc = start_cli(args, nproc=nproc)
+    proc = start_cli(args, nproc=nproc, env=env)
     marker = out / f"checkpoint-{step}" / MARKER
     wait_for(marker, proc)
     kill_tree(proc.pid)

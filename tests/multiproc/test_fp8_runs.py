@@ -1,0 +1,113 @@
+"""FP8 (torchao float8) through the real CLI on 2 gloo processes: ZeRO-3 against ZeRO-2, against no FP8, and resume.
+
+torch runs float8 matmuls on the CPU (slowly), so with `SFT_FP8_ON_CPU=1` these are the same torchao code paths a GPU
+runs, minus the compile (`compile_decoder_layers: false` keeps the runs short). One set of runs, many checks: the
+demo model in fp32 with every decoder linear in float8 (tensorwise) under ZeRO-2 and ZeRO-3 trains the same samples
+to the same losses (ZeRO-3 gathers each partitioned weight before the cast); FP8 differs from the fp32 run, but
+little; a SIGKILLed ZeRO-3 FP8 run, rerun, is bit-identical; the saved model is a plain transformers model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import ROOT, read_jsonl, run_cli
+from tests.multiproc.test_resume import kill_after_checkpoint
+from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
+
+STEPS = 8
+ARGS = [
+    "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--max_steps", str(STEPS),
+    "--max_length", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "4",
+    "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4",
+    "--trace_data", "true", "--compile_decoder_layers", "false",
+]  # fmt: skip
+FP8 = ["--fp8", "true", "--fp8_recipe", "tensorwise"]
+CPU_FP8 = {"SFT_FP8_ON_CPU": "1"}
+
+
+def args_for(model, out, stage: int, fp8: bool = True) -> list[str]:
+    extra = FP8 if fp8 else ["--fp8", "false"]
+    return ARGS + ["--model_name_or_path", str(model), "--output_dir", str(out),
+                   "--deepspeed", f"ds_configs/zero{stage}.json", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, init_model):  # noqa: F811
+    made = {}
+    for name, stage, fp8 in (("fp32_zero2", 2, False), ("fp8_zero2", 2, True), ("fp8_zero3", 3, True)):
+        out = tmp_path_factory.mktemp(name) / "out"
+        result = run_cli(args_for(init_model, out, stage, fp8), nproc=2, env=CPU_FP8)
+        assert result.returncode == 0, result.stderr[-5000:]
+        made[name], made[name + "_log"] = out, result.stderr
+    return made
+
+
+def records(out) -> list[dict]:
+    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def weights(out) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(out / "model.safetensors")
+
+
+def test_fp8_is_on_and_logged(runs):
+    log = runs["fp8_zero3_log"]
+    assert "FP8: on, tensorwise scaling (fp8: true (SFT_FP8_ON_CPU=1: float8 matmuls on the CPU))" in log
+    assert "FP8: 28 decoder linear layers in torchao float8 (tensorwise scaling)" in log  # 4 layers x 7, no LM head
+    assert "FP8: off (fp8: false)" in runs["fp32_zero2_log"]
+    assert "Compiling" not in log  # compile_decoder_layers: false holds against fp8's auto
+
+
+def test_zero3_fp8_trains_as_zero2_fp8(runs):
+    """Same samples, losses and grad norms within 1e-4 (the reductions differ in order, and a float8 rounding can
+    flip on that), weights within 1e-4; both changed the init."""
+    a, b = records(runs["fp8_zero2"]), records(runs["fp8_zero3"])
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    assert [r["num_tokens"] for r in a] == [r["num_tokens"] for r in b]
+    for key in ("loss", "grad_norm"):
+        for x, y in zip([r[key] for r in a], [r[key] for r in b], strict=True):
+            assert math.isclose(x, y, rel_tol=1e-4), (key, x, y)
+    wa, wb = weights(runs["fp8_zero2"]), weights(runs["fp8_zero3"])
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
+def test_fp8_differs_from_fp32_but_little(runs):
+    """FP8 is really in the matmuls (the losses differ from fp32 after the first step) and trains the same way
+    (every step within 2%, the last within 1%)."""
+    ref, fp8 = records(runs["fp32_zero2"]), records(runs["fp8_zero2"])
+    diffs = [abs(x["loss"] - y["loss"]) / x["loss"] for x, y in zip(ref, fp8, strict=True)]
+    assert max(diffs) > 1e-6, diffs
+    assert max(diffs) < 0.02 and diffs[-1] < 0.01, diffs
+    assert fp8[-1]["loss"] < fp8[0]["loss"]
+
+
+def test_fp8_model_saves_as_plain_transformers_weights(runs, init_model):  # noqa: F811
+    """The FP8 run's model.safetensors holds the same tensors as an fp32 run's and loads into a plain model."""
+    saved = weights(runs["fp8_zero3"])
+    assert saved.keys() == weights(runs["fp32_zero2"]).keys()
+    model = AutoModelForCausalLM.from_pretrained(runs["fp8_zero3"])
+    assert all(type(m).__name__ != "LeafWeightFloat8Linear" for m in model.modules())
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, saved["model.layers.0.mlp.up_proj.weight"])
+    before = safetensors.torch.load_file(init_model / "model.safetensors")
+    assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], saved["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_fp8_zero3_sigkill_then_rerun_is_bit_exact(runs, init_model, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    kill_after_checkpoint(args_for(init_model, out, 3), out, step=4, env=CPU_FP8)
+    result = run_cli(args_for(init_model, out, 3), nproc=2, env=CPU_FP8)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "Resuming from" in result.stderr
+    ref, res = records(runs["fp8_zero3"]), records(out)
+    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
+    for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
+        assert [r[key] for r in ref] == [r[key] for r in res], key
+    a, b = weights(runs["fp8_zero3"]), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
