@@ -15,9 +15,10 @@
 - LoRA/QLoRA with FP8 is refused: the frozen base would be re-cast every step for adapters that hold the gradients,
   and that was never measured.
 
-FP8 needs `torch.compile` for its speed (the casts and scales are separate kernels otherwise): with FP8 on, the
-decoder layers are compiled (`sft.model.compile_decoder_layers`). MFU stays reported against the dense bf16 peak,
-so figures compare across runs; with FP8 the matmuls can run up to twice that rate.
+Packed micro-batches are padded to a multiple of `TOKEN_MULTIPLE` tokens (see there). FP8 needs `torch.compile` for
+its speed (the casts and scales are separate kernels otherwise): with FP8 on, the decoder layers are compiled
+(`compile_decoder_layers: auto`). MFU stays reported against the dense bf16 peak, so figures compare across runs;
+with FP8 the matmuls can run up to twice that rate.
 
 Without any GPU `fp8: true` is refused too, unless `SFT_FP8_ON_CPU=1` is set: torch runs float8 matmuls on the CPU
 (slowly), which the tests use to check the conversion, ZeRO-2/3 and resume without a GPU.
@@ -40,6 +41,11 @@ RECIPES = ("tensorwise", "rowwise")
 AUTO_MIN_HIDDEN = 2048  # `auto`: the smallest hidden size where FP8 measured faster (benchmarks/results/fp8/)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 CPU_ENV = "SFT_FP8_ON_CPU"
+# float8 matmuls need each dimension a multiple of 16, the tokens of a micro-batch too (the inner dimension of the
+# weight-gradient matmul): packed rows are padded to it (TRL's `pad_to_multiple_of`; under sequence parallelism each
+# rank's share, by `sft.sequence_parallel`; tiles of the tiled MLP, by `sft.tiling`). The padding tokens are samples
+# of one token with no loss; at most 15 per micro-batch, they are counted in TRL's `num_tokens`.
+TOKEN_MULTIPLE = 16
 
 
 class Decision(NamedTuple):

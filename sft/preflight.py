@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from sft import fp8
 from sft import plan as memplan
@@ -89,6 +90,10 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     changes = {}
     if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
         changes["fp8"] = fp8_on
+    if fp8_on and sp == 1:  # float8 matmuls need the tokens of a micro-batch in multiples of 16
+        multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.TOKEN_MULTIPLE)
+        if multiple != training_args.pad_to_multiple_of:
+            changes["pad_to_multiple_of"] = multiple
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
         changes["compile_decoder_layers"] = fp8_on
     dims = training_args.parallel

@@ -139,8 +139,9 @@ class ShardableCollator:
     dropped, the row padded to a multiple of `sp` (input pad token, label -100, position 0), and a `ShardInfo` added
     (a non-tensor value, which the data loader adapter copies to every sp rank unchanged)."""
 
-    def __init__(self, collator, sp: int, pad_token_id: int, trace: bool = False):
+    def __init__(self, collator, sp: int, pad_token_id: int, trace: bool = False, multiple: int | None = None):
         self.collator, self.sp, self.pad_token_id, self.trace = collator, sp, pad_token_id, trace
+        self.multiple = multiple or sp  # the row's length a multiple of this (sp x 16 with FP8: `sft.fp8`)
 
     def __call__(self, examples):
         batch = self.collator(examples)
@@ -156,7 +157,7 @@ class ShardableCollator:
             )
         for key in ROW_KEYS:
             batch.pop(key, None)
-        pad = -input_ids.shape[1] % self.sp
+        pad = -input_ids.shape[1] % self.multiple
         if pad:
             for key, value in (("input_ids", self.pad_token_id), ("labels", -100), ("position_ids", 0)):
                 batch[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)

@@ -37,8 +37,9 @@ def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
 
 
-def apply_tiled_mlp(model: torch.nn.Module, tiles: int) -> int:
-    """Make every decoder layer's MLP run in `tiles` tiles along the sequence; returns how many were changed."""
+def apply_tiled_mlp(model: torch.nn.Module, tiles: int, multiple: int = 1) -> int:
+    """Make every decoder layer's MLP run in `tiles` tiles along the sequence, each a multiple of `multiple` tokens
+    (16 with FP8: `sft.fp8`); returns how many were changed."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     mlps = decoder_mlps(model)
@@ -62,7 +63,7 @@ def apply_tiled_mlp(model: torch.nn.Module, tiles: int) -> int:
 
         def forward(x, *args, _inner=inner, _mlp=mlp, _params=params, **kwargs):
             length = x.shape[-2]
-            pad = -length % tiles  # torch.chunk gives exactly `tiles` pieces of a multiple of `tiles` rows
+            pad = -length % (tiles * multiple)  # torch.chunk: exactly `tiles` pieces of a multiple of `tiles` rows
             if pad:
                 x = torch.nn.functional.pad(x, (0, 0, 0, pad))
             out = TiledMLP.apply(lambda _, piece: _inner(piece, *args, **kwargs), _mlp, x, tiles, _params)

@@ -19,7 +19,7 @@ import torch
 from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
-from sft import metrics, tiling
+from sft import fp8, metrics, tiling
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
@@ -48,7 +48,10 @@ class Trainer(SFTTrainer):
         if dims.sp > 1:
             self._gradient_divisor = ds_engine.gradient_divisor(self.args)  # fixed for the run: read its config once
             pad = self.processing_class.pad_token_id
-            self.data_collator = seqpar.ShardableCollator(self.data_collator, dims.sp, pad, self.args.trace_data)
+            multiple = dims.sp * (fp8.TOKEN_MULTIPLE if self.args.fp8 else 1)
+            self.data_collator = seqpar.ShardableCollator(
+                self.data_collator, dims.sp, pad, self.args.trace_data, multiple
+            )
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
         self.throughput = metrics.Throughput(self.model, getattr(self.args, "peak_tflops", None), dims.world_size)
@@ -95,7 +98,8 @@ class Trainer(SFTTrainer):
         if self.args.tiled_mlp:
             hidden = self.model.config.get_text_config().hidden_size
             tiles = tiling.tiles_for(self.args.max_length, self.args.parallel.sp, hidden)
-            changed = tiling.apply_tiled_mlp(self.model, tiles)
+            multiple = fp8.TOKEN_MULTIPLE if self.args.fp8 else 1
+            changed = tiling.apply_tiled_mlp(self.model, tiles, multiple)
             if changed:
                 logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
         if self.args.offload_checkpoints:
