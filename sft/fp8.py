@@ -12,6 +12,9 @@
 - `auto` is on only with a GPU of compute capability >= 8.9 (Hopper, Ada: FP8 tensor cores), torchao installed, no
   LoRA, and a model at least `AUTO_MIN_HIDDEN` wide, the smallest width where `benchmarks/fp8.py` measured FP8 faster
   than bf16 (`benchmarks/results/fp8/`). The choice and its reason are logged at start.
+- Under ZeRO-3, `auto` stays off and `fp8: true` runs uncompiled (with a warning): compiling a decoder layer under
+  ZeRO-3's parameter hooks fails in torch.compile on Liger's SwiGLU (measured, `benchmarks/results/fp8/call3_zero3`),
+  and uncompiled float8 was not measured faster. The FP8 numerics under ZeRO-3 are tested against ZeRO-2 (CPU).
 - LoRA/QLoRA with FP8 is refused: the frozen base would be re-cast every step for adapters that hold the gradients,
   and that was never measured.
 
@@ -48,6 +51,20 @@ CPU_ENV = "SFT_FP8_ON_CPU"
 TOKEN_MULTIPLE = 16
 
 
+# Measured (benchmarks/results/fp8/call3_zero3): under ZeRO-3, torch.compile of a decoder layer fails in dynamo on
+# Liger's SwiGLU, traced between DeepSpeed's parameter hooks (an AssertionError in `overwrite_tensor_vt_proxy`).
+ZERO3_UNCOMPILED = (
+    "FP8 under ZeRO-3 runs with the decoder layers uncompiled (compiling them under ZeRO-3's parameter hooks fails in "
+    "torch.compile on Liger's SwiGLU): correct, but its speed against bf16 is unmeasured and may be lower."
+)
+
+
+def zero3(training_args) -> bool:
+    from sft.engines.deepspeed import zero_setup
+
+    return zero_setup(training_args).stage == 3
+
+
 class Decision(NamedTuple):
     on: bool
     reason: str
@@ -62,7 +79,7 @@ def fp8_gpu() -> str | None:
     return torch.cuda.get_device_name()
 
 
-def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool) -> Decision:
+def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, zero3: bool = False) -> Decision:
     """Whether this run trains in FP8, and why: `fp8: true` refused where it cannot run, `auto` decided."""
     gpu = fp8_gpu()
     on_cpu = not torch.cuda.is_available() and os.environ.get(CPU_ENV) == "1"
@@ -91,6 +108,8 @@ def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool) -> Dec
         return Decision(False, "no GPU with FP8 tensor cores")
     if use_peft:
         return Decision(False, "LoRA/QLoRA trains in bf16")
+    if zero3:
+        return Decision(False, "under ZeRO-3 the decoder layers cannot be compiled, and uncompiled FP8 is unmeasured")
     if not has_torchao:
         return Decision(False, f"{gpu} has FP8 tensor cores but torchao is not installed (`pip install torchao`)")
     if hidden_size < AUTO_MIN_HIDDEN:

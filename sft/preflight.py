@@ -95,7 +95,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         if multiple != training_args.pad_to_multiple_of:
             changes["pad_to_multiple_of"] = multiple
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        changes["compile_decoder_layers"] = fp8_on
+        changes["compile_decoder_layers"] = fp8_on and not fp8.zero3(training_args)
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -176,10 +176,13 @@ def _resolve_fp8(training_args, model_args) -> bool:
     if auto and fp8.fp8_gpu() is not None:
         remote = bool(getattr(model_args, "trust_remote_code", False))
         hidden = memplan.load_shape(model_args.model_name_or_path, remote).hidden
-    decision = fp8.resolve(bool(training_args.fp8), auto, hidden, bool(model_args.use_peft))
+    zero3 = fp8.zero3(training_args)
+    decision = fp8.resolve(bool(training_args.fp8), auto, hidden, bool(model_args.use_peft), zero3)
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
+        if zero3 and training_args.compile_decoder_layers is not True:
+            logger.warning(fp8.ZERO3_UNCOMPILED)
     else:
         logger.info("FP8: off (%s)", decision.reason)
     return decision.on

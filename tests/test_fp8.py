@@ -45,7 +45,7 @@ def test_config_fields(tmp_path):
     with pytest.raises(SystemExit):  # argparse's choices
         demo_args(tmp_path, "--fp8_recipe", "blockwise")
     _, _, args, _ = demo_args(tmp_path)
-    assert {"fp8", "compile_decoder_layers"} <= args.auto_settings and args.fp8_recipe == "rowwise"
+    assert {"fp8", "compile_decoder_layers"} <= args.auto_settings and args.fp8_recipe == "tensorwise"
 
 
 def test_preflight_without_fp8_gpu_turns_auto_off_and_true_is_refused(tmp_path, caplog, monkeypatch):
@@ -146,8 +146,12 @@ def test_backward_reads_the_weight_as_it_is_then():
         y.sum().backward()
         grads[name] = x.grad
     expected = 2 * torch.ones(16, 32) @ (layer.weight.data / 2)  # d(sum y)/dx with the re-gathered weight
-    assert torch.allclose(grads["sft"], expected, rtol=0.1)
-    assert torch.allclose(grads["torchao"], expected / 2, rtol=0.1)  # the stale copy
+
+    def off(a, b):
+        return float((a - b).norm() / b.norm())
+
+    assert off(grads["sft"], expected) < 0.1
+    assert off(grads["torchao"], expected / 2) < 0.1  # the stale copy, kept alive
 
 
 def test_plan_counts_fp8_and_says_so(tmp_path):
@@ -157,11 +161,11 @@ def test_plan_counts_fp8_and_says_so(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPES["llama-8b"]))
     shape = plan.load_shape(str(tmp_path / "config.json"))
-    base = plan.Setting(seq_len=4096, micro_batch=2, liger=True)
-    with_fp8 = plan.Setting(seq_len=4096, micro_batch=2, liger=True, fp8=True)
+    base = plan.Setting(seq_len=4096, micro_batch=8, liger=True)  # the peak in the backward
+    with_fp8 = plan.Setting(seq_len=4096, micro_batch=8, liger=True, fp8=True)
     a, b = plan.estimate(shape, base), plan.estimate(shape, with_fp8)
     extra = b.items["FP8 casts in flight (largest linear)"]
-    assert extra == 2 * 8192 * (14336 + 4096) + 2 * 4096 * 14336
+    assert extra == 2 * 32768 * (14336 + 4096) + 2 * 4096 * 14336
     assert b.at_backward - a.at_backward == extra
     assert with_fp8.describe().endswith(", FP8") and "FP8" not in base.describe()
 
@@ -171,3 +175,26 @@ def test_fingerprint_fp8_mismatch_is_refused_and_old_checkpoints_resume():
     compare_fingerprints(old, {**old, "fp8": False}, "ckpt")  # written before the key existed: bf16
     with pytest.raises(ConfigError, match="fp8: checkpoint 'rowwise' vs now False"):
         compare_fingerprints({**old, "fp8": "rowwise"}, {**old, "fp8": False}, "ckpt")
+
+
+def test_auto_on_an_fp8_gpu_follows_the_measurements(monkeypatch):
+    """`auto` where a GPU with FP8 tensor cores is found (the detection stands in for the H200 the benchmark ran on):
+    on from the width where FP8 measured faster, off for LoRA and under ZeRO-3."""
+    monkeypatch.setattr(fp8, "fp8_gpu", lambda: "NVIDIA H200")
+    assert fp8.resolve(False, True, 4096, False).on
+    assert fp8.resolve(False, True, fp8.AUTO_MIN_HIDDEN, False).on
+    assert fp8.resolve(False, True, 1024, False) == fp8.Decision(
+        False, f"hidden size 1024 < {fp8.AUTO_MIN_HIDDEN}, where FP8 measured no faster"
+    )
+    assert fp8.resolve(False, True, 4096, True) == fp8.Decision(False, "LoRA/QLoRA trains in bf16")
+    assert not fp8.resolve(False, True, 4096, False, zero3=True).on
+    assert fp8.resolve(True, False, 4096, False, zero3=True).on  # asked for: runs, uncompiled
+
+
+def test_fp8_under_zero3_stays_uncompiled_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(fp8.CPU_ENV, "1")
+    _, _, args, model_args = demo_args(tmp_path, "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero3.json"))
+    with caplog.at_level(logging.INFO, logger="sft.preflight"):
+        resolved = preflight(args, model_args)
+    assert resolved.fp8 is True and resolved.compile_decoder_layers is False
+    assert fp8.ZERO3_UNCOMPILED in caplog.text
