@@ -68,6 +68,10 @@ PARTS = {
     + [("8b-l8", "zero2", s) for s in ("bf16", "fp8_tensorwise")],
 }
 ACCURACY_STEPS, ACCURACY_TAIL = 300, 50
+FAILURES = {  # what a failed run's log tail says, in short
+    "No space left on device": "the final save filled the machine's disk",
+    "overwrite_tensor_vt_proxy": "torch.compile failed (dynamo AssertionError on Liger's SwiGLU under ZeRO-3)",
+}
 
 
 def recipe_for(args, model: Path, data: Path, out: Path, setting: str, stage: str, **extra) -> dict:
@@ -220,12 +224,14 @@ def report(args, dirs: list[Path]) -> None:
              f"Date {env['date']}; seq 4096; global batch {throughput.GLOBAL_BATCH} packed rows; random-init Llama "
              "shapes; MFU against 989 TFLOP/s dense bf16 (spec) in every row, FP8 included. Versions: "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
-             "| run | exit | tokens/s/GPU | vs bf16 | MFU (bf16 peak) | peak GiB | plan | FP8 |",
-             "|" + " --- |" * 8]  # fmt: skip
+             "| run | exit | tokens/s/GPU | vs bf16 | MFU (bf16 peak) | peak GiB | auto settings (plan) |",
+             "|" + " --- |" * 7]  # fmt: skip
     ratios = {}
     for name, r in runs.items():
         if "tokens_per_second_per_gpu" not in r:
-            lines.append(f"| {name} | {r['exit_code']} | failed | | | | | |")
+            tail = r.get("log_tail", "")
+            why = next((w for key, w in FAILURES.items() if key in tail), "see logs.tar.gz")
+            lines.append(f"| {name} | {r['exit_code']} | failed: {why} | | | | |")
             continue
         base = runs.get(name.rsplit("-", 1)[0] + "-bf16", {})
         ratio = None
@@ -234,10 +240,9 @@ def report(args, dirs: list[Path]) -> None:
         if ratio is not None and r["setting"] != "bf16":
             ratios[name] = ratio
         chosen = next((p.removeprefix("auto settings: ") for p in r["plan"] if p.startswith("auto settings")), "-")
-        fp8_line = next((x for x in r.get("fp8_log", []) if "decoder linear" in x), "-")
         lines.append(
             f"| {name} | 0 | {r['tokens_per_second_per_gpu']:.0f} | {f'{ratio:.3f}x' if ratio else '-'} | "
-            f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_memory_gib']:.1f} | {chosen} | {fp8_line.split(': ', 1)[-1]} |"
+            f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_memory_gib']:.1f} | {chosen} |"
         )
     for d in dirs:
         for name in ("accuracy.json", "resume.json"):

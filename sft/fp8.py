@@ -144,9 +144,8 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> in
     """Swap the decoder's qualifying linear layers for float8 ones in place (torchao's `swap_linear_layers`, as
     `convert_to_float8_training` does); the number swapped. `size_filter=False` keeps only the multiple-of-16 rule
     (CPU tests, whose models are far below torchao's thresholds)."""
-    with _quiet_torchao_import():
-        from torchao.float8 import Float8LinearConfig
-        from torchao.float8.float8_linear_utils import swap_linear_layers
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear_utils import swap_linear_layers
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     keep = layer_filter(recipe if size_filter else None)
@@ -178,8 +177,7 @@ def _leaf_weight_float8_linear():
         return _LEAF_CLASS
     from types import SimpleNamespace
 
-    with _quiet_torchao_import():
-        from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     class _Discard:
         def save_for_backward(self, *tensors):
@@ -216,15 +214,3 @@ def _leaf_weight_float8_linear():
 
 
 _LEAF_CLASS = None
-
-
-class _quiet_torchao_import:
-    """torchao warns at import about its CUDA extensions built for another torch; float8 training does not use them."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("torchao")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
