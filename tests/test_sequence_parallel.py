@@ -94,6 +94,9 @@ def test_checks_name_the_setting_and_the_fix():
         seqpar.check(dims, no_ds, True)
     with pytest.raises(ConfigError, match="sequence_parallel_size.*whole number"):
         parse_args([*DEMO, "--sequence_parallel_size", "two"])
+    _, _, with_eval, _ = parse_args([*DEMO, "--per_device_train_batch_size", "1"])  # the demo evaluates each epoch
+    with pytest.raises(ConfigError, match="eval_strategy: epoch.*wrong eval loss.*Set eval_strategy: no"):
+        seqpar.check(dims, with_eval, True)
 
 
 def test_plan_divides_activations_by_sp_and_suggests_the_smallest_sp():
