@@ -212,6 +212,26 @@ def resume_part(args, work: Path) -> None:
     print(json.dumps(result, indent=2))
 
 
+def plan_rows(runs: dict) -> list[str]:
+    from sft import plan
+
+    rows = ["| run | micro batch | plan GiB | measured GiB | error |", "| --- | --- | --- | --- | --- |"]
+    work = Path(tempfile.mkdtemp())
+    for name, r in runs.items():
+        if "peak_memory_gib" not in r or r["model"] not in SHAPES or r["stage"] != "zero2":
+            continue
+        auto = next((x for x in r["plan"] if x.startswith("auto settings")), "")
+        micro = int(auto.split("per_device_train_batch_size = ")[1].split(",")[0])
+        config = work / f"{r['model']}.json"
+        config.write_text(json.dumps(SHAPES[r["model"]]))
+        setting = plan.Setting(gpus=1, zero_stage=2, micro_batch=micro, seq_len=4096, liger=True,
+                               fp8=SETTINGS[r["setting"]]["fp8"])  # fmt: skip
+        peak = plan.estimate(plan.load_shape(str(config)), setting).peak / plan.GiB
+        error = (r["peak_memory_gib"] - peak) / peak
+        rows.append(f"| {name} | {micro} | {peak:.1f} | {r['peak_memory_gib']:.1f} | {error:+.1%} |")
+    return rows
+
+
 def report(args, dirs: list[Path]) -> None:
     runs = {}
     for d in dirs:
@@ -244,6 +264,9 @@ def report(args, dirs: list[Path]) -> None:
             f"| {name} | 0 | {r['tokens_per_second_per_gpu']:.0f} | {f'{ratio:.3f}x' if ratio else '-'} | "
             f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_memory_gib']:.1f} | {chosen} |"
         )
+    lines += ["", "## Memory plan vs measured peak", "",
+              "`sft.plan` for each run's setting (ZeRO-2, 1 GPU, the plan's micro batch, Liger, FP8 as run) against "
+              "`max_memory_allocated`:", ""] + plan_rows(runs)  # fmt: skip
     for d in dirs:
         for name in ("accuracy.json", "resume.json"):
             if (d / name).exists():

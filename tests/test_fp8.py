@@ -198,3 +198,20 @@ def test_fp8_under_zero3_stays_uncompiled_and_says_why(tmp_path, monkeypatch, ca
         resolved = preflight(args, model_args)
     assert resolved.fp8 is True and resolved.compile_decoder_layers is False
     assert fp8.ZERO3_UNCOMPILED in caplog.text
+
+
+def test_tiled_mlp_tiles_are_multiples_of_16_with_fp8():
+    """With FP8 each MLP tile is a float8 matmul's inner dimension in the backward: tiles of a multiple of 16 tokens,
+    the output as without tiles."""
+    from sft import tiling
+
+    model = demo_model()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 37, model.config.hidden_size)
+    expected = mlp(x)
+    seen = []
+    mlp.down_proj.register_forward_hook(lambda m, inputs, out: seen.append(inputs[0].shape[-2]))
+    assert tiling.apply_tiled_mlp(model, 2, fp8.TOKEN_MULTIPLE) == model.config.num_hidden_layers
+    out = mlp(x)
+    assert seen == [32, 32]  # 37 tokens padded to 64, two tiles
+    assert torch.allclose(out, expected, atol=1e-6)
