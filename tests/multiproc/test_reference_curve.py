@@ -2,9 +2,12 @@
 
 `tests/references/demo_losses.json` holds the training loss of every one of the first 100 steps of the demo recipe
 (`--max_steps 100`, so the learning-rate schedule spans those 100 steps) on CPU, fp32, ZeRO-2, 2 gloo processes, with
-the committed model config, tokenizer, data and seed. A fresh run must match every step within `RTOL` (relative):
-far below what a real change does (with the demo's learning rate 10% higher, 95 of the 100 steps were off by more
-than that, from step 3 on), far above the last-bit differences of another CPU.
+the committed model config, tokenizer, data and seed. A fresh run must match each of the first `STRICT_STEPS` steps
+within `RTOL` (relative) and the mean loss of steps 51-100 within `TAIL_RTOL`. A real change moves the early steps
+far more (with the demo's learning rate 10% higher, 95 of the 100 steps were off by more than 1e-3, from step 3 on).
+Later steps are not compared one by one: at this learning rate the last-bit differences of another CPU grow by about
+10x every two steps (measured on a CPU with AVX-512 FP16 against the reference's: equal to step 6, 6e-8 at step 7,
+1e-7 at 20, 1e-6 at 25, 6e-4 at 32, up to 2e-2 after), while the curve stays the same (steps 51-100 mean within 7e-5).
 After a change that is meant to move the curve, write a new reference and commit it with the change:
 
     python -m tests.multiproc.test_reference_curve --write
@@ -21,7 +24,8 @@ from tests.conftest import ROOT, read_jsonl, run_cli
 
 REFERENCE = ROOT / "tests" / "references" / "demo_losses.json"
 STEPS = 100
-RTOL = 1e-3
+STRICT_STEPS, RTOL = 20, 1e-4
+TAIL_RTOL = 2e-3
 ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--deepspeed", "ds_configs/zero2.json",
     "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
@@ -39,12 +43,12 @@ def test_demo_loss_curve_matches_the_reference(tmp_path):
     reference = json.loads(REFERENCE.read_text())
     losses = demo_losses(tmp_path / "out")
     assert len(losses) == len(reference["losses"]) == STEPS
-    off = [
-        (step, ref, got)
-        for step, (ref, got) in enumerate(zip(reference["losses"], losses, strict=True), start=1)
-        if abs(got - ref) > RTOL * abs(ref)
-    ]
-    assert not off, f"{len(off)} of {STEPS} steps off by more than {RTOL:.0e} (step, reference, now): {off[:5]}"
+    pairs = list(zip(reference["losses"], losses, strict=True))
+    off = [(step, ref, got) for step, (ref, got) in enumerate(pairs[:STRICT_STEPS], 1) if abs(got - ref) > RTOL * ref]
+    assert not off, f"{len(off)} of the first {STRICT_STEPS} steps off by more than {RTOL:.0e}: {off[:5]}"
+    tail = pairs[STEPS // 2 :]
+    ref_tail, tail = sum(r for r, _ in tail) / len(tail), sum(g for _, g in tail) / len(tail)
+    assert abs(tail - ref_tail) <= TAIL_RTOL * ref_tail, (ref_tail, tail)
 
 
 def main() -> None:
