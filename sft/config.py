@@ -22,6 +22,7 @@ from trl.scripts.utils import DatasetConfig
 
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
+from sft.fp8 import RECIPES as FP8_RECIPES
 from sft.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class TrainConfig(SFTConfig):
     )
     fp8_recipe: str = field(
         default="tensorwise",
-        metadata={"help": "torchao float8 scaling of the FP8 layers.", "choices": ["tensorwise", "rowwise"]},
+        metadata={"help": "torchao float8 scaling of the FP8 layers.", "choices": list(FP8_RECIPES)},
     )
     gradient_checkpointing: bool | None = field(
         default=None,

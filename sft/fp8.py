@@ -30,7 +30,6 @@ Without any GPU `fp8: true` is refused too, unless `SFT_FP8_ON_CPU=1` is set: to
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from typing import NamedTuple
 
@@ -38,9 +37,7 @@ import torch
 
 from sft.errors import ConfigError
 
-logger = logging.getLogger(__name__)
-
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise")  # torchao's scaling recipes, the measured faster first
 AUTO_MIN_HIDDEN = 2048  # `auto`: the smallest hidden size where FP8 measured faster (benchmarks/results/fp8/)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 CPU_ENV = "SFT_FP8_ON_CPU"
@@ -79,7 +76,7 @@ def fp8_gpu() -> str | None:
     return torch.cuda.get_device_name()
 
 
-def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, zero3: bool = False) -> Decision:
+def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, under_zero3: bool = False) -> Decision:
     """Whether this run trains in FP8, and why: `fp8: true` refused where it cannot run, `auto` decided."""
     gpu = fp8_gpu()
     on_cpu = not torch.cuda.is_available() and os.environ.get(CPU_ENV) == "1"
@@ -108,7 +105,7 @@ def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, zero3:
         return Decision(False, "no GPU with FP8 tensor cores")
     if use_peft:
         return Decision(False, "LoRA/QLoRA trains in bf16")
-    if zero3:
+    if under_zero3:
         return Decision(False, "under ZeRO-3 the decoder layers cannot be compiled, and uncompiled FP8 is unmeasured")
     if not has_torchao:
         return Decision(False, f"{gpu} has FP8 tensor cores but torchao is not installed (`pip install torchao`)")

@@ -187,8 +187,8 @@ def test_auto_on_an_fp8_gpu_follows_the_measurements(monkeypatch):
         False, f"hidden size 1024 < {fp8.AUTO_MIN_HIDDEN}, where FP8 measured no faster"
     )
     assert fp8.resolve(False, True, 4096, True) == fp8.Decision(False, "LoRA/QLoRA trains in bf16")
-    assert not fp8.resolve(False, True, 4096, False, zero3=True).on
-    assert fp8.resolve(True, False, 4096, False, zero3=True).on  # asked for: runs, uncompiled
+    assert not fp8.resolve(False, True, 4096, False, under_zero3=True).on
+    assert fp8.resolve(True, False, 4096, False, under_zero3=True).on  # asked for: runs, uncompiled
 
 
 def test_fp8_under_zero3_stays_uncompiled_and_says_why(tmp_path, monkeypatch, caplog):
