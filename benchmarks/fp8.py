@@ -45,6 +45,7 @@ from benchmarks.common import (
     read_jsonl,
     sft_command,
     start,
+    write_results,
 )
 from benchmarks.resume_exactness import compare
 
@@ -284,10 +285,7 @@ def report(args, dirs: list[Path]) -> None:
         for pair in ("run_to_run", "resume_vs_uninterrupted"):
             if pair in res:
                 lines.append(f"- {pair}: " + ", ".join(f"{k} {v}" for k, v in res[pair].items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"environment": env, "runs": runs, "ratios": ratios}
-    (args.out / "fp8.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (args.out / "fp8.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, "fp8", {"environment": env, "runs": runs, "ratios": ratios}, "\n".join(lines))
     print("\n".join(lines))
 
 

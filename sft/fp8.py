@@ -29,6 +29,7 @@ Without any GPU `fp8: true` is refused too, unless `SFT_FP8_ON_CPU=1` is set: to
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import NamedTuple
@@ -48,18 +49,17 @@ CPU_ENV = "SFT_FP8_ON_CPU"
 TOKEN_MULTIPLE = 16
 
 
+def token_multiple(on: bool) -> int:
+    """What a micro-batch's token count (a rank's share under SP, a tile of the tiled MLP) must be a multiple of."""
+    return TOKEN_MULTIPLE if on else 1
+
+
 # Measured (benchmarks/results/fp8/call3_zero3): under ZeRO-3, torch.compile of a decoder layer fails in dynamo on
 # Liger's SwiGLU, traced between DeepSpeed's parameter hooks (an AssertionError in `overwrite_tensor_vt_proxy`).
 ZERO3_UNCOMPILED = (
     "FP8 under ZeRO-3 runs with the decoder layers uncompiled (compiling them under ZeRO-3's parameter hooks fails in "
     "torch.compile on Liger's SwiGLU): correct, but its speed against bf16 is unmeasured and may be lower."
 )
-
-
-def zero3(training_args) -> bool:
-    from sft.engines.deepspeed import zero_setup
-
-    return zero_setup(training_args).stage == 3
 
 
 class Decision(NamedTuple):
@@ -122,7 +122,7 @@ def layer_filter(recipe: str | None):
     if recipe is None:
 
         def torchao_filter(module, fqn):
-            return module.in_features % 16 == 0 and module.out_features % 16 == 0
+            return module.in_features % TOKEN_MULTIPLE == 0 and module.out_features % TOKEN_MULTIPLE == 0
     else:
         torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=[])
 
@@ -159,6 +159,7 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> in
     return len(converted)
 
 
+@functools.cache
 def _leaf_weight_float8_linear():
     """torchao's `Float8Linear`, except that its matmul saves the weight parameter for the backward, not the
     transposed view torchao passes in.
@@ -169,9 +170,6 @@ def _leaf_weight_float8_linear():
     copy; the parameter itself is read again when the backward runs, as DeepSpeed's own ZeRO-3 linear does. The casts,
     scales and matmuls are torchao's own functions; only what is saved differs.
     """
-    global _LEAF_CLASS
-    if _LEAF_CLASS is not None:
-        return _LEAF_CLASS
     from types import SimpleNamespace
 
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
@@ -206,8 +204,4 @@ def _leaf_weight_float8_linear():
                 output = output + self.bias.to(output.dtype)
             return output
 
-    _LEAF_CLASS = LeafWeightFloat8Linear
-    return _LEAF_CLASS
-
-
-_LEAF_CLASS = None
+    return LeafWeightFloat8Linear

@@ -59,8 +59,8 @@ def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTra
     if padding_free:
         model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
     if training_args.fp8:
-        converted = fp8.convert(model, training_args.fp8_recipe, size_filter=torch.cuda.is_available())
         recipe = training_args.fp8_recipe
+        converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available())
         logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling)", converted, recipe)
     if training_args.compile_decoder_layers:
         compile_decoder_layers(model)

@@ -383,8 +383,8 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         backward["gradient partition / LM head gradient"] = during + buckets
     else:
         backward["gradients (16-bit) + loss tile"] = b * p + tile
-    largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
     if s.qlora:
+        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
         backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
     if s.fp8:
         backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)

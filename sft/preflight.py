@@ -85,17 +85,18 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         target = training_args.tokens_per_step // training_args.max_length
     if resume is not None:
         target = resume.global_batch
-    fp8_on = _resolve_fp8(training_args, model_args)
+    zero3 = ds_engine.zero_setup(training_args).stage == 3
+    fp8_on = _resolve_fp8(training_args, model_args, zero3)
     micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on)
     changes = {}
     if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
         changes["fp8"] = fp8_on
     if fp8_on and sp == 1:  # float8 matmuls need the tokens of a micro-batch in multiples of 16
-        multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.TOKEN_MULTIPLE)
+        multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.token_multiple(fp8_on))
         if multiple != training_args.pad_to_multiple_of:
             changes["pad_to_multiple_of"] = multiple
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        changes["compile_decoder_layers"] = fp8_on and not fp8.zero3(training_args)
+        changes["compile_decoder_layers"] = fp8_on and not zero3
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -169,14 +170,13 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     return tuple(levels)
 
 
-def _resolve_fp8(training_args, model_args) -> bool:
+def _resolve_fp8(training_args, model_args, zero3: bool) -> bool:
     """`fp8` resolved by `sft.fp8` (`true` refused where it cannot run), the choice and its reason logged."""
     auto = "fp8" in training_args.auto_settings
     hidden = 0
     if auto and fp8.fp8_gpu() is not None:
         remote = bool(getattr(model_args, "trust_remote_code", False))
         hidden = memplan.load_shape(model_args.model_name_or_path, remote).hidden
-    zero3 = fp8.zero3(training_args)
     decision = fp8.resolve(bool(training_args.fp8), auto, hidden, bool(model_args.use_peft), zero3)
     if decision.on:
         recipe = training_args.fp8_recipe

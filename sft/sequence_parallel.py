@@ -145,12 +145,12 @@ def parallelism_config(dims, attn_implementation: str):
 
 class ShardableCollator:
     """TRL's padding-free collator, its output made sliceable along the sequence: the whole-row boundary tensors
-    dropped, the row padded to a multiple of `sp` (input pad token, label -100, position 0), and a `ShardInfo` added
-    (a non-tensor value, which the data loader adapter copies to every sp rank unchanged)."""
+    dropped, the row padded to a multiple of `sp` x `token_multiple` (input pad token, label -100, position 0), and a
+    `ShardInfo` added (a non-tensor value, which the data loader adapter copies to every sp rank unchanged)."""
 
-    def __init__(self, collator, sp: int, pad_token_id: int, trace: bool = False, multiple: int | None = None):
-        self.collator, self.sp, self.pad_token_id, self.trace = collator, sp, pad_token_id, trace
-        self.multiple = multiple or sp  # the row's length a multiple of this (sp x 16 with FP8: `sft.fp8`)
+    def __init__(self, collator, sp: int, pad_token_id: int, trace: bool = False, token_multiple: int = 1):
+        self.collator, self.pad_token_id, self.trace = collator, pad_token_id, trace
+        self.multiple = sp * token_multiple  # each rank's share a multiple of `token_multiple` (16 with FP8)
 
     def __call__(self, examples):
         batch = self.collator(examples)

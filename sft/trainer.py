@@ -48,9 +48,8 @@ class Trainer(SFTTrainer):
         if dims.sp > 1:
             self._gradient_divisor = ds_engine.gradient_divisor(self.args)  # fixed for the run: read its config once
             pad = self.processing_class.pad_token_id
-            multiple = dims.sp * (fp8.TOKEN_MULTIPLE if self.args.fp8 else 1)
             self.data_collator = seqpar.ShardableCollator(
-                self.data_collator, dims.sp, pad, self.args.trace_data, multiple
+                self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
             )
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
@@ -98,8 +97,7 @@ class Trainer(SFTTrainer):
         if self.args.tiled_mlp:
             hidden = self.model.config.get_text_config().hidden_size
             tiles = tiling.tiles_for(self.args.max_length, self.args.parallel.sp, hidden)
-            multiple = fp8.TOKEN_MULTIPLE if self.args.fp8 else 1
-            changed = tiling.apply_tiled_mlp(self.model, tiles, multiple)
+            changed = tiling.apply_tiled_mlp(self.model, tiles, fp8.token_multiple(self.args.fp8))
             if changed:
                 logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
         if self.args.offload_checkpoints:
