@@ -20,6 +20,7 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
+from sft import quantization
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.fp8 import RECIPES as FP8_RECIPES
@@ -132,6 +133,11 @@ class TrainConfig(SFTConfig):
             `global_batch_size`.
         plan_gpu_memory_gib (`float`, *optional*):
             GPU memory to plan for, in GiB. Defaults to the memory of this machine's GPU.
+        max_gpu_memory_gib (`float`, *optional*):
+            Cap what each process may allocate on its GPU, in GiB (`torch.cuda.set_per_process_memory_fraction`):
+            for a GPU shared with other work, or to rehearse a smaller GPU on a bigger one. The memory plan plans
+            for the cap (unless `plan_gpu_memory_gib` says otherwise); an allocation past it is an out-of-memory
+            error, as on a GPU of that size.
         plan_headroom (`float`, *optional*, defaults to `0.1`):
             Fraction of GPU memory the plan leaves free (CUDA context, NCCL, allocator fragmentation).
         plan_check (`bool`, *optional*, defaults to `True`):
@@ -220,6 +226,12 @@ class TrainConfig(SFTConfig):
     plan_gpu_memory_gib: float | None = field(
         default=None, metadata={"help": "GPU memory to plan for, in GiB (default: this machine's GPU)."}
     )
+    max_gpu_memory_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Cap each process's GPU memory at this many GiB (a shared GPU, or rehearsing a smaller one)."
+        },
+    )
     plan_headroom: float = field(default=0.1, metadata={"help": "Fraction of GPU memory the memory plan leaves free."})
     plan_check: bool = field(
         default=True, metadata={"help": "Refuse to start when the planned peak memory does not fit the GPU."}
@@ -279,7 +291,13 @@ class TrainConfig(SFTConfig):
             # without a GPU the checkpoints are in host memory already (and pinned memory needs a GPU)
         if self.tiled_mlp and not self.max_length:
             raise ConfigError("`tiled_mlp: true` sizes tiles by `max_length`: set max_length, or tiled_mlp: false.")
-        for name in ("global_batch_size", "tokens_per_step", "plan_gpu_memory_gib", "peak_tflops"):
+        for name in (
+            "global_batch_size",
+            "tokens_per_step",
+            "plan_gpu_memory_gib",
+            "max_gpu_memory_gib",
+            "peak_tflops",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"`{name}` must be > 0 (or unset), got {value}.")
@@ -391,6 +409,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             "that are never saved, so the adapter could not be used or merged. Train the base first (e.g. the demo), "
             "then point `model_name_or_path` at its output with `from_scratch: false`."
         )
+    quantization.check(model_args, training_args, ds_engine.zero_setup(training_args).stage)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

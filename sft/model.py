@@ -12,9 +12,8 @@ import logging
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
-from trl import get_quantization_config
 
-from sft import fp8, sequence_parallel
+from sft import fp8, quantization, sequence_parallel
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.engines import deepspeed as ds_engine
@@ -110,10 +109,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
             "Built %s from %s/config.json with random weights on %s", type(model).__name__, config.name_or_path, device
         )
         return model
-    quantization_config = get_quantization_config(model_args)
-    if quantization_config is not None:
-        kwargs["quantization_config"] = quantization_config
-        kwargs["device_map"] = {"": training_args.local_process_index}  # each rank loads onto its own GPU
+    quantized = quantization.load_kwargs(model_args, training_args, partitioned)
+    kwargs.update(quantized)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     except OSError as e:
@@ -121,9 +118,13 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
             f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "
             "model directory or a reachable hub id; for a directory with only config.json, set `from_scratch: true`."
         ) from e
-    if quantization_config is not None:
-        quantized = sum(1 for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt"))
+    if quantized:
+        layers = sum(1 for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt"))
         logger.info(
-            "Loaded %s quantized by bitsandbytes: %d linear layers in 4/8 bits", type(model).__name__, quantized
+            "Loaded %s quantized by bitsandbytes: %d linear layers in %d bits%s",
+            type(model).__name__,
+            layers,
+            4 if model_args.load_in_4bit else 8,
+            f" (packed in {quantization.zero3_storage(training_args)}, partitioned by ZeRO-3)" if partitioned else "",
         )
     return model

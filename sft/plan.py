@@ -484,6 +484,23 @@ def detected_gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def cap_gpu_memory(gib: float | None) -> float | None:
+    """Cap this process's allocations on its GPU at `gib` GiB (`max_gpu_memory_gib`); returns the fraction set, or
+    None without a cap or a GPU. A cap above the GPU's memory is an error."""
+    import torch
+
+    if gib is None or not torch.cuda.is_available():
+        return None
+    total = detected_gpu_memory()
+    if gib * GiB > total:
+        raise ConfigError(
+            f"`max_gpu_memory_gib: {gib}` is more than this GPU has ({total / GiB:.1f} GiB). Lower it or remove it."
+        )
+    fraction = gib * GiB / total
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
+    return fraction
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
@@ -503,7 +520,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
     parser.add_argument("--fp8", action="store_true", help="Decoder linears in torchao float8 (sft.fp8)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: this machine's GPU)")
+    parser.add_argument(
+        "--gpu-memory", "--gpu-memory-gib", type=float, help="GiB per GPU, e.g. 24 (default: this machine's GPU)"
+    )
     parser.add_argument("--host-memory", type=float, help="GiB of host memory per node (default: this machine's)")
     parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of GPU memory left free")
     parser.add_argument("--suggest", action="store_true", help="Also search for the fastest setting that fits")

@@ -195,11 +195,8 @@ def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = F
     micro = training_args.per_device_train_batch_size
     tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS))
     sp = training_args.sequence_parallel_size
-    memory = (
-        training_args.plan_gpu_memory_gib * memplan.GiB
-        if training_args.plan_gpu_memory_gib
-        else memplan.detected_gpu_memory()
-    )
+    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
+    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
     headroom = training_args.plan_headroom
     host = memplan.detected_host_memory()
     if memory is None:

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     from trl import get_peft_config
 
     from sft import checkpoint as ckpt
+    from sft import plan as memplan
     from sft.data import load_datasets
     from sft.engines import deepspeed as ds_engine
     from sft.model import load_model, load_tokenizer
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
     training_args = preflight(training_args, model_args, resume)  # batch, memory and resume plan, before any work
+    if memplan.cap_gpu_memory(training_args.max_gpu_memory_gib):
+        logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
     training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
     if training_args.process_index == 0:
         ckpt.set_aside_incomplete(training_args.output_dir, resume_from)

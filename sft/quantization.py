@@ -1,0 +1,76 @@
+"""bitsandbytes base weights for QLoRA (4-bit NF4) and 8-bit LoRA: checked at parse time, placed at load time.
+
+TRL's `ModelConfig` flags (`load_in_4bit`, `load_in_8bit`, `bnb_4bit_quant_type`, `use_bnb_nested_quant`,
+`bnb_4bit_quant_storage`) make the `BitsAndBytesConfig` (TRL's `get_quantization_config`). What sft adds is where the
+weights go:
+
+- ZeRO-0/1/2 or no DeepSpeed: each rank loads the whole quantized model onto its own GPU (`device_map`), or onto the
+  CPU on a machine without one (bitsandbytes 0.46+ runs 4-bit on the CPU).
+- ZeRO-3: no `device_map` (ZeRO-3 refuses one): transformers loads inside `zero.Init`, which partitions every
+  parameter, the packed 4-bit ones included, across the ranks. ZeRO-3 keeps one flat buffer per dtype, so the 4-bit
+  weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's DeepSpeed
+  guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8 keeps row
+  statistics outside the parameter) cannot be partitioned and are refused under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from sft.errors import ConfigError
+
+
+def quantized(model_args) -> bool:
+    return bool(model_args.load_in_4bit or model_args.load_in_8bit)
+
+
+def zero3_storage(training_args) -> str:
+    """The dtype ZeRO-3 partitions parameters in (`zero.Init`'s): the run's mixed-precision dtype, else fp32."""
+    return "bfloat16" if training_args.bf16 else "float16" if training_args.fp16 else "float32"
+
+
+def check(model_args, training_args, zero_stage: int | None) -> None:
+    """Refuse quantized base weights that cannot train here, before any work."""
+    if not quantized(model_args):
+        return
+    flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+    if model_args.load_in_4bit and model_args.load_in_8bit:
+        raise ConfigError("`load_in_4bit` and `load_in_8bit` are both true: pick one (4-bit for QLoRA).")
+    if not model_args.use_peft:
+        raise ConfigError(
+            f"`{flag}: true` quantizes the base weights, which then cannot be trained: set `use_peft: true` to train "
+            f"LoRA adapters on them (QLoRA), or remove `{flag}` for full fine-tuning."
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"`{flag}: true` needs bitsandbytes: pip install bitsandbytes (or remove `{flag}`).")
+    if zero_stage != 3:
+        return
+    if model_args.load_in_8bit:
+        raise ConfigError(
+            "`load_in_8bit: true` under ZeRO-3: 8-bit (LLM.int8) weights cannot be partitioned. Use `load_in_4bit: "
+            "true` (QLoRA), or a ZeRO-2 config (ds_configs/zero2.json)."
+        )
+    storage = model_args.bnb_4bit_quant_storage
+    wanted = zero3_storage(training_args)
+    if storage is not None and str(storage).removeprefix("torch.") != wanted:
+        raise ConfigError(
+            f"`bnb_4bit_quant_storage: {storage}` under ZeRO-3, which partitions every parameter as {wanted} (the "
+            f"run's precision): the 4-bit weights must be packed in {wanted}. Remove the field (sft sets it) or set "
+            f"it to {wanted}."
+        )
+
+
+def load_kwargs(model_args, training_args, partitioned: bool) -> dict:
+    """`from_pretrained` keyword arguments for quantized base weights (empty for a 16/32-bit base)."""
+    from trl import get_quantization_config
+
+    config = get_quantization_config(model_args)
+    if config is None:
+        return {}
+    if partitioned:  # zero.Init places and partitions the weights; one dtype for its flat buffers
+        config.bnb_4bit_quant_storage = getattr(torch, zero3_storage(training_args))
+        return {"quantization_config": config}
+    device = training_args.local_process_index if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}  # each rank loads onto its own GPU
