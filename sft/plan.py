@@ -484,6 +484,12 @@ def detected_gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def nothing_fits(s: Setting) -> str:
+    """What to say when no setting fits: the next lever is LoRA, then QLoRA, then more GPUs."""
+    lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
+    return f"Nothing fits on this many GPUs, even with CPU offload and micro batch 1: {lever}."
+
+
 def cap_gpu_memory(gib: float | None) -> float | None:
     """Cap this process's allocations on its GPU at `gib` GiB (`max_gpu_memory_gib`); returns the fraction set, or
     None without a cap or a GPU. A cap above the GPU's memory is an error."""
@@ -578,7 +584,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
             best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
             if best is None:
-                print("Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA.")
+                print(nothing_fits(setting))
             else:
                 print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
         if args.longest:

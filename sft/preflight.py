@@ -254,7 +254,7 @@ def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = F
         fix = (
             f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
             if best
-            else "Nothing fits on this many GPUs, even with CPU offload and micro batch 1: add GPUs or use LoRA."
+            else memplan.nothing_fits(setting)
         )
         if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
             over = (

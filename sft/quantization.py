@@ -36,8 +36,6 @@ def check(model_args, training_args, zero_stage: int | None) -> None:
     if not quantized(model_args):
         return
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
-    if model_args.load_in_4bit and model_args.load_in_8bit:
-        raise ConfigError("`load_in_4bit` and `load_in_8bit` are both true: pick one (4-bit for QLoRA).")
     if not model_args.use_peft:
         raise ConfigError(
             f"`{flag}: true` quantizes the base weights, which then cannot be trained: set `use_peft: true` to train "

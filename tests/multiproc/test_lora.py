@@ -1,4 +1,5 @@
-"""LoRA through TRL's ModelConfig flags: ZeRO-2/3, checkpointing, packing, resume, and `python -m sft.merge`."""
+"""LoRA and QLoRA (bitsandbytes 4-bit, which runs on the CPU) through TRL's ModelConfig flags: ZeRO-2/3,
+checkpointing, packing, resume, and `python -m sft.merge`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ ARGS = [
 ]  # fmt: skip
 
 
+ZERO2 = ["--deepspeed", "ds_configs/zero2.json"]
+ZERO3 = ["--deepspeed", "ds_configs/zero3.json"]
+QLORA = ["--load_in_4bit", "true"]  # NF4, compute in the run's dtype (fp32 here)
+
+
 @pytest.fixture(scope="module")
 def base(saved_demo_model) -> Path:
     return saved_demo_model
@@ -34,12 +40,15 @@ def runs(base, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("lora")
     out = {}
     for name, extra in (
-        ("zero2", ["--deepspeed", "ds_configs/zero2.json"]),
-        ("zero3_ckpt", ["--deepspeed", "ds_configs/zero3.json", "--activation_checkpointing", "true"]),
+        ("zero2", ZERO2),
+        ("zero3_ckpt", [*ZERO3, "--activation_checkpointing", "true"]),
+        ("qlora_zero2", [*ZERO2, *QLORA]),
+        ("qlora_zero3_ckpt", [*ZERO3, *QLORA, "--activation_checkpointing", "true"]),
     ):
         out[name] = work / name
         result = run_cli([*ARGS, "--model_name_or_path", str(base), "--output_dir", str(out[name]), *extra], nproc=2)
         assert result.returncode == 0, result.stderr[-4000:]
+        (out[name] / "stderr.log").write_text(result.stderr)
     return out
 
 
@@ -66,6 +75,20 @@ def test_lora_trains_under_zero2_and_zero3_with_checkpointing(runs):
     assert zero3 == pytest.approx(zero2, rel=1e-4)  # ZeRO-3 + activation checkpointing trains the same adapter
     for out in runs.values():
         assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+
+
+def test_qlora_trains_under_zero3_as_under_zero2(runs):
+    """The 4-bit base partitioned by ZeRO-3 (packed in fp32, ZeRO-3's dtype here) trains the adapter as ZeRO-2 does,
+    where each rank holds the whole 4-bit base; and the quantization shows in the loss (not the 16-bit LoRA run)."""
+    zero2, zero3 = losses(runs["qlora_zero2"]), losses(runs["qlora_zero3_ckpt"])
+    assert len(zero2) == len(zero3) == STEPS
+    assert sum(zero3[-3:]) < 0.97 * sum(zero3[:3])
+    assert zero3 == pytest.approx(zero2, rel=1e-3)
+    assert abs(zero2[0] - losses(runs["zero2"])[0]) > 1e-5  # the base really is in 4 bits
+    log = (runs["qlora_zero3_ckpt"] / "stderr.log").read_text()
+    assert "28 linear layers in 4 bits (packed in float32, partitioned by ZeRO-3)" in log
+    assert not (runs["qlora_zero3_ckpt"] / "model.safetensors").exists()
+    assert (runs["qlora_zero3_ckpt"] / "adapter_model.safetensors").exists()
 
 
 def test_merge_equals_base_plus_adapter(runs, base, tmp_path):
@@ -95,12 +118,26 @@ def test_merge_from_a_zero3_checkpoint_without_adapter_files(runs, base, tmp_pat
     assert (a - b).abs().max() < 1e-6
 
 
-def test_lora_resume_after_a_kill_matches(runs, base, tmp_path):
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_resume_after_a_kill_under_zero3_matches(runs, base, tmp_path, method):
+    """Killed while saving step 8 and rerun under ZeRO-3, without activation checkpointing: the losses of the
+    uninterrupted run with checkpointing, bit for bit (checkpointing recomputes the same forward)."""
     out = tmp_path / "out"
-    args = [*ARGS, "--model_name_or_path", str(base), "--output_dir", str(out), "--deepspeed", "ds_configs/zero2.json"]
+    extra = QLORA if method == "qlora" else []
+    args = [*ARGS, "--model_name_or_path", str(base), "--output_dir", str(out), *ZERO3, *extra]
     killed = run_cli(args, nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
     assert killed.returncode != 0 and (out / "checkpoint-4" / MARKER).exists()
     resumed = run_cli(args, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Resuming from" in resumed.stderr
-    assert losses(out) == losses(runs["zero2"])
+    uninterrupted = runs["qlora_zero3_ckpt" if method == "qlora" else "zero3_ckpt"]
+    assert losses(out) == losses(uninterrupted)
+
+
+def test_merge_of_a_qlora_adapter_is_the_full_precision_base_plus_adapter(runs, base, tmp_path):
+    """QLoRA trains on the 4-bit base; `sft.merge` merges into the full-precision base (as PEFT's merge does)."""
+    assert merge(runs["qlora_zero3_ckpt"], tmp_path / "merged").returncode == 0
+    ids = torch.randint(5, 60, (2, 48))
+    full = AutoModelForCausalLM.from_pretrained(base)
+    with_adapter = logits(PeftModel.from_pretrained(full, runs["qlora_zero3_ckpt"]), ids)
+    assert (logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids) - with_adapter).abs().max() < 1e-5

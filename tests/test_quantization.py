@@ -1,0 +1,60 @@
+"""QLoRA's bitsandbytes settings (`sft.quantization`) and `max_gpu_memory_gib`: parsed and checked in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sft import quantization
+from sft.config import parse_args
+from sft.errors import ConfigError
+from sft.preflight import preflight
+from tests.conftest import ROOT
+
+
+def args(tmp_path, *extra):
+    return parse_args([
+        "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(ROOT / "recipes" / "demo" /
+        "model"), "--output_dir", str(tmp_path / "out"), *extra,
+    ])  # fmt: skip
+
+
+def test_quantized_weights_without_lora_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"`load_in_4bit: true` quantizes the base weights.*set `use_peft: true`"):
+        args(tmp_path, "--load_in_4bit", "true", "--use_peft", "false")
+
+
+def test_zero3_refuses_8bit_and_a_storage_it_cannot_partition(tmp_path):
+    zero3 = ("--deepspeed", "ds_configs/zero3.json")
+    with pytest.raises(ConfigError, match=r"`load_in_8bit: true` under ZeRO-3.*Use `load_in_4bit: true`"):
+        args(tmp_path, *zero3, "--load_in_8bit", "true")
+    with pytest.raises(ConfigError, match=r"`bnb_4bit_quant_storage: uint8` under ZeRO-3.*as float32"):
+        args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
+    assert args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "float32")  # the same: fine
+    assert args(tmp_path, "--load_in_8bit", "true")  # 8-bit under ZeRO-2: fine
+
+
+def test_load_kwargs_place_the_weights_by_stage(tmp_path):
+    """Under ZeRO-3 no device_map and the 4-bit weights packed in ZeRO-3's dtype; otherwise this rank's device."""
+    _, _, training_args, model_args = args(tmp_path, "--load_in_4bit", "true")
+    assert quantization.load_kwargs(model_args, training_args, partitioned=False)["device_map"] == {"": "cpu"}
+    kwargs = quantization.load_kwargs(model_args, training_args, partitioned=True)
+    assert "device_map" not in kwargs
+    assert kwargs["quantization_config"].bnb_4bit_quant_storage == torch.float32  # the demo trains in fp32
+    _, _, training_args, model_args = args(tmp_path, "--load_in_4bit", "true", "--bf16", "true", "--dtype", "bfloat16")
+    kwargs = quantization.load_kwargs(model_args, training_args, partitioned=True)
+    assert kwargs["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16
+    _, _, training_args, model_args = args(tmp_path)
+    assert quantization.load_kwargs(model_args, training_args, partitioned=True) == {}  # a 16/32-bit base
+
+
+def test_max_gpu_memory_is_what_the_plan_plans_for(tmp_path):
+    with pytest.raises(ConfigError, match=r"`max_gpu_memory_gib` must be > 0 \(or unset\), got 0"):
+        args(tmp_path, "--max_gpu_memory_gib", "0")
+    _, _, training_args, model_args = args(tmp_path, "--max_gpu_memory_gib", "0.001")
+    with pytest.raises(
+        ConfigError, match=r"does not fit: .*LoRA r=16 .* over the 0\.00 GiB usable.*use QLoRA \(load_in_4bit\)"
+    ):
+        preflight(training_args, model_args)
+    _, _, training_args, model_args = args(tmp_path, "--max_gpu_memory_gib", "0.001", "--plan_gpu_memory_gib", "80")
+    assert preflight(training_args, model_args)  # plan_gpu_memory_gib, when given, is what the plan plans for
