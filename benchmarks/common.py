@@ -60,6 +60,67 @@ def make_sft_data(path: Path, n: int, vocab: int, max_len: int) -> None:
             f.write(json.dumps({"input_ids": rng.integers(10, vocab, size=length).tolist()}) + "\n")
 
 
+def random_checkpoint(path: Path, config: dict, std: float = 0.02, seed: int = 0) -> Path:
+    """A `from_pretrained` directory of random bf16 Llama weights (normal(0, std), norms 1), written one decoder layer
+    per safetensors shard so that no more than a layer is ever in memory (a 70B shape needs neither a download nor 140
+    GB of RAM); made on the GPU when there is one. Made once: an existing directory with an index is kept."""
+    import torch
+    from safetensors.torch import save_file
+
+    index_file = path / "model.safetensors.index.json"
+    model_dir(path, config)
+    if index_file.is_file():
+        return path
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device=device, dtype=torch.bfloat16).normal_(0, std, generator=gen).cpu()
+
+    shards = {"embed": {"model.embed_tokens.weight": normal(vocab, h), "model.norm.weight": torch.ones(h)}}
+    if not config.get("tie_word_embeddings"):
+        shards["embed"]["lm_head.weight"] = normal(vocab, h)
+    weight_map = {}
+    for i in range(-1, config["num_hidden_layers"]):
+        if i < 0:
+            name, tensors = "embed", shards.pop("embed")
+        else:
+            pre = f"model.layers.{i}."
+            name, tensors = f"layer{i:03d}", {
+                pre + "self_attn.q_proj.weight": normal(q, h), pre + "self_attn.k_proj.weight": normal(kv, h),
+                pre + "self_attn.v_proj.weight": normal(kv, h), pre + "self_attn.o_proj.weight": normal(h, q),
+                pre + "mlp.gate_proj.weight": normal(inter, h), pre + "mlp.up_proj.weight": normal(inter, h),
+                pre + "mlp.down_proj.weight": normal(h, inter),
+                pre + "input_layernorm.weight": torch.ones(h), pre + "post_attention_layernorm.weight": torch.ones(h),
+            }  # fmt: skip
+        tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+        save_file(tensors, path / f"model-{name}.safetensors", metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, f"model-{name}.safetensors"))
+    index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return path
+
+
+def fewer_layers(source: Path, path: Path, layers: int) -> Path:
+    """A model directory of `source`'s first `layers` decoder layers: its shards linked, not copied (disk)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    keep = {k: v for k, v in index["weight_map"].items() if not k.startswith("model.layers.")
+            or int(k.split(".")[2]) < layers}  # fmt: skip
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, path)
+    for shard in set(keep.values()):
+        if not (path / shard).exists():
+            (path / shard).symlink_to(source / shard)
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": keep}, indent=1))
+    return path
+
+
 def llama_shape(hidden: int, layers: int, head_dim: int = 64, **extra) -> dict:
     """A Llama-style config of `hidden` width: 8/3 x hidden MLP (a multiple of 64), 4 query heads per KV head."""
     heads = hidden // head_dim

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import LLAMA_SHAPES, ROOT, model_dir, run, sft_command, torchrun
+from benchmarks.common import LLAMA_SHAPES, ROOT, model_dir, random_checkpoint, run, sft_command, torchrun
 
 SHAPES = dict(LLAMA_SHAPES)
 # (shape, zero stage, GPUs, liger, max_length, phases as (activation checkpointing, micro batch)); a phase of micro
@@ -46,6 +46,16 @@ SETS = {
         ("llama-8b", 3, 2, False, 4096, [(False, 1), (True, 1), (True, 4)]),
     ],
 }
+# LoRA r=16 on all linear layers of a saved random checkpoint; QLoRA: its linears in 4-bit NF4 (bf16 compute, packed
+# in bf16 under ZeRO-3). One GPU (the machine lent then); each launch keeps one checkpointing setting (TRL sets
+# PEFT + ZeRO-3 checkpointing up at start: reentrant, input gradients) and measures micro batches 1 and 2.
+SETS["lora"] = [
+    ("llama-3b", stage, 1, True, 2048, [(ckpt, 1), (ckpt, 2)], method)
+    for method in ("qlora", "lora")
+    for stage in (2, 3)
+    for ckpt in (True, False)
+]
+LORA_R = 16
 STEPS_PER_PHASE = 2
 
 
@@ -98,7 +108,9 @@ def worker(args) -> None:
         def on_step_begin(self, args_, state, control, model=None, **kw):
             ckpt, micro = phases[state.global_step // STEPS_PER_PHASE]
             module = getattr(model, "module", model)
-            if ckpt:
+            if len({c for c, _ in phases}) == 1:
+                pass  # one setting for the whole launch: as the trainer set it up
+            elif ckpt:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
                 module.gradient_checkpointing_disable()
@@ -117,8 +129,10 @@ def worker(args) -> None:
                 with open(args.rows, "a") as f:
                     f.write(json.dumps(row) + "\n")
 
+    from trl import get_peft_config
+
     trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer,
-                      callbacks=[Probe()], fingerprint={})  # fmt: skip
+                      callbacks=[Probe()], fingerprint={}, peft_config=get_peft_config(model_args))  # fmt: skip
     trainer.train()
 
 
@@ -132,11 +146,18 @@ def measure(args) -> dict:
     if args.tiny:  # CPU smoke test of the whole script: the demo shape, fp32, no Liger
         SHAPES["tiny"] = json.loads((ROOT / "recipes" / "demo" / "model" / "config.json").read_text())
         groups_to_run = [("tiny", stage, 2, False, 64, [(False, 1), (True, 2)]) for stage in (2, 3)]
-    for shape, stage, gpus, liger, seq, phases in groups_to_run:
+        if args.set == "lora":
+            groups_to_run = [("tiny", stage, 2, False, 64, [(True, 1), (True, 2)], "qlora") for stage in (2, 3)]
+    for shape, stage, gpus, liger, seq, phases, *rest in groups_to_run:
         if args.only and shape not in args.only:
             continue
-        name = f"{shape}_zero{stage}_{gpus}gpu_liger{int(liger)}"
-        model = model_dir(work / shape, SHAPES[shape])
+        method = rest[0] if rest else "full"
+        ckpts = "".join(sorted({"c" if c else "n" for c, _ in phases}))
+        name = f"{shape}_zero{stage}_{gpus}gpu_liger{int(liger)}" + (f"_{method}_{ckpts}" if rest else "")
+        if method == "full":
+            model = model_dir(work / shape, SHAPES[shape])
+        else:  # LoRA needs saved base weights (from_scratch ones are never saved)
+            model = random_checkpoint(work / f"{shape}_weights", SHAPES[shape])
         rng = np.random.default_rng(0)
         data = work / f"{name}.jsonl"
         with open(data, "w") as f:  # the sequential sampler hands rank r item (step * gpus + r)
@@ -155,6 +176,10 @@ def measure(args) -> dict:
             "attn_implementation": "auto", "activation_checkpointing": False, "output_dir": str(work / name / "out"),
             "dataloader_num_workers": 0, "seed": 0,
         }  # fmt: skip
+        if method != "full":
+            recipe.update(from_scratch=False, use_peft=True, lora_r=LORA_R, lora_alpha=2 * LORA_R,
+                          lora_target_modules="all-linear", load_in_4bit=method == "qlora",
+                          activation_checkpointing=phases[0][0])  # fmt: skip
         if args.tiny:
             recipe.update(bf16=False, dtype="float32")
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
@@ -165,8 +190,8 @@ def measure(args) -> dict:
         rc, _ = run(cmd, work / f"{name}.log")
         steps = [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
         group = {"name": name, "shape": shape, "config": SHAPES[shape], "zero_stage": stage, "gpus": gpus,
-                 "liger": liger, "seq_len": seq, "exit_code": rc, "wall_s": round(time.time() - start, 1),
-                 "steps": steps}  # fmt: skip
+                 "liger": liger, "seq_len": seq, "method": method, "exit_code": rc,
+                 "wall_s": round(time.time() - start, 1), "steps": steps}  # fmt: skip
         if rc != 0:
             group["log_tail"] = (work / f"{name}.log").read_text()[-4000:]
         print(f"{name}: exit {rc}, {group['wall_s']} s, {len(group['steps'])} steps", flush=True)
@@ -282,13 +307,15 @@ def report(measured: dict, out: Path, tag: str) -> None:
             setting = plan.Setting(
                 gpus=group["gpus"], zero_stage=group["zero_stage"], micro_batch=micro, seq_len=group["seq_len"],
                 activation_checkpointing=ckpt, liger=group["liger"],
+                lora_r=LORA_R if group.get("method", "full") != "full" else 0, qlora=group.get("method") == "qlora",
             )  # fmt: skip
             e = plan.estimate(shape, setting)
             fwd_bwd = max(s["peak_fwd_bwd"] for s in steps)
             opt_step = max(s["peak_step"] for s in steps)
             peak = max(fwd_bwd, opt_step)
             rows.append({
-                "group": group["name"], "shape": group["shape"], "zero_stage": group["zero_stage"],
+                "group": group["name"], "shape": group["shape"], "method": group.get("method", "full"),
+                "zero_stage": group["zero_stage"],
                 "gpus": group["gpus"], "liger": group["liger"], "activation_checkpointing": ckpt,
                 "micro_batch": micro, "seq_len": group["seq_len"],
                 "measured_peak_gib": peak / plan.GiB, "predicted_peak_gib": e.peak / plan.GiB,
@@ -312,13 +339,13 @@ def report(measured: dict, out: Path, tag: str) -> None:
         "optimizer steps of each setting, through sft's trainer with DeepSpeed. Predicted: `sft.plan.estimate`. "
         f"Versions: {measured['versions']}.",
         "",
-        "| model | ZeRO | GPUs | Liger | act. ckpt | micro x max_length | measured GiB | predicted GiB | error | "
-        "fwd+bwd meas. / pred. | step meas. / pred. |",
-        "|" + " --- |" * 11,
+        "| model | method | ZeRO | GPUs | Liger | act. ckpt | micro x max_length | measured GiB | predicted GiB | "
+        "error | fwd+bwd meas. / pred. | step meas. / pred. |",
+        "|" + " --- |" * 12,
     ]
     for r in rows:
         lines.append(
-            f"| {r['shape']} | {r['zero_stage']} | {r['gpus']} | {'on' if r['liger'] else 'off'} | "
+            f"| {r['shape']} | {r['method']} | {r['zero_stage']} | {r['gpus']} | {'on' if r['liger'] else 'off'} | "
             f"{'on' if r['activation_checkpointing'] else 'off'} | {r['micro_batch']} x {r['seq_len']} | "
             f"{r['measured_peak_gib']:.2f} | "
             f"{r['predicted_peak_gib']:.2f} | {r['error_pct']:+.1f}% | {r['measured_fwd_bwd_gib']:.2f} / "

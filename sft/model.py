@@ -125,6 +125,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
             type(model).__name__,
             layers,
             4 if model_args.load_in_4bit else 8,
-            f" (packed in {quantization.zero3_storage(training_args)}, partitioned by ZeRO-3)" if partitioned else "",
+            f" (packed in {quantization.zero3_storage(training_args)}; ZeRO-3 partitions them as it starts)"
+            if partitioned
+            else "",
         )
     return model

@@ -161,6 +161,7 @@ class Setting:
     lora_r: int = 0  # 0: full fine-tuning
     lora_dropout: float = 0.0
     qlora: bool = False
+    qlora_nested: bool = False  # `use_bnb_nested_quant`: the quantization constants quantised again (8-bit)
     dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
     sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
     offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
@@ -289,14 +290,14 @@ def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
         )
-        return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
+        return gpu + (0 if s.offload_params else frozen / s.gpus) + quant_constant_bytes(shape, s), cpu
     if s.zero_stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
-        return gpu + frozen, cpu
+        return gpu + frozen + quant_constant_bytes(shape, s), cpu
     if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
-        return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
+        return 4 * p + 12 * p / s.gpus + frozen + quant_constant_bytes(shape, s), 4 * p * per_node * 1.5
     # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
-    return 16 * p + frozen, 4 * p * per_node * 1.5
+    return 16 * p + frozen + quant_constant_bytes(shape, s), 4 * p * per_node * 1.5
 
 
 def trainable(shape: ModelShape, s: Setting) -> int:
@@ -304,12 +305,28 @@ def trainable(shape: ModelShape, s: Setting) -> int:
 
 
 def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
-    """LoRA: the frozen base weights (16-bit, or 4-bit NF4 with double-quantised constants for QLoRA's linears)."""
+    """LoRA: the frozen base weights (16-bit, or QLoRA's linears in 4-bit NF4; their constants are apart)."""
     if not s.lora_r:
         return 0.0
     if s.qlora:
-        return shape.linear_params * (0.5 + 1 / 64 + 4 / (64 * 256)) + (shape.n_params - shape.linear_params) * 2
+        return shape.linear_params * 0.5 + (shape.n_params - shape.linear_params) * 2
     return shape.n_params * s.dtype_bytes
+
+
+def quant_constant_bytes(shape: ModelShape, s: Setting) -> float:
+    """QLoRA's quantization constants: an fp32 absmax per block of 64 weights, or (`use_bnb_nested_quant`) an 8-bit
+    one plus an fp32 per 256 blocks. bitsandbytes keeps them beside the parameter, so ZeRO-3 never partitions them."""
+    if not s.qlora:
+        return 0.0
+    return shape.linear_params * ((1 / 64 + 4 / (64 * 256)) if s.qlora_nested else 4 / 64)
+
+
+def gathered_layer_bytes(shape: ModelShape, s: Setting) -> float:
+    """One decoder layer as ZeRO-3 gathers it: 16-bit, or (QLoRA) its linears still packed in 4 bits."""
+    if not s.qlora:
+        return s.dtype_bytes * shape.decoder_layer_params
+    linear = shape.linear_params / shape.layers
+    return linear * 0.5 + (shape.decoder_layer_params - linear) * s.dtype_bytes
 
 
 def estimate(shape: ModelShape, s: Setting) -> Estimate:
@@ -331,6 +348,8 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     items: dict[str, float] = {}
     step: dict[str, float] = {}
     # What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning)
+    if s.qlora:
+        items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
         items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
@@ -373,7 +392,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
         backward["LM head gathered + its gradient + loss tile"] = b * v_h + head_grad + tile
-        backward["decoder layers gathered (current + prefetch)"] = 2 * b * shape.decoder_layer_params
+        backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s)
         if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
             backward["tied embedding: second copy + gradient"] = b * v_h * (2 if full else 1)
     elif s.zero_stage == 2:
@@ -524,6 +543,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
+    parser.add_argument("--qlora-nested", action="store_true", help="QLoRA constants quantised too (nested quant)")
     parser.add_argument("--fp8", action="store_true", help="Decoder linears in torchao float8 (sft.fp8)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
@@ -553,6 +573,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,
             qlora=args.qlora,
+            qlora_nested=args.qlora_nested,
             dtype_bytes=4 if args.dtype == "float32" else 2,
             sp=args.sp or 1,
             fp8=args.fp8,

@@ -69,6 +69,7 @@ def base_setting(training_args, model_args, fp8_on: bool | None = None) -> mempl
         lora_r=model_args.lora_r if model_args.use_peft else 0,
         lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
         qlora=bool(model_args.use_peft and model_args.load_in_4bit),
+        qlora_nested=bool(model_args.use_peft and model_args.load_in_4bit and model_args.use_bnb_nested_quant),
         dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
         sp=dims.sp,
         fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),

@@ -1,0 +1,157 @@
+"""QLoRA on the Llama-3.1-70B layer widths under ZeRO-3 with each GPU capped at 24 GiB: measured vs planned.
+
+    python -m benchmarks.qlora_70b --layers 8 16 --out benchmarks/results/qlora_70b   # GPU machine
+    python -m benchmarks.qlora_70b --report benchmarks/results/qlora_70b              # the table again
+
+A random bf16 checkpoint of the 70B widths (hidden 8192, MLP 28672, 64 query / 8 KV heads, vocab 128256, untied) with
+the largest `--layers` count is written shard by shard (`benchmarks.common.random_checkpoint`; no download, one layer
+in memory at a time); smaller counts link its first layers. Each count trains with the real CLI: recipes/demo-lora.yaml
+(LoRA r=16 on all linear layers, the demo's learnable synthetic tasks packed into rows of 2048 tokens),
+`load_in_4bit` (NF4, bf16 compute), ds_configs/zero3.json, activation checkpointing, micro batch 1, and
+`max_gpu_memory_gib: 24` (every allocation past 24 GiB fails as on a 24 GB card). Recorded per run: the loss curve,
+peak allocated memory and tokens/s from metrics.jsonl, and `sft.plan`'s peak for the same setting. The plan's figure
+for the full 80 layers on 2 GPUs (`python -m sft.plan ... --gpus 2 --gpu-memory-gib 24 --suggest`) is written beside
+them. The whole 70B does not fit this machine's disk as a bf16 checkpoint (140 GB); the layer counts that do are
+measured, and the plan's per-layer terms checked against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import (
+    LLAMA_SHAPES,
+    ROOT,
+    environment,
+    fewer_layers,
+    random_checkpoint,
+    read_jsonl,
+    run,
+    sft_command,
+    write_results,
+)
+
+CAP_GIB = 24
+SEQ = 2048
+LORA_R = 16
+STEPS = 30
+
+
+def train_args(model: Path, out: Path) -> list[str]:
+    return [
+        "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(model),
+        "--output_dir", str(out), "--load_in_4bit", "true", "--dtype", "bfloat16", "--bf16", "true",
+        "--deepspeed", str(ROOT / "ds_configs" / "zero3.json"), "--max_gpu_memory_gib", str(CAP_GIB),
+        "--max_length", str(SEQ), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+        "--activation_checkpointing", "true", "--lora_r", str(LORA_R), "--lora_alpha", str(2 * LORA_R),
+        "--lora_dropout", "0", "--learning_rate", "1e-3", "--warmup_steps", "3", "--lr_scheduler_type", "constant",
+        "--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
+        "--report_to", "none",
+    ]  # fmt: skip
+
+
+def planned(config: dict, layers: int, gpus: int) -> dict:
+    from sft import plan
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({**config, "num_hidden_layers": layers}, f)
+    shape = plan.load_shape(f.name)
+    setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
+                           liger=True, lora_r=LORA_R, qlora=True)  # fmt: skip
+    e = plan.estimate(shape, setting)
+    return {"layers": layers, "gpus": gpus, "peak_gib": e.peak / plan.GiB, "phase": e.peak_phase,
+            "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table()}  # fmt: skip
+
+
+def measure(args) -> dict:
+    config = {**LLAMA_SHAPES["llama-70b"], "num_hidden_layers": max(args.layers)}
+    work = args.work
+    start = time.time()
+    source = random_checkpoint(work / f"llama70b_{max(args.layers)}layers", config)
+    result = {"env": environment(), "cap_gib": CAP_GIB, "seq_len": SEQ, "lora_r": LORA_R, "steps": STEPS,
+              "checkpoint_write_s": round(time.time() - start, 1), "runs": []}  # fmt: skip
+    for layers in sorted(args.layers):
+        model = source if layers == max(args.layers) else fewer_layers(source, work / f"llama70b_{layers}", layers)
+        out = work / f"run_{layers}"
+        rc, seconds = run(sft_command(1, train_args(model, out)), args.out / f"run_{layers}.log")
+        rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        steps = [r for r in rows if "loss" in r]
+        timed = steps[3:]  # after warm-up
+        run_result = {
+            "layers": layers, "exit_code": rc, "wall_s": round(seconds, 1), "losses": [r["loss"] for r in steps],
+            "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
+            "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
+            if timed else None,
+            "plan": planned(config, layers, 1),
+        }  # fmt: skip
+        result["runs"].append(run_result)
+        print(f"{layers} layers: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
+        report(result, args.out)
+    full = subprocess.run(
+        [sys.executable, "-m", "sft.plan", "--model", str(write_config(work, config, 80)), "--gpus", "2", "--zero",
+         "3", "--lora-r", str(LORA_R), "--qlora", "--activation-checkpointing", "--liger", "--seq-len", str(SEQ),
+         "--gpu-memory-gib", str(CAP_GIB), "--suggest"], cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    result["plan_80_layers_2_gpus"] = planned(config, 80, 2) | {"cli": full.stdout + full.stderr}
+    report(result, args.out)
+    return result
+
+
+def write_config(work: Path, config: dict, layers: int) -> Path:
+    path = work / f"config_{layers}.json"
+    path.write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return path
+
+
+def report(result: dict, out: Path) -> None:
+    lines = [
+        f"# QLoRA, Llama-3.1-70B widths, ZeRO-3, GPU capped at {result['cap_gib']} GiB ({result['env']['device']})",
+        "",
+        f"LoRA r={result['lora_r']} on all linear layers over NF4 weights (bf16 compute, packed in bf16), rows of "
+        f"{result['seq_len']} tokens, activation checkpointing, micro batch 1, {result['steps']} steps on the demo's "
+        "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: `sft.plan` for "
+        "the same setting.",
+        "",
+        "| decoder layers | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | plan GiB | "
+        "plan error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["runs"]:
+        losses = r["losses"]
+        curve = f"{sum(losses[:3]) / 3:.3f} -> {sum(losses[-3:]) / 3:.3f}" if len(losses) >= 6 else "-"
+        peak, plan_peak = r["peak_memory_gib"], r["plan"]["peak_gib"]
+        error = f"{100 * (plan_peak - peak) / peak:+.1f}%" if peak else "-"
+        tps = f"{r['tokens_per_second_per_gpu']:,.0f}" if r["tokens_per_second_per_gpu"] else "-"
+        lines.append(
+            f"| {r['layers']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | {plan_peak:.2f} | {error} |"
+        )
+    full = result.get("plan_80_layers_2_gpus")
+    if full:
+        lines += ["", f"Plan for all 80 layers on 2 GPUs: peak {full['peak_gib']:.2f} GiB per GPU "
+                  f"({'fits' if full['fits_24gib'] else 'does not fit'} in {result['cap_gib']} GiB).", "",
+                  "```", full["cli"].strip(), "```"]  # fmt: skip
+    write_results(out, "qlora_70b", result, "\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")
+    parser.add_argument("--report", type=Path, help="Rewrite the table from a results folder")
+    args = parser.parse_args()
+    if args.report:
+        report(json.loads((args.report / "qlora_70b.json").read_text()), args.report)
+        return
+    measure(args)
+
+
+if __name__ == "__main__":
+    main()
