@@ -43,11 +43,12 @@ LORA_R = 16
 STEPS = 30
 
 
-def train_args(model: Path, out: Path) -> list[str]:
+def train_args(model: Path, out: Path, offload: bool) -> list[str]:
+    ds = "zero3_offload.json" if offload else "zero3.json"
     return [
         "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(model),
         "--output_dir", str(out), "--load_in_4bit", "true", "--dtype", "bfloat16", "--bf16", "true",
-        "--deepspeed", str(ROOT / "ds_configs" / "zero3.json"), "--max_gpu_memory_gib", str(CAP_GIB),
+        "--deepspeed", str(ROOT / "ds_configs" / ds), "--max_gpu_memory_gib", str(CAP_GIB),
         "--max_length", str(SEQ), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
         "--activation_checkpointing", "true", "--lora_r", str(LORA_R), "--lora_alpha", str(2 * LORA_R),
         "--lora_dropout", "0", "--learning_rate", "1e-3", "--warmup_steps", "3", "--lr_scheduler_type", "constant",
@@ -56,16 +57,17 @@ def train_args(model: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def planned(config: dict, layers: int, gpus: int) -> dict:
+def planned(config: dict, layers: int, gpus: int, offload: bool = False) -> dict:
     from sft import plan
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({**config, "num_hidden_layers": layers}, f)
     shape = plan.load_shape(f.name)
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
-                           liger=True, lora_r=LORA_R, qlora=True)  # fmt: skip
+                           liger=True, lora_r=LORA_R, qlora=True, offload_optimizer=offload,
+                           offload_params=offload)  # fmt: skip
     e = plan.estimate(shape, setting)
-    return {"layers": layers, "gpus": gpus, "peak_gib": e.peak / plan.GiB, "phase": e.peak_phase,
+    return {"layers": layers, "gpus": gpus, "offload": offload, "peak_gib": e.peak / plan.GiB, "phase": e.peak_phase,
             "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table()}  # fmt: skip
 
 
@@ -76,22 +78,28 @@ def measure(args) -> dict:
     source = random_checkpoint(work / f"llama70b_{max(args.layers)}layers", config)
     result = {"env": environment(), "cap_gib": CAP_GIB, "seq_len": SEQ, "lora_r": LORA_R, "steps": STEPS,
               "checkpoint_write_s": round(time.time() - start, 1), "runs": []}  # fmt: skip
-    for layers in sorted(args.layers):
+    previous = args.out / "qlora_70b.json"  # runs of an earlier call are kept (one call cannot do every run)
+    if previous.is_file():
+        result["runs"] = json.loads(previous.read_text())["runs"]
+    for layers, offload in [(n, o) for o in (False, True) if o in args.offload for n in sorted(args.layers)]:
         model = source if layers == max(args.layers) else fewer_layers(source, work / f"llama70b_{layers}", layers)
-        out = work / f"run_{layers}"
-        rc, seconds = run(sft_command(1, train_args(model, out)), args.out / f"run_{layers}.log")
+        name = f"{layers}{'_offload' if offload else ''}"
+        out = work / f"run_{name}"
+        rc, seconds = run(sft_command(1, train_args(model, out, offload)), args.out / f"run_{name}.log")
         rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
         steps = [r for r in rows if "loss" in r]
         timed = steps[3:]  # after warm-up
         run_result = {
-            "layers": layers, "exit_code": rc, "wall_s": round(seconds, 1), "losses": [r["loss"] for r in steps],
+            "layers": layers, "offload": offload, "exit_code": rc, "wall_s": round(seconds, 1),
+            "losses": [r["loss"] for r in steps],
             "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
             "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
             if timed else None,
-            "plan": planned(config, layers, 1),
+            "plan": planned(config, layers, 1, offload),
         }  # fmt: skip
         result["runs"].append(run_result)
-        print(f"{layers} layers: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
+        result["runs"] = [r for r in result["runs"] if (r["layers"], r.get("offload", False)) != (layers, offload)]
+        print(f"{name} layers: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
         report(result, args.out)
     full = subprocess.run(
         [sys.executable, "-m", "sft.plan", "--model", str(write_config(work, config, 80)), "--gpus", "2", "--zero",
@@ -110,6 +118,12 @@ def write_config(work: Path, config: dict, layers: int) -> Path:
 
 
 def report(result: dict, out: Path) -> None:
+    """The table, with the plan figures of this commit's `sft.plan` (they are recomputed, not read back)."""
+    config = LLAMA_SHAPES["llama-70b"]
+    for r in result["runs"]:
+        r["plan"] = planned(config, r["layers"], 1, r.get("offload", False))
+    if "plan_80_layers_2_gpus" in result:
+        result["plan_80_layers_2_gpus"] |= {k: v for k, v in planned(config, 80, 2).items() if k != "cli"}
     lines = [
         f"# QLoRA, Llama-3.1-70B widths, ZeRO-3, GPU capped at {result['cap_gib']} GiB ({result['env']['device']})",
         "",
@@ -118,9 +132,9 @@ def report(result: dict, out: Path) -> None:
         "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: `sft.plan` for "
         "the same setting.",
         "",
-        "| decoder layers | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | plan GiB | "
-        "plan error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| decoder layers | DeepSpeed | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
+        "plan GiB | plan error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["runs"]:
         losses = r["losses"]
@@ -129,7 +143,8 @@ def report(result: dict, out: Path) -> None:
         error = f"{100 * (plan_peak - peak) / peak:+.1f}%" if peak else "-"
         tps = f"{r['tokens_per_second_per_gpu']:,.0f}" if r["tokens_per_second_per_gpu"] else "-"
         lines.append(
-            f"| {r['layers']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | {plan_peak:.2f} | {error} |"
+            f"| {r['layers']} | {'ZeRO-3 + offload' if r.get('offload') else 'ZeRO-3'} | 1 | {r['exit_code']} | "
+            f"{curve} | {tps} | {peak or 0:.2f} | {plan_peak:.2f} | {error} |"
         )
     full = result.get("plan_80_layers_2_gpus")
     if full:
@@ -142,7 +157,14 @@ def report(result: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--layers", type=int, nargs="+", default=[6, 12])
+    parser.add_argument(
+        "--offload",
+        type=lambda v: v == "true",
+        nargs="+",
+        default=[False],
+        help="true: ds_configs/zero3_offload.json (optimizer and 4-bit weights in CPU memory)",
+    )
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")
     parser.add_argument("--report", type=Path, help="Rewrite the table from a results folder")

@@ -391,10 +391,13 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
-        backward["LM head gathered + its gradient + loss tile"] = b * v_h + head_grad + tile
-        backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s)
+        # One process holds every parameter whole in its partition: DeepSpeed skips the gather (no buffers;
+        # measured: QLoRA 70B widths on 1 GPU, benchmarks/results/qlora_70b), unless the partition is on the CPU
+        gathers = n > 1 or s.offload_params
+        backward["LM head gathered + its gradient + loss tile"] = b * v_h * gathers + head_grad + tile
+        backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s) * gathers
         if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
-            backward["tied embedding: second copy + gradient"] = b * v_h * (2 if full else 1)
+            backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
     elif s.zero_stage == 2:
         partition = 0 if s.offload_optimizer else b * p / n
         buckets = 2 * b * shape.hidden**2  # reduce_bucket_size "auto" = hidden^2, double-buffered (overlap_comm)
