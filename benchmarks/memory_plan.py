@@ -56,6 +56,7 @@ SETS["lora"] = [
     for ckpt in (True, False)
 ]
 LORA_R = 16
+LORA_DROPOUT = 0.05  # TRL's ModelConfig default, which the recipe keeps
 STEPS_PER_PHASE = 2
 
 
@@ -154,6 +155,8 @@ def measure(args) -> dict:
         method = rest[0] if rest else "full"
         ckpts = "".join(sorted({"c" if c else "n" for c, _ in phases}))
         name = f"{shape}_zero{stage}_{gpus}gpu_liger{int(liger)}" + (f"_{method}_{ckpts}" if rest else "")
+        if args.match and args.match not in name:
+            continue
         if method == "full":
             model = model_dir(work / shape, SHAPES[shape])
         else:  # LoRA needs saved base weights (from_scratch ones are never saved)
@@ -270,6 +273,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="Compare an existing measured JSON with sft.plan, no GPU needed")
     parser.add_argument("--auto-check", action="store_true", help="Run sft/train.py with auto micro batch/ckpt")
     parser.add_argument("--set", choices=sorted(SETS), default="validation", help="Which matrix to measure")
+    parser.add_argument("--match", help="Only the groups whose name holds this, e.g. zero3_1gpu_liger1_lora_")
     parser.add_argument("--tiny", action="store_true", help="Demo shape in fp32 on CPU: a smoke test of the script")
     parser.add_argument("--only", nargs="*", help="Shapes to measure (default: all groups)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -308,6 +312,7 @@ def report(measured: dict, out: Path, tag: str) -> None:
                 gpus=group["gpus"], zero_stage=group["zero_stage"], micro_batch=micro, seq_len=group["seq_len"],
                 activation_checkpointing=ckpt, liger=group["liger"],
                 lora_r=LORA_R if group.get("method", "full") != "full" else 0, qlora=group.get("method") == "qlora",
+                lora_dropout=LORA_DROPOUT if group.get("method", "full") != "full" else 0.0,
             )  # fmt: skip
             e = plan.estimate(shape, setting)
             fwd_bwd = max(s["peak_fwd_bwd"] for s in steps)

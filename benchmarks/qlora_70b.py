@@ -42,33 +42,53 @@ SEQ = 2048
 LORA_R = 16
 STEPS = 30
 
+# DeepSpeed config and extra flags per variant. `offload_release`: parameter offload with DeepSpeed told to free every
+# gathered parameter after use (`stage3_max_reuse_distance: 0`, at most 1e8 elements live), for the measured case
+# where the default offload config keeps the 4-bit layers on the GPU.
+VARIANTS = {
+    "zero3": ("zero3.json", {}, []),
+    "nested": ("zero3.json", {}, ["--use_bnb_nested_quant", "true"]),
+    "offload": ("zero3_offload.json", {}, []),
+    "offload_release": ("zero3_offload.json", {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1e8},
+                        []),
+}  # fmt: skip
 
-def train_args(model: Path, out: Path, offload: bool) -> list[str]:
-    ds = "zero3_offload.json" if offload else "zero3.json"
+
+def ds_config(work: Path, variant: str) -> Path:
+    name, zero, _ = VARIANTS[variant]
+    config = json.loads((ROOT / "ds_configs" / name).read_text())
+    config["zero_optimization"].update(zero)
+    path = work / f"ds_{variant}.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def train_args(model: Path, out: Path, ds: Path, extra: list[str]) -> list[str]:
     return [
         "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(model),
         "--output_dir", str(out), "--load_in_4bit", "true", "--dtype", "bfloat16", "--bf16", "true",
-        "--deepspeed", str(ROOT / "ds_configs" / ds), "--max_gpu_memory_gib", str(CAP_GIB),
+        "--deepspeed", str(ds), "--max_gpu_memory_gib", str(CAP_GIB),
         "--max_length", str(SEQ), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
         "--activation_checkpointing", "true", "--lora_r", str(LORA_R), "--lora_alpha", str(2 * LORA_R),
         "--lora_dropout", "0", "--learning_rate", "1e-3", "--warmup_steps", "3", "--lr_scheduler_type", "constant",
         "--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
-        "--report_to", "none",
+        "--report_to", "none", *extra,
     ]  # fmt: skip
 
 
-def planned(config: dict, layers: int, gpus: int, offload: bool = False) -> dict:
+def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dict:
     from sft import plan
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({**config, "num_hidden_layers": layers}, f)
     shape = plan.load_shape(f.name)
+    offload = variant.startswith("offload")
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
-                           liger=True, lora_r=LORA_R, qlora=True, offload_optimizer=offload,
-                           offload_params=offload)  # fmt: skip
+                           liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant == "nested",
+                           offload_optimizer=offload, offload_params=offload)  # fmt: skip
     e = plan.estimate(shape, setting)
-    return {"layers": layers, "gpus": gpus, "offload": offload, "peak_gib": e.peak / plan.GiB, "phase": e.peak_phase,
-            "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table()}  # fmt: skip
+    return {"layers": layers, "gpus": gpus, "variant": variant, "peak_gib": e.peak / plan.GiB,
+            "phase": e.peak_phase, "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table()}  # fmt: skip
 
 
 def measure(args) -> dict:
@@ -81,26 +101,27 @@ def measure(args) -> dict:
     previous = args.out / "qlora_70b.json"  # runs of an earlier call are kept (one call cannot do every run)
     if previous.is_file():
         result["runs"] = json.loads(previous.read_text())["runs"]
-    for layers, offload in [(n, o) for o in (False, True) if o in args.offload for n in sorted(args.layers)]:
-        model = source if layers == max(args.layers) else fewer_layers(source, work / f"llama70b_{layers}", layers)
-        name = f"{layers}{'_offload' if offload else ''}"
-        out = work / f"run_{name}"
-        rc, seconds = run(sft_command(1, train_args(model, out, offload)), args.out / f"run_{name}.log")
-        rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
-        steps = [r for r in rows if "loss" in r]
-        timed = steps[3:]  # after warm-up
-        run_result = {
-            "layers": layers, "offload": offload, "exit_code": rc, "wall_s": round(seconds, 1),
-            "losses": [r["loss"] for r in steps],
-            "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
-            "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
-            if timed else None,
-            "plan": planned(config, layers, 1, offload),
-        }  # fmt: skip
-        result["runs"].append(run_result)
-        result["runs"] = [r for r in result["runs"] if (r["layers"], r.get("offload", False)) != (layers, offload)]
-        print(f"{name} layers: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
-        report(result, args.out)
+    for variant in args.variants:
+        for layers in sorted(args.layers):
+            model = source if layers == max(args.layers) else fewer_layers(source, work / f"llama70b_{layers}", layers)
+            name = f"{layers}_{variant}"
+            out = work / f"run_{name}"
+            cmd = sft_command(1, train_args(model, out, ds_config(work, variant), VARIANTS[variant][2]))
+            rc, seconds = run(cmd, args.out / f"run_{name}.log")
+            rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+            steps = [r for r in rows if "loss" in r]
+            timed = steps[3:]  # after warm-up
+            run_result = {
+                "layers": layers, "variant": variant, "exit_code": rc, "wall_s": round(seconds, 1),
+                "losses": [r["loss"] for r in steps],
+                "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
+                "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
+                if timed else None,
+            }  # fmt: skip
+            result["runs"] = [r for r in result["runs"] if (r["layers"], r["variant"]) != (layers, variant)]
+            result["runs"].append(run_result)
+            print(f"{name}: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
+            report(result, args.out)
     full = subprocess.run(
         [sys.executable, "-m", "sft.plan", "--model", str(write_config(work, config, 80)), "--gpus", "2", "--zero",
          "3", "--lora-r", str(LORA_R), "--qlora", "--activation-checkpointing", "--liger", "--seq-len", str(SEQ),
@@ -121,7 +142,7 @@ def report(result: dict, out: Path) -> None:
     """The table, with the plan figures of this commit's `sft.plan` (they are recomputed, not read back)."""
     config = LLAMA_SHAPES["llama-70b"]
     for r in result["runs"]:
-        r["plan"] = planned(config, r["layers"], 1, r.get("offload", False))
+        r["plan"] = planned(config, r["layers"], 1, r["variant"])
     if "plan_80_layers_2_gpus" in result:
         result["plan_80_layers_2_gpus"] |= {k: v for k, v in planned(config, 80, 2).items() if k != "cli"}
     lines = [
@@ -130,21 +151,23 @@ def report(result: dict, out: Path) -> None:
         f"LoRA r={result['lora_r']} on all linear layers over NF4 weights (bf16 compute, packed in bf16), rows of "
         f"{result['seq_len']} tokens, activation checkpointing, micro batch 1, {result['steps']} steps on the demo's "
         "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: `sft.plan` for "
-        "the same setting.",
+        "the same setting (this commit's). Variants: `zero3` ds_configs/zero3.json; `nested` the same with "
+        "`use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in CPU memory); "
+        "`offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
         "",
-        "| decoder layers | DeepSpeed | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
+        "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
         "plan GiB | plan error |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in result["runs"]:
+    for r in sorted(result["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["layers"])):
         losses = r["losses"]
         curve = f"{sum(losses[:3]) / 3:.3f} -> {sum(losses[-3:]) / 3:.3f}" if len(losses) >= 6 else "-"
         peak, plan_peak = r["peak_memory_gib"], r["plan"]["peak_gib"]
         error = f"{100 * (plan_peak - peak) / peak:+.1f}%" if peak else "-"
         tps = f"{r['tokens_per_second_per_gpu']:,.0f}" if r["tokens_per_second_per_gpu"] else "-"
         lines.append(
-            f"| {r['layers']} | {'ZeRO-3 + offload' if r.get('offload') else 'ZeRO-3'} | 1 | {r['exit_code']} | "
-            f"{curve} | {tps} | {peak or 0:.2f} | {plan_peak:.2f} | {error} |"
+            f"| {r['layers']} | {r['variant']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | "
+            f"{plan_peak:.2f} | {error} |"
         )
     full = result.get("plan_80_layers_2_gpus")
     if full:
@@ -158,13 +181,7 @@ def report(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 12])
-    parser.add_argument(
-        "--offload",
-        type=lambda v: v == "true",
-        nargs="+",
-        default=[False],
-        help="true: ds_configs/zero3_offload.json (optimizer and 4-bit weights in CPU memory)",
-    )
+    parser.add_argument("--variants", nargs="+", default=["zero3"], choices=list(VARIANTS))
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")
     parser.add_argument("--report", type=Path, help="Rewrite the table from a results folder")
