@@ -60,10 +60,12 @@ def make_sft_data(path: Path, n: int, vocab: int, max_len: int) -> None:
             f.write(json.dumps({"input_ids": rng.integers(10, vocab, size=length).tolist()}) + "\n")
 
 
-def random_checkpoint(path: Path, config: dict, std: float = 0.02, seed: int = 0) -> Path:
-    """A `from_pretrained` directory of random bf16 Llama weights (normal(0, std), norms 1), written one decoder layer
-    per safetensors shard so that no more than a layer is ever in memory (a 70B shape needs neither a download nor 140
-    GB of RAM); made on the GPU when there is one. Made once: an existing directory with an index is kept."""
+def random_checkpoint(path: Path, config: dict, std: float = 0.02, seed: int = 0, storage: str = "bfloat16") -> Path:
+    """A `from_pretrained` directory of random Llama weights (normal(0, std), norms 1), written one decoder layer per
+    safetensors shard so that no more than a layer is ever in memory (a 70B shape needs neither a download nor 140 GB
+    of RAM); made on the GPU when there is one. `storage: float8_e4m3fn` stores the matrices in 1 byte (half the disk;
+    `from_pretrained(dtype=bfloat16)` casts them back, and bitsandbytes quantizes the cast values). Made once: an
+    existing directory with an index is kept."""
     import torch
     from safetensors.torch import save_file
 
@@ -96,7 +98,8 @@ def random_checkpoint(path: Path, config: dict, std: float = 0.02, seed: int = 0
                 pre + "mlp.down_proj.weight": normal(h, inter),
                 pre + "input_layernorm.weight": torch.ones(h), pre + "post_attention_layernorm.weight": torch.ones(h),
             }  # fmt: skip
-        tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+        low = getattr(torch, storage)
+        tensors = {k: v.to(low if v.dim() == 2 else torch.bfloat16).contiguous() for k, v in tensors.items()}
         save_file(tensors, path / f"model-{name}.safetensors", metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, f"model-{name}.safetensors"))
     index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

@@ -51,6 +51,8 @@ VARIANTS = {
     "offload": ("zero3_offload.json", {}, []),
     "offload_release": ("zero3_offload.json", {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1e8},
                         []),
+    # what `python -m sft.plan --suggest` answers for the full 70B on 2 x 24 GiB (with --qlora-nested)
+    "fit_2x24": ("zero3_offload.json", {}, ["--use_bnb_nested_quant", "true", "--offload_checkpoints", "true"]),
 }  # fmt: skip
 
 
@@ -82,20 +84,22 @@ def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dic
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({**config, "num_hidden_layers": layers}, f)
     shape = plan.load_shape(f.name)
-    offload = variant.startswith("offload")
+    offload = variant.startswith("offload") or variant == "fit_2x24"
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
-                           liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant == "nested",
-                           offload_optimizer=offload, offload_params=offload)  # fmt: skip
+                           liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant in ("nested", "fit_2x24"),
+                           offload_optimizer=offload, offload_params=offload,
+                           offload_checkpoints=variant == "fit_2x24")  # fmt: skip
     e = plan.estimate(shape, setting)
     return {"layers": layers, "gpus": gpus, "variant": variant, "peak_gib": e.peak / plan.GiB,
-            "phase": e.peak_phase, "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table()}  # fmt: skip
+            "phase": e.peak_phase, "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table(),
+            "setting": setting.describe()}  # fmt: skip
 
 
 def measure(args) -> dict:
     config = {**LLAMA_SHAPES["llama-70b"], "num_hidden_layers": max(args.layers)}
     work = args.work
     start = time.time()
-    source = random_checkpoint(work / f"llama70b_{max(args.layers)}layers", config)
+    source = random_checkpoint(work / f"llama70b_{max(args.layers)}layers", config, storage=args.storage)
     result = {"env": environment(), "cap_gib": CAP_GIB, "seq_len": SEQ, "lora_r": LORA_R, "steps": STEPS,
               "checkpoint_write_s": round(time.time() - start, 1), "runs": []}  # fmt: skip
     previous = args.out / "qlora_70b.json"  # runs of an earlier call are kept (one call cannot do every run)
@@ -182,6 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 12])
     parser.add_argument("--variants", nargs="+", default=["zero3"], choices=list(VARIANTS))
+    parser.add_argument("--storage", default="bfloat16", help="float8_e4m3fn: the random checkpoint in half the disk")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")
     parser.add_argument("--report", type=Path, help="Rewrite the table from a results folder")

@@ -290,7 +290,8 @@ def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
         )
-        return gpu + (0 if s.offload_params else frozen / s.gpus) + quant_constant_bytes(shape, s), cpu
+        resident = frozen if not s.offload_params else gpu_resident_frozen_bytes(shape, s)
+        return gpu + resident / s.gpus + quant_constant_bytes(shape, s), cpu
     if s.zero_stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
         return gpu + frozen + quant_constant_bytes(shape, s), cpu
@@ -311,6 +312,13 @@ def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
     if s.qlora:
         return shape.linear_params * 0.5 + (shape.n_params - shape.linear_params) * 2
     return shape.n_params * s.dtype_bytes
+
+
+def gpu_resident_frozen_bytes(shape: ModelShape, s: Setting) -> float:
+    """What ZeRO-3's parameter offload leaves on the GPU: QLoRA's 4-bit linears. transformers swaps them in after
+    `zero.Init` has placed the model, and DeepSpeed's engine then partitions them on the GPU (measured on 1 x H200 at
+    the 70B widths: 0.48 GiB per layer with `offload_param` as without; benchmarks/results/qlora_70b)."""
+    return shape.linear_params * 0.5 if s.qlora else 0.0
 
 
 def quant_constant_bytes(shape: ModelShape, s: Setting) -> float:
@@ -351,7 +359,10 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
-        items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
+        if s.offload_params:
+            items["weights (partitioned; offload leaves QLoRA's 4-bit ones)"] = gpu_resident_frozen_bytes(shape, s) / n
+        else:
+            items["weights (16-bit, partitioned)"] = b * p / n + frozen / n
         items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
         items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
         sub_group = 0 if s.offload_optimizer else min(p / n, SUB_GROUP_SIZE)
