@@ -118,7 +118,11 @@ def measure(args) -> dict:
             run_result = {
                 "layers": layers, "variant": variant, "exit_code": rc, "wall_s": round(seconds, 1),
                 "losses": [r["loss"] for r in steps],
-                "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
+                # the whole run's peak (the model build's included), as the plan's peak is; and training's alone
+                "peak_memory_gib": max((max(r.get("peak_memory_gib", 0), r.get("setup_peak_memory_gib", 0))
+                                        for r in steps), default=None),
+                "train_peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None),
+                "setup_peak_memory_gib": max((r.get("setup_peak_memory_gib", 0) for r in steps), default=None),
                 "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
                 if timed else None,
             }  # fmt: skip
@@ -126,12 +130,7 @@ def measure(args) -> dict:
             result["runs"].append(run_result)
             print(f"{name}: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
             report(result, args.out)
-    full = subprocess.run(
-        [sys.executable, "-m", "sft.plan", "--model", str(write_config(work, config, 80)), "--gpus", "2", "--zero",
-         "3", "--lora-r", str(LORA_R), "--qlora", "--activation-checkpointing", "--liger", "--seq-len", str(SEQ),
-         "--gpu-memory-gib", str(CAP_GIB), "--suggest"], cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    result["plan_80_layers_2_gpus"] = planned(config, 80, 2) | {"cli": full.stdout + full.stderr}
+    result["plan_80_layers_2_gpus"] = {}
     report(result, args.out)
     return result
 
@@ -147,8 +146,16 @@ def report(result: dict, out: Path) -> None:
     config = LLAMA_SHAPES["llama-70b"]
     for r in result["runs"]:
         r["plan"] = planned(config, r["layers"], 1, r["variant"])
-    if "plan_80_layers_2_gpus" in result:
-        result["plan_80_layers_2_gpus"] |= {k: v for k, v in planned(config, 80, 2).items() if k != "cli"}
+    if "plan_80_layers_2_gpus" in result:  # the full model on 2 GPUs of 24 GiB, as `sft.plan` answers today
+        with tempfile.TemporaryDirectory() as tmp:
+            cli = subprocess.run(
+                [sys.executable, "-m", "sft.plan", "--model", str(write_config(Path(tmp), config, 80)), "--gpus",
+                 "2", "--zero", "3", "--lora-r", str(LORA_R), "--qlora", "--qlora-nested",
+                 "--activation-checkpointing", "--liger", "--seq-len", str(SEQ), "--gpu-memory-gib", str(CAP_GIB),
+                 "--suggest"], cwd=ROOT, capture_output=True, text=True,
+            )  # fmt: skip
+        lines_cli = [line for line in cli.stdout.splitlines() if not line.startswith((str(tmp), "["))]
+        result["plan_80_layers_2_gpus"] = planned(config, 80, 2, "nested") | {"cli": "\n".join(lines_cli)}
     lines = [
         f"# QLoRA, Llama-3.1-70B widths, ZeRO-3, GPU capped at {result['cap_gib']} GiB ({result['env']['device']})",
         "",
@@ -160,8 +167,8 @@ def report(result: dict, out: Path) -> None:
         "`offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
         "",
         "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
-        "plan GiB | plan error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "plan GiB | plan error | plan phase | training peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(result["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["layers"])):
         losses = r["losses"]
@@ -169,13 +176,14 @@ def report(result: dict, out: Path) -> None:
         peak, plan_peak = r["peak_memory_gib"], r["plan"]["peak_gib"]
         error = f"{100 * (plan_peak - peak) / peak:+.1f}%" if peak else "-"
         tps = f"{r['tokens_per_second_per_gpu']:,.0f}" if r["tokens_per_second_per_gpu"] else "-"
+        train = f"{r['train_peak_memory_gib']:.2f}" if r.get("train_peak_memory_gib") else "-"
         lines.append(
             f"| {r['layers']} | {r['variant']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | "
-            f"{plan_peak:.2f} | {error} |"
+            f"{plan_peak:.2f} | {error} | {r['plan']['phase']} | {train} |"
         )
     full = result.get("plan_80_layers_2_gpus")
     if full:
-        lines += ["", f"Plan for all 80 layers on 2 GPUs: peak {full['peak_gib']:.2f} GiB per GPU "
+        lines += ["", f"Plan, all 80 layers on 2 GPUs (nested quantization): peak {full['peak_gib']:.2f} GiB "
                   f"({'fits' if full['fits_24gib'] else 'does not fit'} in {result['cap_gib']} GiB).", "",
                   "```", full["cli"].strip(), "```"]  # fmt: skip
     write_results(out, "qlora_70b", result, "\n".join(lines))

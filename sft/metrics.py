@@ -79,6 +79,7 @@ class Throughput(TrainerCallback):
         self.peak_tflops = self._peak(peak_tflops)
         self._last = (0, 0, time.perf_counter())  # (global step, tokens, time) at the last training log
         self._paused_s = 0.0
+        self.setup_peak_gib = 0.0
 
     def _peak(self, given: float | None) -> float | None:
         peak, where = given, "given by `peak_tflops`"
@@ -106,6 +107,16 @@ class Throughput(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         step, tokens, _ = self._last
         self.start(step, tokens)
+        if torch.cuda.is_available():  # the model build and DeepSpeed's set-up are done: their peak is apart
+            self.setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+            logger.info(
+                "GPU memory before the first step: peak %.2f GiB while building the model and DeepSpeed's engine, "
+                "%.2f GiB held now; `peak_memory_gib` in the logs counts from here",
+                self.setup_peak_gib,
+                torch.cuda.memory_allocated() / 2**30,
+            )
+            torch.cuda.empty_cache()  # what loading left reserved (it counts against `max_gpu_memory_gib`)
+            torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def paused(self):
@@ -144,6 +155,7 @@ class Throughput(TrainerCallback):
         logs["num_flops"] = self.total_flops
         if torch.cuda.is_available():
             logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            logs["setup_peak_memory_gib"] = self.setup_peak_gib
         self.start(step, tokens)
 
 

@@ -209,7 +209,7 @@ class Estimate:
     items: dict[str, float]  # bytes per GPU at the peak, by line
     model_states: float  # DeepSpeed's estimator figure (weights + gradients + optimizer), bytes per GPU
     peak: float
-    peak_phase: str  # "forward/backward" or "optimizer step"
+    peak_phase: str  # "forward/backward", "optimizer step" or "model load"
     host: float  # bytes per node (DeepSpeed's estimate)
     at_backward: float = 0.0  # peak of forward + backward
     at_step: float = 0.0  # peak of the optimizer step
@@ -290,8 +290,7 @@ def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
         )
-        resident = frozen if not s.offload_params else gpu_resident_frozen_bytes(shape, s)
-        return gpu + resident / s.gpus + quant_constant_bytes(shape, s), cpu
+        return gpu + (0 if s.offload_params else frozen / s.gpus) + quant_constant_bytes(shape, s), cpu
     if s.zero_stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
         return gpu + frozen + quant_constant_bytes(shape, s), cpu
@@ -314,11 +313,14 @@ def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
     return shape.n_params * s.dtype_bytes
 
 
-def gpu_resident_frozen_bytes(shape: ModelShape, s: Setting) -> float:
-    """What ZeRO-3's parameter offload leaves on the GPU: QLoRA's 4-bit linears. transformers swaps them in after
-    `zero.Init` has placed the model, and DeepSpeed's engine then partitions them on the GPU (measured on 1 x H200 at
-    the 70B widths: 0.48 GiB per layer with `offload_param` as without; benchmarks/results/qlora_70b)."""
-    return shape.linear_params * 0.5 if s.qlora else 0.0
+def load_bytes(shape: ModelShape, s: Setting) -> float:
+    """QLoRA under ZeRO-3, while the model loads: transformers' bitsandbytes loader puts the whole 4-bit model (its
+    linears, their constants and the 16-bit rest) on each process's GPU (it refuses a `device_map` under ZeRO-3);
+    DeepSpeed partitions or offloads it only when its engine starts (measured on 1 x H200 at the 70B widths with
+    parameter offload: 7.01 / 9.89 GiB at 6 / 12 layers, the whole model; benchmarks/results/qlora_70b)."""
+    if not (s.qlora and s.zero_stage == 3):
+        return 0.0
+    return frozen_weight_bytes(shape, s) + quant_constant_bytes(shape, s)
 
 
 def quant_constant_bytes(shape: ModelShape, s: Setting) -> float:
@@ -359,10 +361,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
-        if s.offload_params:
-            items["weights (partitioned; offload leaves QLoRA's 4-bit ones)"] = gpu_resident_frozen_bytes(shape, s) / n
-        else:
-            items["weights (16-bit, partitioned)"] = b * p / n + frozen / n
+        items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
         items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
         items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
         sub_group = 0 if s.offload_optimizer else min(p / n, SUB_GROUP_SIZE)
@@ -423,12 +422,17 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
     at_backward = static + sum(backward.values())
     at_step = static + sum(step.values())
+    at_load = load_bytes(shape, s)
     if at_backward >= at_step:
         items.update(backward)
         phase, peak = "forward/backward", at_backward
     else:
         items.update(step)
         phase, peak = "optimizer step", at_step
+    if at_load:  # before training, alone on the GPU: not added to the lines above
+        items["(model load: whole 4-bit model on each GPU)"] = at_load
+    if at_load > peak:
+        phase, peak = "model load", at_load
     return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
 
 
@@ -517,9 +521,18 @@ def detected_gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def nothing_fits(s: Setting) -> str:
-    """What to say when no setting fits: the next lever is LoRA, then QLoRA, then more GPUs."""
+def nothing_fits(s: Setting, shape: ModelShape | None = None) -> str:
+    """What to say when no setting fits: the next lever is LoRA, then QLoRA, then nested quantization, then more
+    GPUs; or, when QLoRA's load under ZeRO-3 is what does not fit, GPUs with more memory."""
     lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
+    if s.qlora and not s.qlora_nested:
+        lever = "set use_bnb_nested_quant: true (QLoRA's constants in 8 bits), or add GPUs"
+    if shape is not None and s.qlora:
+        load = load_bytes(shape, dataclasses.replace(s, zero_stage=3, qlora_nested=True))
+        lever += (
+            f"; but loading QLoRA's weights puts the whole 4-bit model on each GPU first ({load / GiB:.1f} GiB with "
+            "nested quantization) whatever the GPU count, so GPUs with less memory cannot train it with sft yet"
+        )
     return f"Nothing fits on this many GPUs, even with CPU offload and micro batch 1: {lever}."
 
 
@@ -619,7 +632,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
             best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
             if best is None:
-                print(nothing_fits(setting))
+                print(nothing_fits(setting, shape))
             else:
                 print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
         if args.longest:

@@ -255,7 +255,7 @@ def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = F
         fix = (
             f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
             if best
-            else memplan.nothing_fits(setting)
+            else memplan.nothing_fits(setting, shape)
         )
         if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
             over = (
