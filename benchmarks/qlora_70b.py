@@ -91,6 +91,7 @@ def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dic
                            offload_checkpoints=variant == "fit_2x24")  # fmt: skip
     e = plan.estimate(shape, setting)
     return {"layers": layers, "gpus": gpus, "variant": variant, "peak_gib": e.peak / plan.GiB,
+            "train_gib": max(e.at_backward, e.at_step) / plan.GiB,
             "phase": e.peak_phase, "fits_24gib": e.fits(CAP_GIB * plan.GiB, 0.0), "table": e.table(),
             "setting": setting.describe()}  # fmt: skip
 
@@ -167,8 +168,8 @@ def report(result: dict, out: Path) -> None:
         "`offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
         "",
         "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
-        "plan GiB | plan error | plan phase | training peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "plan GiB | plan error | plan phase | training peak GiB | plan, training |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(result["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["layers"])):
         losses = r["losses"]
@@ -179,8 +180,11 @@ def report(result: dict, out: Path) -> None:
         train = f"{r['train_peak_memory_gib']:.2f}" if r.get("train_peak_memory_gib") else "-"
         lines.append(
             f"| {r['layers']} | {r['variant']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | "
-            f"{plan_peak:.2f} | {error} | {r['plan']['phase']} | {train} |"
+            f"{plan_peak:.2f} | {error} | {r['plan']['phase']} | {train} | {r['plan']['train_gib']:.2f} |"
         )
+    notes = [f"- {r['layers']} layers, {r['variant']}: {r['note']}" for r in result["runs"] if r.get("note")]
+    if notes:
+        lines += ["", *notes]
     full = result.get("plan_80_layers_2_gpus")
     if full:
         lines += ["", f"Plan, all 80 layers on 2 GPUs (nested quantization): peak {full['peak_gib']:.2f} GiB "

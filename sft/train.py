@@ -38,10 +38,6 @@ def main(argv: list[str] | None = None) -> None:
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
     setup_logging(training_args)
-    if training_args.max_gpu_memory_gib and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        # under a cap, memory the allocator holds but cannot reuse fails a run that fits (measured: QLoRA with
-        # parameter offload, 20.6 GiB reserved for 3.5 GiB allocated); set before CUDA's first allocation
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
     from trl import get_peft_config
 
