@@ -255,3 +255,40 @@ def test_zero3_config_does_not_disturb_the_meta_build(tmp_path):
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     assert is_deepspeed_zero3_enabled()  # and the ZeRO-3 config is still live for the real model build
+
+
+def test_qlora_under_zero3_peaks_at_the_load_and_the_cli_says_why(tmp_path, capsys):
+    """transformers' QLoRA load puts the whole 4-bit model on each GPU before ZeRO-3 partitions it: on 2 GPUs the
+    70B shape peaks at that load (linears in 4 bits, their constants, the 16-bit rest), and `--suggest` with a 24 GiB
+    cap says nothing fits and why, instead of naming a setting that would fail at load."""
+    config = write_config(tmp_path, "llama-70b", SHAPES["llama-70b"])
+    shape = plan.load_shape(config)
+    setting = plan.Setting(gpus=2, zero_stage=3, seq_len=2048, activation_checkpointing=True, liger=True, lora_r=16,
+                           qlora=True, qlora_nested=True)  # fmt: skip
+    e = plan.estimate(shape, setting)
+    load = shape.linear_params * 0.5 + shape.linear_params * (1 / 64 + 4 / (64 * 256))
+    load += (shape.n_params - shape.linear_params) * 2
+    assert e.peak_phase == "model load" and e.peak == pytest.approx(load)
+    assert e.at_backward < e.peak  # training alone needs less than the load
+    plain = plan.quant_constant_bytes(shape, dataclasses.replace(setting, qlora_nested=False))
+    assert plain / plan.quant_constant_bytes(shape, setting) == pytest.approx((4 / 64) / (1 / 64 + 4 / 16384))
+    args = ["--model", config, "--gpus", "2", "--zero", "3", "--lora-r", "16", "--qlora", "--qlora-nested",
+            "--activation-checkpointing", "--gpu-memory-gib", "24", "--suggest"]  # fmt: skip
+    assert plan.main(args) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit: 36.80 GiB of 21.60 GiB usable (24.0 GiB GPU" in out
+    assert "whole 4-bit model on each GPU first (36.8 GiB with nested quantization)" in out
+    assert plan.main([*args[:-3], "--gpu-memory-gib", "80"]) == 0  # an 80 GiB GPU loads it
+
+
+def test_one_zero3_process_gathers_nothing(tmp_path):
+    """DeepSpeed skips the all-gather when one process holds every partition (measured: the 70B widths, QLoRA, one
+    H200); with two processes each layer and the LM head are gathered into buffers of their own."""
+    shape = plan.load_shape(write_config(tmp_path, "llama-8b", SHAPES["llama-8b"]))
+    one = plan.estimate(shape, plan.Setting(gpus=1, zero_stage=3, lora_r=16))
+    two = plan.estimate(shape, plan.Setting(gpus=2, zero_stage=3, lora_r=16))
+    assert one.items["decoder layers gathered (current + prefetch)"] == 0
+    assert two.items["decoder layers gathered (current + prefetch)"] == 2 * 2 * shape.decoder_layer_params
+    head = 2 * shape.vocab * shape.hidden
+    gathered = "LM head gathered + its gradient + loss tile"
+    assert two.items[gathered] - one.items[gathered] == pytest.approx(head)
