@@ -358,8 +358,43 @@ class TrainConfig(SFTConfig):
 DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)
 
 
+# Flags from other trainers' command lines, named in the "did you mean" of an unknown flag
+FLAG_SHORTHANDS = {
+    "--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--bs": "--per_device_train_batch_size",
+    "--batch_size": "--per_device_train_batch_size", "--model": "--model_name_or_path", "--output": "--output_dir",
+    "--seq_len": "--max_length", "--max_seq_length": "--max_length",
+}  # fmt: skip
+
+
+class _Parser(TrlParser):
+    """TRL's parser without argparse's prefix matching (`--learning_rat` must not quietly become `--learning_rate`),
+    whose errors (a bad value, a missing one) are sft's one-paragraph errors instead of argparse's usage dump."""
+
+    def __init__(self, dataclass_types):
+        super().__init__(dataclass_types, allow_abbrev=False)
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}. See `python sft/train.py --help` for the fields.")
+
+
 def make_parser() -> TrlParser:
-    return TrlParser(DATACLASSES)
+    return _Parser(DATACLASSES)
+
+
+def _check_flags(parser: TrlParser, args: list[str]) -> None:
+    """An unknown command-line flag is one paragraph naming the closest real ones, not argparse's usage dump."""
+    known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    named = sorted(option for option in known if "-" not in option[2:])  # the field names (not their --a-b twins)
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag in known or flag == "--":
+            continue
+        hints = [FLAG_SHORTHANDS[flag]] if flag in FLAG_SHORTHANDS else []
+        hints += difflib.get_close_matches(flag, named, n=3 - len(hints), cutoff=0.6)
+        if not hints:  # a short or partial name: the flags that contain it
+            hints = [option for option in named if flag[2:] in option][:3]
+        fix = f"did you mean {' or '.join(f'`{h}`' for h in hints)}?" if hints else "no flag is close to it."
+        raise ConfigError(f"unknown flag `{flag}`: {fix} Every field of `python sft/train.py --help` is a flag.")
 
 
 def _check_recipe(parser: TrlParser, args: list[str]) -> None:
@@ -392,6 +427,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
 
     args = list(sys.argv[1:] if args is None else args)
     parser = make_parser()
+    _check_flags(parser, args)
     _check_recipe(parser, args)
     try:
         script_args, data_args, training_args, model_args = parser.parse_args_and_config(args)

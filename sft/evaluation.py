@@ -59,6 +59,7 @@ def pick_backend(backend: str) -> str:
 
 def evaluate(args) -> dict:
     import lm_eval
+    import torch
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
@@ -82,7 +83,7 @@ def evaluate(args) -> dict:
         task_manager=manager,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
-        device=args.device,
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),  # lm-eval's default is cuda
         limit=args.limit,
         apply_chat_template=chat,
         log_samples=False,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--include-path", action="append", default=[], help="More directories of task YAMLs")
     parser.add_argument("--backend", default="auto", choices=["auto", "hf", "vllm"])
     parser.add_argument("--dtype", default="auto", help="Weights dtype for the backend (auto, bfloat16, float32)")
-    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the backend's choice)")
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if there is a GPU, else cpu)")
     parser.add_argument("--batch-size", default="auto", help="An integer or auto")
     parser.add_argument("--num-fewshot", type=int, default=None)
     parser.add_argument("--limit", type=float, default=None, help="Examples per task (or a fraction)")

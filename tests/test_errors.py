@@ -107,7 +107,21 @@ def test_bad_flag_value(tmp_path):
 
 def test_unknown_flag(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path)), "--lerning_rate", "0.1"])
-    expect_error(result, "--lerning_rate")
+    expect_error(result, "unknown flag `--lerning_rate`: did you mean `--learning_rate`")
+
+
+@pytest.mark.parametrize(
+    "flag,hint",
+    [("--learning_rat", "`--learning_rate`"), ("--lr", "`--learning_rate`"), ("--epochs", "`--num_train_epochs`")],
+)
+def test_a_flag_is_never_a_prefix_and_errors_are_one_paragraph(tmp_path, flag, hint):
+    """argparse would take `--learning_rat` as `--learning_rate` and answer `--lr` with its whole usage: here both are
+    an unknown flag with the real one named, in a few lines."""
+    result = run_cli(["--config", str(write_recipe(tmp_path)), flag, "1e-4"])
+    expect_error(result, f"unknown flag `{flag}`: did you mean {hint}")
+    assert "usage:" not in result.stderr and len(result.stderr.strip().splitlines()) <= 3
+    bad_value = run_cli(["--config", str(write_recipe(tmp_path)), "--learning_rate", "fast"])
+    assert "usage:" not in bad_value.stderr and len(bad_value.stderr.strip().splitlines()) <= 3
 
 
 def test_zero_batch_size(tmp_path):

@@ -36,9 +36,14 @@ def trained(tmp_path_factory) -> Path:
 
 def evaluate(model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     env = {**cli_env(), "WANDB_MODE": "offline"}
-    result = subprocess.run([sys.executable, "eval/run.py", "--model", str(model), "--tasks", "sft_demo",
-                             "--device", "cpu", "--batch-size", "16", *extra], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=900)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "eval/run.py", "--model", str(model), "--tasks", "sft_demo", "--batch-size", "16", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip  (no --device: the CPU is found, as in README)
     files = sorted((model / "eval").glob("results_*.json")) if (model / "eval").exists() else []
     return result, json.loads(files[-1].read_text()) if files else None
 
