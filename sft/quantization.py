@@ -6,13 +6,14 @@ weights go:
 
 - ZeRO-0/1/2 or no DeepSpeed: each rank loads the whole quantized model onto its own GPU (`device_map`), or onto the
   CPU on a machine without one (bitsandbytes 0.46+ runs 4-bit on the CPU).
-- ZeRO-3: no `device_map` (transformers refuses one under ZeRO-3). The 4-bit weights replace `zero.Init`'s
-  partitioned ones, so each rank first holds the whole 4-bit model in host memory; DeepSpeed's engine partitions them
-  when it starts (measured on CPU: a rank keeps half of each packed weight), so the GPU only ever holds a rank's share
-  plus the layers gathered in flight. ZeRO-3 keeps one flat buffer per dtype, so the 4-bit weights are packed into the
-  dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's DeepSpeed guide sets it by hand); a
-  `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8 keeps row statistics outside the
-  parameter) cannot be partitioned and are refused under ZeRO-3.
+- ZeRO-3: no `device_map` (transformers refuses one under ZeRO-3). transformers' bitsandbytes loader then puts the
+  whole 4-bit model on this process's GPU (on the CPU without one), replacing `zero.Init`'s partitioned weights;
+  DeepSpeed's engine partitions them when it starts (on CPU: a rank of two keeps half of each packed weight). So the
+  load, not training, sets the peak of a large model: the whole 4-bit model on every GPU (`sft.plan`'s "model load";
+  measured at the 70B widths, benchmarks/results/qlora_70b). ZeRO-3 keeps one flat buffer per dtype, so the 4-bit
+  weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's DeepSpeed
+  guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8 keeps row
+  statistics outside the parameter) cannot be partitioned and are refused under ZeRO-3.
 """
 
 from __future__ import annotations
