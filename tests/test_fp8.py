@@ -42,8 +42,8 @@ def test_resolve_refuses_and_decides(monkeypatch):
 def test_config_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"`fp8` must be true, false or `auto`, got 'sometimes'"):
         demo_args(tmp_path, "--fp8", "sometimes")
-    with pytest.raises(SystemExit):  # argparse's choices
-        demo_args(tmp_path, "--fp8_recipe", "blockwise")
+    with pytest.raises(ConfigError, match=r"--fp8_recipe.*invalid choice: 'blockwise' \(choose from 'tensorwise'"):
+        demo_args(tmp_path, "--fp8_recipe", "blockwise")  # argparse's choices, as sft's one-paragraph error
     _, _, args, _ = demo_args(tmp_path)
     assert {"fp8", "compile_decoder_layers"} <= args.auto_settings and args.fp8_recipe == "tensorwise"
 
