@@ -102,6 +102,8 @@ def worker(args) -> None:
 
     deepspeed.runtime.engine.DeepSpeedEngine.step = step
 
+    switches = len({c for c, _ in phases}) > 1  # checkpointing switched between phases
+
     class Probe(TrainerCallback):
         def on_train_begin(self, args_, state, control, **kw):
             current["train_begin"] = allocated()
@@ -109,8 +111,8 @@ def worker(args) -> None:
         def on_step_begin(self, args_, state, control, model=None, **kw):
             ckpt, micro = phases[state.global_step // STEPS_PER_PHASE]
             module = getattr(model, "module", model)
-            if len({c for c, _ in phases}) == 1:
-                pass  # one setting for the whole launch: as the trainer set it up
+            if not switches:  # one setting for the whole launch: as the trainer set it up
+                pass
             elif ckpt:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
@@ -308,11 +310,11 @@ def report(measured: dict, out: Path, tag: str) -> None:
         for step in group["steps"]:
             phases.setdefault((step["activation_checkpointing"], step["micro_batch"]), []).append(step)
         for (ckpt, micro), steps in phases.items():
+            lora = group.get("method", "full") != "full"
             setting = plan.Setting(
                 gpus=group["gpus"], zero_stage=group["zero_stage"], micro_batch=micro, seq_len=group["seq_len"],
-                activation_checkpointing=ckpt, liger=group["liger"],
-                lora_r=LORA_R if group.get("method", "full") != "full" else 0, qlora=group.get("method") == "qlora",
-                lora_dropout=LORA_DROPOUT if group.get("method", "full") != "full" else 0.0,
+                activation_checkpointing=ckpt, liger=group["liger"], lora_r=LORA_R if lora else 0,
+                qlora=group.get("method") == "qlora", lora_dropout=LORA_DROPOUT if lora else 0.0,
             )  # fmt: skip
             e = plan.estimate(shape, setting)
             fwd_bwd = max(s["peak_fwd_bwd"] for s in steps)

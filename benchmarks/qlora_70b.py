@@ -81,9 +81,8 @@ def train_args(model: Path, out: Path, ds: Path, extra: list[str]) -> list[str]:
 def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dict:
     from sft import plan
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({**config, "num_hidden_layers": layers}, f)
-    shape = plan.load_shape(f.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = plan.load_shape(str(write_config(Path(tmp), config, layers)))
     offload = variant.startswith("offload") or variant == "fit_2x24"
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
                            liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant in ("nested", "fit_2x24"),

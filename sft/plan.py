@@ -278,7 +278,13 @@ def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
 
 
 def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
-    """(GPU bytes per GPU, host bytes per node) for weights, gradients and optimizer: DeepSpeed's equations."""
+    """(GPU bytes per GPU, host bytes per node) for weights, gradients and optimizer: DeepSpeed's equations, plus
+    QLoRA's quantization constants, whole on every GPU at any stage."""
+    gpu, cpu = _partitioned_states(shape, s)
+    return gpu + quant_constant_bytes(shape, s), cpu
+
+
+def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -290,14 +296,14 @@ def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
         )
-        return gpu + (0 if s.offload_params else frozen / s.gpus) + quant_constant_bytes(shape, s), cpu
+        return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
     if s.zero_stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
-        return gpu + frozen + quant_constant_bytes(shape, s), cpu
+        return gpu + frozen, cpu
     if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
-        return 4 * p + 12 * p / s.gpus + frozen + quant_constant_bytes(shape, s), 4 * p * per_node * 1.5
+        return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
     # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
-    return 16 * p + frozen + quant_constant_bytes(shape, s), 4 * p * per_node * 1.5
+    return 16 * p + frozen, 4 * p * per_node * 1.5
 
 
 def trainable(shape: ModelShape, s: Setting) -> int:
