@@ -67,11 +67,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import TrainerCallback
 
+    from sft import logs
     from sft.config import parse_args
     from sft.data import load_datasets
     from sft.distributed import init_process_group
     from sft.model import load_model, load_tokenizer
-    from sft.train import setup_logging
     from sft.trainer import Trainer
 
     cuda = torch.cuda.is_available()  # on CPU (a smoke test of this script) every figure reads 0
@@ -82,7 +82,7 @@ def worker(args) -> None:
     phases = json.loads(args.phases)
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(["--config", str(args.recipe)])
-    setup_logging(training_args)
+    logs.setup(training_args)
     train_dataset, _ = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
     model = load_model(model_args, training_args)

@@ -320,6 +320,8 @@ class TrainConfig(SFTConfig):
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
+            # DeepSpeed would find no GPU and warn on every rank "Setting accelerator to CPU. If you have GPU..."
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
         self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
             self.deepspeed, launch.world_size, launch.sp
@@ -381,6 +383,90 @@ def make_parser() -> TrlParser:
     return _Parser(DATACLASSES)
 
 
+# The fields people set most, grouped, for `--help` (a line of sft's where the library's help is vague);
+# `--help-all` prints every field with argparse's full help
+HELP_GROUPS = {
+    "model": {
+        "model_name_or_path": "hub id or local directory of the model (and its tokenizer)",
+        "from_scratch": "random weights from model_name_or_path/config.json (the demo)",
+        "dtype": "dtype the weights load in (bfloat16 on GPUs; the demo float32)",
+        "attn_implementation": "auto: varlen FlashAttention-2 on GPUs, sdpa on CPU; or a backend name",
+        "use_peft": "train LoRA adapters instead of all weights",
+        "lora_r": "LoRA rank",
+        "load_in_4bit": "QLoRA: the base in 4-bit NF4 (needs use_peft and bitsandbytes)",
+    },
+    "data (the lists of sources are recipe keys)": {
+        "datasets": "training sources: a list of {path, name, split, columns, fraction}",
+        "eval_datasets": None,
+        "max_length": "tokens per row (packed rows are filled up to it)",
+        "packing": "pack samples into rows of max_length, padding-free",
+        "assistant_only_loss": "loss on the assistant turns only",
+    },
+    "batch and memory": {
+        "global_batch_size": "rows per optimizer step on any GPU count (sets accumulation)",
+        "tokens_per_step": "the same as a token count (rows x max_length)",
+        "per_device_train_batch_size": "rows per GPU per forward pass; auto: the largest that fits",
+        "activation_checkpointing": "true, false, or auto: only if the memory plan needs it",
+        "sequence_parallel_size": "GPUs sharing each row (long context); auto: the smallest that fits",
+        "plan_gpu_memory_gib": None,
+        "max_gpu_memory_gib": "cap each process's GPU memory (rehearse a smaller GPU)",
+    },
+    "optimizer and schedule": {
+        "learning_rate": "peak learning rate",
+        "lr_scheduler_type": None,
+        "warmup_steps": "steps of linear warm-up (or a fraction of the run if < 1)",
+        "weight_decay": None,
+        "num_train_epochs": None,
+        "max_steps": "stop after this many optimizer steps (overrides num_train_epochs)",
+    },
+    "DeepSpeed and precision": {
+        "deepspeed": "a DeepSpeed config (ds_configs/zero2.json, zero3.json, *_offload.json) or none",
+        "bf16": "bf16 mixed precision (on GPUs)",
+        "fp8": "FP8 linears (torchao): true, false, or auto (H100/H200, where faster)",
+    },
+    "output and resume": {
+        "output_dir": "where the model, checkpoints and metrics.jsonl go (never overwritten)",
+        "resume_from_checkpoint": "auto: newest complete checkpoint in output_dir; a path; or none",
+        "save_steps": "save a checkpoint every N steps",
+        "save_total_limit": "keep this many checkpoints",
+    },
+    "logging and evaluation": {
+        "logging_steps": "log every N steps (metrics.jsonl, tensorboard, wandb)",
+        "report_to": "none, tensorboard, wandb (WANDB_MODE=offline without network)",
+        "eval_strategy": "no, steps or epoch",
+        "seed": "seed of the weights (from_scratch), data order and dropout",
+    },
+}
+
+USAGE = """usage: python sft/train.py --config RECIPE.yaml [--FIELD VALUE ...]
+       torchrun --nproc_per_node N sft/train.py --config ...      sft train --nproc-per-node N --config ...
+
+Fine-tune a causal LM from a YAML recipe (e.g. recipes/demo.yaml). Every recipe field is also a flag, and a flag
+overrides the recipe: --learning_rate 1e-5, --deepspeed ds_configs/zero3.json (or none), --output_dir outputs/x."""
+
+
+def _first_sentence(text: str, width: int = 72) -> str:
+    text = " ".join((text or "").split())
+    cut = text.find(". ")
+    text = (text if cut < 0 else text[:cut]).rstrip(".")
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
+
+
+def short_help(parser: TrlParser) -> str:
+    """`--help`: usage with `--config`, then the most used fields by group, each with one line and its default."""
+    actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+    lines = [USAGE, ""]
+    for group, fields in HELP_GROUPS.items():
+        lines.append(f"{group}:")
+        for name, line in fields.items():
+            action = actions[name]
+            default = "" if action.default in (None, [], "") else f" [{action.default}]"
+            lines.append(f"  --{name:<28} {line or _first_sentence(action.help)}{default}")
+        lines.append("")
+    lines.append(f"{len(actions)} fields in all: `--help-all` lists every one (TRL's, transformers' and sft's).")
+    return "\n".join(lines)
+
+
 def _check_flags(parser: TrlParser, args: list[str]) -> None:
     """An unknown command-line flag is one paragraph naming the closest real ones, not argparse's usage dump."""
     known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
@@ -427,6 +513,9 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
 
     args = list(sys.argv[1:] if args is None else args)
     parser = make_parser()
+    if "-h" in args or "--help" in args or "--help-all" in args:
+        print(parser.format_help() if "--help-all" in args else short_help(parser))
+        raise SystemExit(0)
     _check_flags(parser, args)
     _check_recipe(parser, args)
     try:

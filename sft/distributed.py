@@ -58,7 +58,7 @@ def init_process_group(timeout_s: int | None = None) -> None:
     )
 
 
-PER_RANK_FIELDS = {"local_rank", "logging_dir"}
+PER_RANK_FIELDS = {"local_rank", "logging_dir", "disable_tqdm"}  # disable_tqdm: sft.logs, by terminal
 
 
 def check_ranks_agree(fingerprint: dict, *arguments) -> None:

@@ -99,22 +99,84 @@ class ModelShape:
         return r * per_layer * self.layers
 
 
+SHIPPED_CONFIGS = Path(__file__).with_name("model_configs.json")
+HUB_PROBE_SECONDS = 3.0
+
+
+def shipped_config(model: str) -> dict | None:
+    """The architecture of a common hub model shipped with sft (Llama 3.x, Qwen2.5/3, Mistral, Gemma 2), so the
+    planner needs no network for them; `-Instruct`/`-it` variants have their base model's shape."""
+    configs = {key.lower(): value for key, value in json.loads(SHIPPED_CONFIGS.read_text()).items()}
+    name = model.strip().lower()
+    for suffix in ("", "-instruct", "-it"):
+        if suffix and name.endswith(suffix) and name[: -len(suffix)] in configs:
+            return configs[name[: -len(suffix)]]
+        if not suffix and name in configs:
+            return configs[name]
+    return None
+
+
+def _hub_reachable() -> str | None:
+    """None if the hub answers a TCP connection within a few seconds, else why not (offline mode, no route)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE") == "1":
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as e:
+        return f"{url.hostname} did not answer within {HUB_PROBE_SECONDS:.0f} s: {e}"
+    return None
+
+
+def load_config(model: str, trust_remote_code: bool = False):
+    """A transformers config from a config.json, a model directory, a shipped hub id, or the hub (config only)."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    shipped = None if path.exists() else shipped_config(model)
+    try:
+        if path.is_file():
+            return AutoConfig.for_model(**json.loads(path.read_text()))
+        if path.is_dir():
+            return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        if shipped is not None:
+            return AutoConfig.for_model(**shipped)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise ConfigError(f"memory plan: cannot read a model config from {model!r} ({e}).") from e
+    names = ", ".join(key for key in json.loads(SHIPPED_CONFIGS.read_text()) if not key.startswith("_"))
+    if "/" not in model:
+        raise ConfigError(
+            f"memory plan: {model!r} is neither a file, a directory nor a hub id (owner/name). Give a config.json, "
+            f"a model directory, or one of the models sft knows offline: {names}."
+        )
+    offline = _hub_reachable()
+    if offline:
+        try:  # the hub's cache may hold it
+            return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+        raise ConfigError(
+            f"memory plan: {model!r} is a hub id sft has no config for, and the hub cannot be reached ({offline}). "
+            f"Give its config.json or model directory, or one of the models sft knows offline: {names}."
+        )
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"memory plan: the hub has no readable config for {model!r} ({e}).") from e
+
+
 def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = Path(model)
-    try:
-        if path.is_file():
-            config = AutoConfig.for_model(**json.loads(path.read_text()))
-        else:
-            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise ConfigError(
-            f"memory plan: cannot read a model config from {model!r} ({e}). Give a config.json, a model directory "
-            "or a hub id."
-        ) from e
+    config = load_config(model, trust_remote_code)
     text = config.get_text_config()
     from sft.engines.deepspeed import outside_zero_init
 
@@ -559,6 +621,29 @@ def cap_gpu_memory(gib: float | None) -> float | None:
     return fraction
 
 
+# GPU sizes `--suggest` answers for when there is no GPU here and no --gpu-memory: 24 GB cards, A100 40/80 GB,
+# H100 80 GB, H200 141 GB
+COMMON_GPU_GIB = (24, 40, 80, 141)
+
+
+def gpu_size_table(shape: ModelShape, setting: Setting, result: Estimate, args, host: float) -> str:
+    """Whether the setting fits, and the fastest that does, on each of the common GPU sizes (one table)."""
+    sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+    lines = [
+        f"No GPU here and no --gpu-memory: the common GPU sizes (headroom {args.headroom:.0%}).",
+        "| GPU GiB | as given | fastest setting that fits | its peak GiB |",
+        "| --- | --- | --- | --- |",
+    ]
+    for gib in COMMON_GPU_GIB:
+        fits = "fits" if result.fits(gib * GiB, args.headroom, host) else "does NOT fit"
+        best = suggest(shape, setting, gib * GiB, args.headroom, sp_choices=sp_choices, host_memory=host)
+        if best is None:
+            lines.append(f"| {gib} | {fits} | nothing fits | - |")
+        else:
+            lines.append(f"| {gib} | {fits} | {best.setting.describe()} | {best.peak / GiB:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
@@ -623,8 +708,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(setting.describe())
     print(result.table())
     rc = 0
-    if memory is None:
-        print("No GPU here and no --gpu-memory: cannot say whether it fits.")
+    if memory is None and args.suggest:
+        print(gpu_size_table(shape, setting, result, args, host))
+    elif memory is None:
+        print("No GPU here and no --gpu-memory: say the GPU's GiB (--gpu-memory 80), or add --suggest for a table of "
+              f"{', '.join(f'{g:g}' for g in COMMON_GPU_GIB)} GiB GPUs.")  # fmt: skip
     else:
         usable = memory * (1 - args.headroom)
         fits = result.fits(memory, args.headroom, host)

@@ -203,9 +203,8 @@ def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = F
     if memory is None:
         if auto:
             logger.info(
-                "No GPU to plan for: %s set to micro batch 1 / no activation checkpointing, offloading or tiling (set "
-                "plan_gpu_memory_gib to plan for a GPU).",
-                " and ".join(sorted(auto)),
+                "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
+                "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
         return micro, tools, sp
     if not training_args.max_length:

@@ -17,27 +17,14 @@ from sft.errors import SFTError
 logger = logging.getLogger("sft")
 
 
-def setup_logging(training_args) -> None:
-    import datasets
-    import transformers
-
-    level = training_args.get_process_log_level()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
-    # sft's own messages: info and up from the main process, errors only from the other ranks
-    logger.setLevel(logging.INFO if training_args.process_index == 0 else logging.ERROR)
-    datasets.utils.logging.set_verbosity(level)
-    transformers.utils.logging.set_verbosity(level)
-    if training_args.process_index != 0:
-        datasets.utils.logging.disable_progress_bar()
-
-
 def main(argv: list[str] | None = None) -> None:
+    from sft import logs
     from sft.config import parse_args
     from sft.distributed import check_ranks_agree, init_process_group
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
-    setup_logging(training_args)
+    logs.setup(training_args)
 
     from trl import get_peft_config
 

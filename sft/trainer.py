@@ -88,6 +88,10 @@ class Trainer(SFTTrainer):
             self.metrics_log.keep_until(step)
         self.trace.keep_until(step)
         self.preemption.install()
+        if self.is_deepspeed_enabled:
+            logger.info(
+                "Starting the DeepSpeed engine (ZeRO-%d), then training", ds_engine.zero_setup(self.args).stage
+            )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -50,8 +50,30 @@ def zero_runs(tmp_path_factory, init_model):
             nproc=2,
         )
         assert_ok(result)
+        (out / "console.txt").write_text(result.stdout + result.stderr)  # what the user saw, for the log checks
         runs[stage] = out
     return runs
+
+
+# What a 40-step 2-process demo run may print (stdout + stderr, torchrun's banner included). Measured after
+# sft.logs: 26 lines (8 of them training/eval logs); before it a 60-step ZeRO-3 demo printed 8,329 lines.
+CONSOLE_LINES_BOUND = 40
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_console_is_short_and_plain(zero_runs, stage):
+    """Under a bound of lines, no per-call deprecation warnings, DeepSpeed's per-rank prints once (main process),
+    and no progress-bar carriage returns or cursor escape codes in a log that is not a terminal."""
+    text = (zero_runs[stage] / "console.txt").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= CONSOLE_LINES_BOUND, "\n".join(lines)
+    assert "FutureWarning:" not in text and "return func(" not in text
+    assert "\x1b[" not in text and "\r" not in text
+    assert text.count("built successfully") <= 1 and "Setting accelerator to CPU" not in text
+    assert sum("'loss'" in line for line in lines) == STEPS // LOG_EVERY  # each training log is one line
+    assert f"Starting the DeepSpeed engine (ZeRO-{stage})" in text
+    if stage == 3:
+        assert "inside deepspeed.zero.Init" in text
 
 
 @pytest.mark.parametrize("stage", [2, 3])
