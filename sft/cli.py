@@ -1,6 +1,6 @@
 """`sft`: one command for sft's tools; each subcommand is the module that `python -m` runs too.
 
-sft train --config recipes/demo.yaml                 # one process; several: torchrun --nproc_per_node N -m sft train
+sft train --nproc-per-node 2 --config recipes/demo.yaml  # starts 2 workers (torchrun's agent); without: 1 process
 sft plan --model recipes/demo/model --gpus 2 --gpu-memory 80 --suggest
 sft batch --global-batch-size 128 --world-size 8 --per-device-batch-size 2
 sft merge --adapter outputs/run --output outputs/run-merged

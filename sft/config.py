@@ -442,7 +442,9 @@ USAGE = """usage: python sft/train.py --config RECIPE.yaml [--FIELD VALUE ...]
        torchrun --nproc_per_node N sft/train.py --config ...      sft train --nproc-per-node N --config ...
 
 Fine-tune a causal LM from a YAML recipe (e.g. recipes/demo.yaml). Every recipe field is also a flag, and a flag
-overrides the recipe: --learning_rate 1e-5, --deepspeed ds_configs/zero3.json (or none), --output_dir outputs/x."""
+overrides the recipe: --learning_rate 1e-5, --deepspeed ds_configs/zero3.json (or none), --output_dir outputs/x.
+`sft train` starts the worker processes itself with torchrun's flags --nproc-per-node N (--nnodes, --node-rank,
+--master-addr, --master-port, --max-restarts)."""
 
 
 def _first_sentence(text: str, width: int = 72) -> str:

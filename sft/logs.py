@@ -48,11 +48,6 @@ def setup(training_args) -> None:
     transformers.utils.logging.set_verbosity(level)
     for category, message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    if training_args.deepspeed:
-        logger.info(
-            "Not showing torch's FutureWarning that the collectives DeepSpeed calls on every step are deprecated "
-            "(harmless; sft.logs.HARMLESS_WARNINGS)"
-        )
     if not main and level > logging.INFO:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout from here on)
     if not main or not is_terminal():
@@ -60,4 +55,3 @@ def setup(training_args) -> None:
         transformers.utils.logging.disable_progress_bar()
     if not is_terminal():
         training_args.disable_tqdm = True  # transformers prints each log as one line instead of a progress bar
-

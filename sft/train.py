@@ -77,16 +77,31 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         main(argv)
     except SFTError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"sft: error: {e}", file=sys.stderr, flush=True)
+        from sft.launch import report_error
+
+        report_error(str(e))
         return 2
     return 0
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The process entry point: train, then leave with the exit code (see `sft.distributed.leave`)."""
+    """The process entry point: train, then leave with the exit code (see `sft.distributed.leave`). With launcher
+    flags (`--nproc-per-node N`, `sft.launch`), start that many worker processes that each run this instead."""
+    from sft import launch
     from sft.distributed import leave
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        launcher_args, train_args = launch.split_args(argv)
+    except SFTError as e:
+        print(f"sft: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if launcher_args:
+        if "LOCAL_RANK" in os.environ:
+            print("sft: error: --nproc-per-node starts worker processes; this already is one (under torchrun or "
+                  "deepspeed). Drop the launcher flags.", file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(2)
+        sys.exit(launch.launch(launcher_args, train_args))
     try:
         code = cli(argv)
     except SystemExit as e:  # a preempted run's exit code

@@ -90,7 +90,9 @@ class Trainer(SFTTrainer):
         self.preemption.install()
         if self.is_deepspeed_enabled:
             logger.info(
-                "Starting the DeepSpeed engine (ZeRO-%d), then training", ds_engine.zero_setup(self.args).stage
+                "Starting the DeepSpeed engine (ZeRO-%d), then training (torch's FutureWarning that the collectives "
+                "DeepSpeed calls are deprecated is not shown: harmless, sft.logs)",
+                ds_engine.zero_setup(self.args).stage,
             )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 

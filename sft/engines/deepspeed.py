@@ -151,8 +151,9 @@ def prepare_model_build(training_args) -> bool:
     logger.info(
         "Starting DeepSpeed's process group, then building the model%s%s",
         " inside deepspeed.zero.Init (ZeRO-3 partitions the weights as they are made)" if stage3 else "",
-        "" if torch.cuda.is_available() else "; a first run on a machine compiles DeepSpeed's CPU communication op "
-        "(about 30 s)",
+        ""
+        if torch.cuda.is_available()
+        else "; a first run on a machine compiles DeepSpeed's CPU communication op (about 30 s)",
     )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return stage3

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import DEMO, ROOT, read_jsonl, run_cli
+from tests.conftest import DEMO, ROOT, cli_env, read_jsonl, run_cli
 
 STEPS, LOG_EVERY = 40, 5
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
@@ -52,6 +54,11 @@ def zero_runs(tmp_path_factory, init_model):
         assert_ok(result)
         (out / "console.txt").write_text(result.stdout + result.stderr)  # what the user saw, for the log checks
         runs[stage] = out
+    runs["args"] = lambda stage: (
+        DEMO
+        + ["--model_name_or_path", str(init_model), "--from_scratch", "false"]
+        + ["--output_dir", str(runs[stage]), "--deepspeed", f"ds_configs/zero{stage}.json", "--max_steps", str(STEPS)]
+    )
     return runs
 
 
@@ -154,3 +161,17 @@ def test_single_process_with_tensorboard_and_wandb_offline(tmp_path):
     record = next(runs[0].glob("*.wandb")).read_bytes()
     assert all(key in record for key in (b"train/mfu", b"train/tflops_per_gpu", b"train/tokens_per_second_per_gpu"))
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 4
+
+
+def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zero_runs):
+    """`sft train --nproc-per-node 2` (torchrun's agent as a library): a configuration error in the workers is one
+    paragraph, printed last, and exit code 2, not torchrun's exit 1 under its ChildFailedError report."""
+    result = subprocess.run(
+        [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", *zero_runs["args"](2)],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert lines[-1].startswith("sft: error: `output_dir`") and "already holds" in lines[-1]
+    assert sum(line.startswith("sft: error:") for line in lines) == 1
+    assert len(lines) <= 4 and "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr

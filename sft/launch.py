@@ -1,0 +1,117 @@
+"""`sft train --nproc-per-node N ...`: start the worker processes from the `sft` command itself.
+
+torchrun's elastic agent used as a library, the way `accelerate launch` and `trl` do it: the same rendezvous,
+environment and restarts as `torchrun --standalone --nproc_per_node N -m sft train ...` (which keeps working, as does
+`torchrun sft/train.py`). What this adds is the end of a failed run:
+
+- a configuration error (exit code 2 in the workers) is printed once, as the last line, and the command exits 2
+  instead of torchrun's 1 after its ~40-line ChildFailedError report: the workers write their one-paragraph error
+  to the file in `ERROR_FILE_ENV` instead of printing it;
+- a run stopped on a signal with a complete checkpoint exits 75, like a single process;
+- any other failure names the rank and exit code in one line (the worker's traceback is above it) and exits 1.
+
+torchrun's OMP_NUM_THREADS default (1 per worker, when unset) is kept, without its banner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from sft.errors import ConfigError
+
+ERROR_FILE_ENV = "SFT_ERROR_FILE"
+# sft train's launcher flags -> torchrun's; each takes a value (`--flag v` or `--flag=v`), `-` or `_` spelling
+LAUNCHER_FLAGS = {
+    "nproc-per-node": "--nproc-per-node",
+    "nnodes": "--nnodes",
+    "node-rank": "--node-rank",
+    "master-addr": "--master-addr",
+    "master-port": "--master-port",
+    "max-restarts": "--max-restarts",
+}
+USAGE = (
+    "sft train [--nproc-per-node N [--nnodes N --node-rank R --master-addr A --master-port P] [--max-restarts K]] "
+    "--config RECIPE.yaml [--FIELD VALUE ...]"
+)
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's flags, the training arguments) from `sft train`'s command line."""
+    launcher, rest = [], []
+    i = 0
+    while i < len(argv):
+        flag, _, value = argv[i].partition("=")
+        name = flag[2:].replace("_", "-") if flag.startswith("--") else None
+        if name not in LAUNCHER_FLAGS:
+            rest.append(argv[i])
+            i += 1
+            continue
+        if not value:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"`{flag}` needs a value, e.g. {flag} 2. Usage: {USAGE}")
+            value = argv[i + 1]
+            i += 1
+        launcher += [LAUNCHER_FLAGS[name], value]
+        i += 1
+    return launcher, rest
+
+
+def launch(launcher_args: list[str], train_args: list[str]) -> int:
+    """Run `sft train` in `--nproc-per-node` worker processes on this node; the exit code of the run."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from sft.checkpoint import PREEMPTED_EXIT_CODE
+
+    try:
+        args = torchrun.get_args_parser().parse_args([*launcher_args, "--module", "sft", "train", *train_args])
+    except SystemExit as e:
+        raise ConfigError(f"the launcher flags {' '.join(launcher_args)} are not valid. Usage: {USAGE}") from e
+    if torchrun.parse_min_max_nnodes(args.nnodes) == (1, 1) and "--master-port" not in launcher_args:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # standalone
+    if args.master_port is None:
+        args.master_port = 29500
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers, without its banner
+    with tempfile.TemporaryDirectory(prefix="sft-launch-") as tmp:
+        error_file = Path(tmp) / "error.txt"
+        os.environ[ERROR_FILE_ENV] = str(error_file)
+        config, cmd, cmd_args = torchrun.config_from_args(args)
+        # the agent's own failure report (a ~40-line ChildFailedError) is replaced by the lines below
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        try:
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            return 0
+        except ChildFailedError as e:
+            message = error_file.read_text().strip() if error_file.exists() else ""
+            codes = {failure.exitcode for failure in e.failures.values()}
+            if message:
+                print(f"sft: error: {message}", file=sys.stderr, flush=True)
+                return 2
+            if codes == {PREEMPTED_EXIT_CODE}:
+                print("sft: stopped on a signal with a complete checkpoint; run the same command to continue.",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return PREEMPTED_EXIT_CODE
+            rank, failure = min(e.failures.items())
+            print(f"sft: worker rank {rank} failed with exit code {failure.exitcode} (its output is above); "
+                  f"{len(e.failures)} of {config.nproc_per_node * config.max_nodes} workers failed.",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        finally:
+            os.environ.pop(ERROR_FILE_ENV, None)
+
+
+def report_error(message: str) -> None:
+    """A worker's configuration error: into the launcher's file (it prints it last) or, without one, on stderr
+    from the main process. One local rank writes it: every rank raises the same error."""
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            Path(error_file).write_text(message)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        print(f"sft: error: {message}", file=sys.stderr, flush=True)

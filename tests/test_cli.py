@@ -1,0 +1,102 @@
+"""The command line a new user meets: `--help` and `--help-all`, `sft train`'s launcher flags, the planner offline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sft import launch, plan
+from sft.config import HELP_GROUPS, make_parser
+from sft.errors import ConfigError
+from tests.conftest import ROOT, cli_env
+from tests.conftest import run_cli_in_process as run_cli
+
+
+def test_help_is_short_grouped_and_names_config():
+    result = run_cli(["--help"])
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and result.stderr == ""
+    assert lines[0].startswith("usage: python sft/train.py --config RECIPE.yaml")
+    assert len(lines) <= 70
+    fields = {action.dest for action in make_parser()._actions}
+    shown = [name for group in HELP_GROUPS.values() for name in group]
+    assert 30 <= len(shown) <= 45 and set(shown) <= fields  # every line is a real field
+    for group, names in HELP_GROUPS.items():
+        assert f"{group}:" in lines
+        assert all(any(line.startswith(f"  --{name} ") for line in lines) for name in names)
+    assert "--nproc-per-node" in result.stdout and "--help-all" in lines[-1]
+
+
+def test_help_all_lists_every_field():
+    result = run_cli(["--help-all"])
+    assert result.returncode == 0
+    fields = {action.dest for action in make_parser()._actions} - {"help"}
+    assert all(f"--{name}" in result.stdout for name in fields) and len(fields) > 150
+
+
+def test_help_from_the_script_and_the_command():
+    for cmd in ([sys.executable, "sft/train.py", "--help"], [sys.executable, "-m", "sft", "train", "--help"]):
+        result = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.startswith("usage: python sft/train.py --config")
+        assert len(result.stdout.splitlines()) <= 70
+
+
+def test_launcher_flags_are_split_from_training_arguments():
+    launcher, rest = launch.split_args(
+        ["--nproc-per-node", "2", "--config", "r.yaml", "--nproc_per_node=4", "--max-restarts", "1", "--lr", "x"]
+    )
+    assert launcher == ["--nproc-per-node", "2", "--nproc-per-node", "4", "--max-restarts", "1"]
+    assert rest == ["--config", "r.yaml", "--lr", "x"]
+    with pytest.raises(ConfigError, match="`--nproc-per-node` needs a value"):
+        launch.split_args(["--nproc-per-node", "--config", "r.yaml"])
+
+
+def test_launcher_flags_inside_a_worker_are_refused():
+    result = subprocess.run(
+        [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", "--config", "recipes/demo.yaml"],
+        cwd=ROOT, env={**cli_env(), "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "this already is one" in result.stderr
+
+
+# Published parameter counts (model cards) of the configs shipped for the planner
+PUBLISHED_BILLIONS = {
+    "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
+    "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-72B": 72.7, "Qwen/Qwen3-8B": 8.2,
+    "Qwen/Qwen3-32B": 32.8, "mistralai/Mistral-7B-v0.3": 7.25, "google/gemma-2-9b": 9.24,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_BILLIONS))
+def test_shipped_configs_have_the_published_sizes(model, monkeypatch):
+    monkeypatch.setattr(plan, "_hub_reachable", lambda: pytest.fail("a shipped model must not touch the hub"))
+    shape = plan.load_shape(model)
+    assert shape.n_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[model], rel=0.01)
+    assert plan.load_shape(model.upper() + "-Instruct").n_params == shape.n_params  # any case, -Instruct variants
+
+
+def test_planner_offline_fails_fast_naming_what_it_knows(capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert plan.main(["--model", "some-org/some-model"]) == 2
+    err = capsys.readouterr().err
+    assert "hub id sft has no config for" in err and "HF_HUB_OFFLINE is set" in err
+    assert "meta-llama/Llama-3.1-8B" in err  # the shipped ones are named
+    assert plan.main(["--model", "not-a-path-or-id"]) == 2
+    assert "neither a file, a directory nor a hub id" in capsys.readouterr().err
+
+
+def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
+    monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
+    args = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8", "--zero", "3", "--seq-len", "4096"]
+    assert plan.main([*args, "--micro-batch", "2", "--liger", "--suggest"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
+    assert [int(row.split("|")[1]) for row in rows] == list(plan.COMMON_GPU_GIB)
+    assert "does NOT fit" in rows[0] and "| 141 | fits |" in rows[-1]
+    peaks = [float(row.split("|")[4]) for row in rows]
+    assert all(peak <= gib * 0.9 for peak, gib in zip(peaks, plan.COMMON_GPU_GIB, strict=True))
+    assert plan.main(args) == 0 and "add --suggest for a table" in capsys.readouterr().out
