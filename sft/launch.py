@@ -64,6 +64,7 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def launch(launcher_args: list[str], train_args: list[str]) -> int:
     """Run `sft train` in `--nproc-per-node` worker processes on this node; the exit code of the run."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -102,6 +103,9 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
                   f"{len(e.failures)} of {config.nproc_per_node * config.max_nodes} workers failed.",
                   file=sys.stderr, flush=True)  # fmt: skip
             return 1
+        except SignalException as e:  # the agent passed the signal on to the workers and stopped them
+            print(f"sft: stopped by {e.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
+            return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
 
