@@ -20,7 +20,7 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from sft import quantization
+from sft import logs, quantization
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.fp8 import RECIPES as FP8_RECIPES
@@ -320,8 +320,7 @@ class TrainConfig(SFTConfig):
             # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
-            # DeepSpeed would find no GPU and warn on every rank "Setting accelerator to CPU. If you have GPU..."
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            logs.quiet_accelerator_detection()
         launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
         self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
             self.deepspeed, launch.world_size, launch.sp

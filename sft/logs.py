@@ -55,3 +55,12 @@ def setup(training_args) -> None:
         transformers.utils.logging.disable_progress_bar()
     if not is_terminal():
         training_args.disable_tqdm = True  # transformers prints each log as one line instead of a progress bar
+
+
+def quiet_accelerator_detection() -> None:
+    """Without a GPU, tell DeepSpeed it is the CPU before it looks: otherwise every process that imports it warns
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from sft import logs
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -674,6 +675,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "--longest", action="store_true", help="Also the longest row that fits (this ZeRO setting, any sp and tools)"
     )
     args = parser.parse_args(argv)
+    logs.quiet_accelerator_detection()
     try:
         shape = load_shape(args.model)
         setting = Setting(

@@ -1,4 +1,6 @@
-"""eval/run.py (lm-eval's simple_evaluate) and the lm_eval CLI on sft's output directories, with the local task."""
+"""eval/run.py (lm-eval's simple_evaluate) on sft's output directories, with the local task.
+
+README's `lm_eval` CLI line runs as written in test_readme.py."""
 
 from __future__ import annotations
 
@@ -63,17 +65,6 @@ def test_eval_beats_the_untrained_model_and_logs_to_the_runs_wandb(trained, untr
     assert records and b"eval/sft_demo/exact_match" in records[0].read_bytes()  # offline: the run's record file
     again, _ = evaluate(trained, "--limit", "8")  # a second evaluation adds files, never replaces the first
     assert again.returncode == 0 and len(list((trained / "eval").glob("results_*.json"))) == 2
-
-
-def test_lm_eval_cli_on_the_output_directory(trained):
-    result = subprocess.run(
-        ["lm_eval", "--model", "hf", "--model_args", f"pretrained={trained}", "--include_path", "eval/tasks",
-         "--tasks", "sft_demo", "--apply_chat_template", "--device", "cpu", "--limit", "40", "--batch_size", "8"],
-        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    row = next(line for line in result.stdout.splitlines() if line.startswith("|sft_demo"))
-    assert "exact_match" in row
 
 
 def test_an_adapter_is_merged_then_evaluated(untrained, tmp_path):
