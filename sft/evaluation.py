@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from sft import logs
 from sft.errors import ConfigError, SFTError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--limit", type=float, default=None, help="Examples per task (or a fraction)")
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     args = parser.parse_args(argv)
+    logs.quiet_accelerator_detection()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         results, model_dir = evaluate(args)

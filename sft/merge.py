@@ -18,6 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
+from sft import logs
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError, SFTError
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--base", help="Base model (default: the adapter's base_model_name_or_path)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
+    logs.quiet_accelerator_detection()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         out = merge(args.adapter, args.output, args.base, args.dtype)
