@@ -7,11 +7,14 @@ a data set exists runs here, so a bad value fails in seconds with a message that
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib.util
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -307,6 +310,16 @@ class TrainConfig(SFTConfig):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"`{name}` must be >= 1, got {value}.")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(
+                "`max_steps` must be a positive number of optimizer steps, or -1 to train for `num_train_epochs`, "
+                f"got {self.max_steps}."
+            )
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            raise ConfigError(
+                f"`num_train_epochs` must be > 0 (or set `max_steps`), got {self.num_train_epochs}: nothing would "
+                "train."
+            )
         if self.learning_rate < 0:
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
@@ -484,28 +497,136 @@ def _check_flags(parser: TrlParser, args: list[str]) -> None:
         raise ConfigError(f"unknown flag `{flag}`: {fix} Every field of `python sft/train.py --help` is a flag.")
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_recipe(path: Path) -> dict:
+    """The recipe's mapping; a missing file, invalid YAML, a key given twice or a non-mapping is a ConfigError."""
+    if not path.is_file():
+        raise ConfigError(f"`--config`: no such file {str(path)!r}. Recipes live in recipes/, e.g. recipes/demo.yaml.")
+    try:
+        recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{path}: key `{e.key}` is given twice (lines {e.first} and {e.again}); YAML would silently keep the "
+            "second. Keep one of them."
+        ) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"`--config`: {path} is not valid YAML: {e}") from e
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"`--config`: {path} must hold a YAML mapping of field: value, got {type(recipe).__name__}.")
+    return recipe
+
+
+SOURCE_KEYS = [f.name for f in dataclasses.fields(DatasetConfig)]
+
+
+def _check_sources(path: Path, key: str, value) -> None:
+    """`datasets` / `eval_datasets`: a list of mappings with a `path` and only DatasetConfig's keys."""
+    example = f"{key}:\n  - path: data/train.jsonl"
+    if not isinstance(value, list):
+        raise ConfigError(
+            f"{path}: `{key}` must be a list of sources, got {type(value).__name__} {value!r}. Write it as\n{example}"
+        )
+    for i, source in enumerate(value):
+        if not isinstance(source, dict):
+            raise ConfigError(f"{path}: `{key}[{i}]` must be a mapping with a `path`, got {source!r}. E.g.\n{example}")
+        for name in source:
+            if name not in SOURCE_KEYS:
+                hint = difflib.get_close_matches(str(name), SOURCE_KEYS, n=1)
+                fix = f"did you mean `{hint[0]}`?" if hint else f"a source has {', '.join(SOURCE_KEYS)}."
+                raise ConfigError(f"{path}: `{key}[{i}]` has an unknown key `{name}` (value {source[name]!r}); {fix}")
+        if not source.get("path"):
+            raise ConfigError(f"{path}: `{key}[{i}]` has no `path` (a file, directory or hub id): {source!r}.")
+
+
+def _check_value(field: str, value, kind, where: str) -> None:
+    """A number field's value: a whole number for int fields, a finite number for float ones (strings that argparse
+    will convert are checked as converted)."""
+    if value is None or kind not in (int, float):
+        return
+    converted = value
+    if isinstance(value, str):
+        try:
+            converted = kind(value)
+        except ValueError:
+            converted = None
+    bad = isinstance(converted, bool) or not isinstance(converted, (int, float))
+    if kind is int and isinstance(converted, float):
+        bad = True
+    if not bad and not math.isfinite(converted):
+        bad = True
+    if bad:
+        wanted = "a whole number" if kind is int else "a finite number"
+        raise ConfigError(f"{where}`{field}` must be {wanted}, got {value!r}.")
+
+
 def _check_recipe(parser: TrlParser, args: list[str]) -> None:
-    """Reject a missing recipe file or a key no dataclass knows, before TrlParser turns it into a flag."""
+    """Reject a missing or malformed recipe, a key given twice, a key no dataclass knows, malformed data sources and
+    number fields of the wrong kind, before TrlParser turns them into flags."""
     if "--config" not in args:
         return
     index = args.index("--config")
     if index + 1 >= len(args):
         raise ConfigError("`--config` needs a path to a YAML recipe, e.g. --config recipes/demo.yaml.")
     path = Path(args[index + 1])
-    if not path.is_file():
-        raise ConfigError(f"`--config`: no such file {str(path)!r}. Recipes live in recipes/, e.g. recipes/demo.yaml.")
-    try:
-        recipe = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"`--config`: {path} is not valid YAML: {e}") from e
-    if not isinstance(recipe, dict):
-        raise ConfigError(f"`--config`: {path} must hold a YAML mapping of field: value, got {type(recipe).__name__}.")
-    known = {action.dest for action in parser._actions} | {"env"}
-    for key in recipe:
+    recipe = read_recipe(path)
+    actions = {action.dest: action for action in parser._actions}
+    known = set(actions) | {"env"}
+    for key, value in recipe.items():
         if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
+            hint = difflib.get_close_matches(str(key), known, n=1)
             fix = f"did you mean `{hint[0]}`?" if hint else "remove it, or see `python sft/train.py --help`."
-            raise ConfigError(f"{path}: unknown key `{key}` (value {recipe[key]!r}); {fix}")
+            raise ConfigError(f"{path}: unknown key `{key}` (value {value!r}); {fix}")
+        if key in ("datasets", "eval_datasets"):
+            _check_sources(path, key, value)
+        elif key != "env":
+            _check_value(key, value, actions[key].type, f"{path}: ")
+
+
+def _name_the_field(message: str, parser: TrlParser, args: list[str]) -> str:
+    """transformers' value errors ("cosin is not a valid SchedulerType") with the field whose value they quote."""
+    given = {}
+    if "--config" in args and args.index("--config") + 1 < len(args):
+        given.update(read_recipe(Path(args[args.index("--config") + 1])))
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag.startswith("--") and flag != "--config":
+            given[flag[2:]] = value
+    for key, value in given.items():
+        text = str(value)
+        if isinstance(value, (str, int, float)) and len(text) > 1 and re.search(rf"\b{re.escape(text)}\b", message):
+            return f"`{key}: {text}`: {message}"
+    return f"invalid configuration: {message}"
+
+
+def _check_parsed_values(*arguments) -> None:
+    """After parsing, what only the parsed values show: non-finite numbers from the command line, the dtype."""
+    for args in arguments:
+        for f in dataclasses.fields(args):
+            value = getattr(args, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"`{f.name}` must be a finite number, got {value}.")
+    model_args = arguments[-1]
+    dtype = model_args.dtype
+    if dtype not in (None, "auto") and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise ConfigError(f"`dtype` is {dtype!r}, not a torch dtype: use bfloat16, float16, float32 or auto.")
 
 
 def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArguments, TrainConfig, ModelArguments]:
@@ -524,7 +645,8 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
     except ConfigError:
         raise
     except ValueError as e:  # transformers/TRL reject values in __post_init__ with a ValueError
-        raise ConfigError(f"invalid configuration: {e}") from e
+        raise ConfigError(_name_the_field(str(e), parser, args)) from e
+    _check_parsed_values(script_args, data_args, training_args, model_args)
     if not data_args.datasets and not script_args.dataset_name:
         raise ConfigError("No training data: set `datasets` (a list of sources) or `dataset_name` in the recipe.")
     if not model_args.model_name_or_path:

@@ -176,3 +176,47 @@ def test_lora_on_random_weights_is_refused(tmp_path):
     )
     expect_error(result, "`from_scratch` makes random base weights")
     assert result.returncode == 2
+
+
+def recipe_text(tmp_path: Path, extra: str) -> Path:
+    """The demo recipe as text with `extra` lines appended (for YAML that yaml.safe_dump would not write)."""
+    text = (ROOT / "recipes" / "demo.yaml").read_text()
+    text = text.replace("output_dir: outputs/demo", f"output_dir: {tmp_path}/o")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text + extra)
+    return path
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    result = run_cli(["--config", str(recipe_text(tmp_path, "learning_rate: 3.0\n"))])
+    expect_error(result, "key `learning_rate` is given twice (lines", "Keep one of them")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        ({"datasets": "recipes/demo/data/train.jsonl"}, ["`datasets` must be a list of sources, got str"]),
+        ({"datasets": [{"path": "recipes/demo/data/train.jsonl", "splt": "train"}]},
+         ["`datasets[0]` has an unknown key `splt`", "did you mean `split`?"]),
+        ({"eval_datasets": [{"split": "test"}]}, ["`eval_datasets[0]` has no `path`"]),
+        ({"gradient_accumulation_steps": 2.5}, ["`gradient_accumulation_steps` must be a whole number, got 2.5"]),
+        ({"learning_rate": float("nan")}, ["`learning_rate` must be a finite number, got nan"]),
+        ({"max_length": "long"}, ["--max_length", "invalid int value: 'long'"]),
+        ({"dtype": "float33"}, ["`dtype` is 'float33', not a torch dtype", "bfloat16"]),
+        ({"lr_scheduler_type": "cosin"}, ["`lr_scheduler_type: cosin`: cosin is not a valid SchedulerType"]),
+        ({"max_steps": -5}, ["`max_steps` must be a positive number of optimizer steps, or -1", "got -5"]),
+        ({"num_train_epochs": 0}, ["`num_train_epochs` must be > 0 (or set `max_steps`), got 0"]),
+    ],
+    ids=["sources-string", "source-key-typo", "source-no-path", "int-float", "nan", "int-string", "dtype",
+         "enum-names-field", "max-steps-negative", "zero-epochs"],
+)  # fmt: skip
+def test_recipe_values_of_the_wrong_kind_are_refused(tmp_path, overrides, needles):
+    result = run_cli(["--config", str(write_recipe(tmp_path, **overrides))])
+    expect_error(result, *needles)
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_non_finite_flag_value_is_refused(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--learning_rate", "nan"])
+    expect_error(result, "`learning_rate` must be a finite number, got nan")
