@@ -41,9 +41,15 @@ MARKER = "sft_complete.json"
 STATE = "sft_state.json"
 INCOMPLETE_DIR = "incomplete"
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete checkpoint; run the same command again
-# Files an sft run writes into output_dir (README.md is the model card TRL writes at each save); a directory holding
-# only these and checkpoints is an unfinished sft run.
-SFT_ARTIFACTS = {"README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR}
+# sft's claim on an output_dir, written by the main process before anything else there: which run made the
+# directory, and at the end the step it finished at and the files of the final model. Without it nothing in the
+# directory is sft's (a README.md or metrics.jsonl there is the user's), unless it holds checkpoint-N folders (runs
+# from before the manifest).
+RUN_MANIFEST = "sft_run.json"
+# Files an sft run writes into output_dir besides checkpoints (README.md is the model card TRL writes at each save)
+SFT_ARTIFACTS = {
+    "README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR, RUN_MANIFEST,
+}  # fmt: skip
 # Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation).
 GEOMETRY_KEYS = {
     "world_size",
@@ -165,8 +171,68 @@ def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
         )
 
 
+def read_manifest(out: Path) -> dict | None:
+    path = Path(out) / RUN_MANIFEST
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is damaged ({e}); move it or the whole output_dir away.") from e
+
+
 def _foreign_entries(out: Path) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name not in SFT_ARTIFACTS and not CHECKPOINT_RE.match(p.name))
+    """What in output_dir is not this sft run's: everything, if sft never claimed the directory."""
+    manifest = read_manifest(out)
+    ours = manifest is not None or bool(checkpoints(out))
+    if not ours:
+        return sorted(p.name for p in out.iterdir())
+    final = set((manifest or {}).get("files", []))
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name not in SFT_ARTIFACTS and p.name not in final and not CHECKPOINT_RE.match(p.name)
+    )
+
+
+def claim_output_dir(output_dir: str) -> None:
+    """Write the run manifest into a new or empty output_dir (main process, before anything else is written)."""
+    out = Path(output_dir)
+    if read_manifest(out) is not None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_synced(out / RUN_MANIFEST, {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "finished_step": None})
+
+
+def mark_finished(output_dir: str, step: int, max_steps: int, num_train_epochs: float, before: set[str]) -> None:
+    """Record the finished step, the targets it was run with and the final model's files (those new since `before`)."""
+    out = Path(output_dir)
+    manifest = read_manifest(out) or {}
+    files = sorted(set(manifest.get("files", [])) | {p.name for p in out.iterdir()} - before - SFT_ARTIFACTS)
+    files = [f for f in files if not CHECKPOINT_RE.match(f)]
+    manifest.update(finished_step=step, max_steps=max_steps, num_train_epochs=num_train_epochs, files=files)
+    write_json_synced(out / RUN_MANIFEST, manifest)
+
+
+def _refuse_finished_run(out: Path, training_args, complete: list[Path]) -> None:
+    """A finished run, rerun with the same targets, is finished: say so and how to train further."""
+    manifest = read_manifest(out) or {}
+    step = manifest.get("finished_step")
+    if step is None:
+        return
+    raised = training_args.max_steps > max(manifest.get("max_steps", -1), 0) or (
+        training_args.max_steps <= 0 and training_args.num_train_epochs > manifest.get("num_train_epochs", 0)
+    )
+    if raised and complete:
+        logger.info("%s finished at step %d; continuing it to the raised target from %s", out, step, complete[-1].name)
+        return
+    how = (
+        "it has no complete checkpoint to continue from, so train further in a new output_dir"
+        if not complete
+        else f"to train further raise max_steps or num_train_epochs: it then resumes from {complete[-1].name}"
+    )
+    raise ConfigError(
+        f"`output_dir` {str(out)!r} holds a finished sft run (step {step}; the final model is saved there). Nothing "
+        f"is left to train: {how}; or choose a new --output_dir for a new run."
+    )
 
 
 def resolve_resume(training_args) -> str | None:
@@ -199,6 +265,7 @@ def resolve_resume(training_args) -> str | None:
             "does not write over a previous run: choose a new --output_dir or move that one away yourself"
             + (", or resume it with --resume_from_checkpoint auto." if complete and not auto else ".")
         )
+    _refuse_finished_run(out, training_args, complete)
     newest = complete[-1] if complete else None
     for c in checkpoints(out):
         if is_complete(c) or (newest is not None and _step(c) < _step(newest)):

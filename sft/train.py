@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
     training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
     if training_args.process_index == 0:
+        ckpt.claim_output_dir(training_args.output_dir)
         ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
@@ -67,7 +68,16 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("Stopped on a signal with a complete checkpoint; run the same command to continue.")
         trainer.end()
         raise SystemExit(ckpt.PREEMPTED_EXIT_CODE)
+    before = set(os.listdir(training_args.output_dir))
     trainer.save_model(training_args.output_dir)
+    if training_args.process_index == 0:
+        ckpt.mark_finished(
+            training_args.output_dir,
+            trainer.state.global_step,
+            training_args.max_steps,
+            training_args.num_train_epochs,
+            before,
+        )
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
     training_args.distributed_state.wait_for_everyone()  # every rank's last collective is done before any teardown
     trainer.end()

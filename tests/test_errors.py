@@ -152,6 +152,19 @@ def test_output_dir_not_overwritten(tmp_path):
     assert (out / "model.safetensors").read_text() == "a previous run"
 
 
+def test_a_users_readme_in_output_dir_is_left_alone(tmp_path):
+    """A README.md that sft did not write (TRL's model card has that name) stops the run; the file is unchanged."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_bytes(b"# my notes\n")
+    (out / "metrics.jsonl").write_bytes(b'{"mine": 1}\n')
+    result = run_cli(["--config", str(write_recipe(tmp_path))])
+    expect_error(result, "already holds README.md, metrics.jsonl", "does not write over a previous run")
+    assert result.returncode == 2 and sorted(p.name for p in out.iterdir()) == ["README.md", "metrics.jsonl"]
+    assert (out / "README.md").read_bytes() == b"# my notes\n"
+    assert (out / "metrics.jsonl").read_bytes() == b'{"mine": 1}\n'
+
+
 def test_plan_does_not_fit(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path)), "--plan_gpu_memory_gib", "0.001"])
     expect_error(result, "The memory plan does not fit", "micro batch 2 x 512 tokens", "plan_check: false")

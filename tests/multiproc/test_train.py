@@ -52,7 +52,7 @@ def zero_runs(tmp_path_factory, init_model):
             nproc=2,
         )
         assert_ok(result)
-        (out / "console.txt").write_text(result.stdout + result.stderr)  # what the user saw, for the log checks
+        (out.parent / "console.txt").write_text(result.stdout + result.stderr)  # what the user saw (not in out/)
         runs[stage] = out
     runs["args"] = lambda stage: (
         DEMO
@@ -71,7 +71,7 @@ CONSOLE_LINES_BOUND = 40
 def test_console_is_short_and_plain(zero_runs, stage):
     """Under a bound of lines, no per-call deprecation warnings, DeepSpeed's per-rank prints once (main process),
     and no progress-bar carriage returns or cursor escape codes in a log that is not a terminal."""
-    text = (zero_runs[stage] / "console.txt").read_text()
+    text = (zero_runs[stage].parent / "console.txt").read_text()
     lines = text.splitlines()
     assert len(lines) <= CONSOLE_LINES_BOUND, "\n".join(lines)
     assert "FutureWarning:" not in text and "return func(" not in text
@@ -172,6 +172,7 @@ def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zer
     )  # fmt: skip
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2, result.stderr[-3000:]
-    assert lines[-1].startswith("sft: error: `output_dir`") and "already holds" in lines[-1]
+    assert lines[-1].startswith("sft: error: `output_dir`") and f"holds a finished sft run (step {STEPS}" in lines[-1]
+    assert f"raise max_steps or num_train_epochs: it then resumes from checkpoint-{STEPS}" in lines[-1]
     assert sum(line.startswith("sft: error:") for line in lines) == 1
     assert len(lines) <= 4 and "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr
