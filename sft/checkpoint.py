@@ -193,6 +193,18 @@ def _foreign_entries(out: Path) -> list[str]:
     )
 
 
+def _check_writable(out: Path) -> None:
+    """output_dir must be a directory (or not exist yet) that this user can write in."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"`output_dir` {str(out)!r} is a file, not a directory: choose a directory path.")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"`output_dir` {str(out)!r} cannot be written: {str(existing)!r} is not a writable directory for this "
+            "user. Choose a directory you can write to."
+        )
+
+
 def claim_output_dir(output_dir: str) -> None:
     """Write the run manifest into a new or empty output_dir (main process, before anything else is written)."""
     out = Path(output_dir)
@@ -254,6 +266,7 @@ def resolve_resume(training_args) -> str | None:
             )
         return str(path)
     auto = value is not None and str(value).lower() in ("auto", "true")
+    _check_writable(out)
     if not out.is_dir() or not any(out.iterdir()):
         return None
     foreign = _foreign_entries(out)

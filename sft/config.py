@@ -649,6 +649,14 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
     _check_parsed_values(script_args, data_args, training_args, model_args)
     if not data_args.datasets and not script_args.dataset_name:
         raise ConfigError("No training data: set `datasets` (a list of sources) or `dataset_name` in the recipe.")
+    strategy = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy))
+    has_eval = data_args.eval_datasets or data_args.test_split_size is not None or script_args.dataset_name
+    if strategy != "no" and not has_eval:
+        raise ConfigError(
+            f"`eval_strategy: {strategy}` "
+            "evaluates during training, but there is no eval set: add `eval_datasets` (or `test_split_size`), or set "
+            "eval_strategy: no."
+        )
     if not model_args.model_name_or_path:
         raise ConfigError("`model_name_or_path` is not set: give a hub id or a local model directory.")
     if model_args.from_scratch and model_args.use_peft:

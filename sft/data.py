@@ -15,6 +15,7 @@ others then read the `datasets` cache that the main process wrote.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from pathlib import Path
@@ -77,6 +78,8 @@ def _check_turns(turns, field: str, roles: dict[str, str] | set[str], role_key: 
             return f"`{field}[{i}].{role_key}` is {role!r}, not one of {sorted(roles)}"
         if not isinstance(content, str):
             return f"`{field}[{i}].{content_key}` must be a string, got {type(content).__name__} ({content!r})"
+        if not content.strip() and role not in ("system",):
+            return f"`{field}[{i}].{content_key}` is empty (a {role} turn with no text)"
     return None
 
 
@@ -86,6 +89,8 @@ def _check_text(record: dict, field: str) -> str | None:
         return f"missing field `{field}`"
     if not isinstance(value, str):
         return f"`{field}` must be a string, got {type(value).__name__} ({value!r})"
+    if not value.strip() and field != "input":
+        return f"`{field}` is empty"
     return None
 
 
@@ -137,9 +142,33 @@ def to_canonical(record: dict, fmt: str, text_field: str = "text") -> dict:
     return {text_field: record[text_field]}
 
 
+def check_utf8(path: Path, chunk: int = 1 << 24) -> None:
+    """Bytes that are not UTF-8 in a text data file are a DataError naming the byte and line (pyarrow reads them
+    without a word, and they fail later, deep inside tokenisation). Read in chunks: data files can be large."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                at = max(e.start - len(e.object) + len(block), 0)  # the position in this block
+                line = lines + block.count(b"\n", 0, at) + 1
+                raise DataError(
+                    f"{path}: not UTF-8 text: byte {offset + at} (line {line}) is "
+                    f"{block[at : at + 1]!r} ({e.reason}). Re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+                ) from None
+            offset, lines = offset + len(block), lines + block.count(b"\n")
+
+
+def read_utf8(path: Path) -> str:
+    check_utf8(path)
+    return path.read_text(encoding="utf-8")
+
+
 def _scan_json_file(path: Path, text_field: str) -> None:
     """Find the first bad record of a JSON/JSONL file that pyarrow refused, and raise DataError naming it."""
-    text = path.read_text()
+    text = read_utf8(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -176,6 +205,8 @@ def load_source(source: DatasetConfig, streaming: bool = False, text_field: str 
                 f"{path}: unknown file type {path.suffix!r}. Use one of {sorted(FILE_BUILDERS)} or a "
                 "`save_to_disk` directory."
             )
+        if builder in ("json", "csv"):
+            check_utf8(path)
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
         except Exception as e:  # pyarrow's message names neither the record nor the fix: find the record
@@ -214,10 +245,22 @@ def load_source(source: DatasetConfig, streaming: bool = False, text_field: str 
         ) from e
 
 
-def prepare_source(source: DatasetConfig, text_field: str, streaming: bool = False) -> datasets.Dataset:
-    """Load one source, check every record and convert it to the canonical layout."""
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
+
+
+def prepare_source(
+    source: DatasetConfig, text_field: str, streaming: bool = False, assistant_only: bool = False
+) -> datasets.Dataset:
+    """Load one source, check every record and convert it to the canonical layout. With `assistant_only`
+    (`assistant_only_loss`), every record must be a conversation with an assistant turn to train on."""
     dataset = load_source(source, streaming, text_field)
     if source.columns is not None:
+        present = list(dataset.column_names or [])
+        missing = [c for c in source.columns if c not in present]
+        if missing:
+            raise DataError(
+                f"{source.path}: `columns` names {missing}, which the data does not have; its columns are {present}."
+            )
         dataset = dataset.select_columns(source.columns)
     columns = list(dataset.column_names or [])
     fmt = detect_format(columns, text_field)
@@ -225,12 +268,21 @@ def prepare_source(source: DatasetConfig, text_field: str, streaming: bool = Fal
         raise DataError(
             f"{source.path}: cannot tell the record format from its columns {columns}. Expected one of: {FORMATS}."
         )
+    if assistant_only and fmt not in CHAT_FORMATS:
+        raise DataError(
+            f"{source.path}: `assistant_only_loss: true` trains on the assistant turns of conversations, but this "
+            f"source holds {fmt} records. Set assistant_only_loss: false (prompt/completion records train on the "
+            "completion with completion_only_loss), or give chat records (messages, ShareGPT, Alpaca)."
+        )
 
     def convert(record: dict, index: int) -> dict:
         problem = check_record(record, fmt, text_field)
+        canonical = None if problem else to_canonical(record, fmt, text_field)
+        if canonical and assistant_only and not any(t["role"] == "assistant" for t in canonical["messages"]):
+            problem = "no assistant turn, so `assistant_only_loss` has nothing to train on"
         if problem:
             raise DataError(f"{source.path}: record {index}: {problem}. Fix or drop that record.")
-        return to_canonical(record, fmt, text_field)
+        return canonical
 
     kwargs = {} if streaming else {"desc": f"Checking {source.path}"}
     return dataset.map(convert, with_indices=True, remove_columns=columns, **kwargs)
@@ -274,13 +326,13 @@ def load_datasets(
             )
         ]
     streaming = data_args.streaming or script_args.dataset_streaming
+    only = bool(training_args.assistant_only_loss)
     with global_then_local_main_first():
-        train = mix([prepare_source(s, text_field, streaming) for s in sources], sources, training_args.seed)
+        train = mix([prepare_source(s, text_field, streaming, only) for s in sources], sources, training_args.seed)
         eval_set = None
         if eval_sources:
-            eval_set = mix(
-                [prepare_source(s, text_field, streaming) for s in eval_sources], eval_sources, training_args.seed
-            )
+            parts = [prepare_source(s, text_field, streaming, only) for s in eval_sources]
+            eval_set = mix(parts, eval_sources, training_args.seed)
         elif data_args.test_split_size is not None:
             split = train.train_test_split(test_size=data_args.test_split_size, seed=training_args.seed)
             train, eval_set = split["train"], split["test"]
@@ -291,3 +343,15 @@ def load_datasets(
         (len(eval_set) if eval_set is not None and not streaming else eval_set and "streamed") or 0,
     )
     return train, eval_set
+
+
+def check_tokenizer(train: datasets.Dataset, tokenizer, training_args) -> None:
+    """Chat records need a chat template: the tokenizer's own, or `chat_template_path`."""
+    chat = "messages" in (train.column_names or [])
+    template = getattr(tokenizer, "chat_template", None) or getattr(training_args, "chat_template_path", None)
+    if chat and not template:
+        raise DataError(
+            f"The tokenizer of {tokenizer.name_or_path!r} has no chat template, and the data is conversations. "
+            "Set `chat_template_path` (a Jinja template file, or a tokenizer that has one), or use a chat "
+            "model's tokenizer."
+        )

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from sft import checkpoint as ckpt
     from sft import plan as memplan
-    from sft.data import load_datasets
+    from sft.data import check_tokenizer, load_datasets
     from sft.engines import deepspeed as ds_engine
     from sft.model import load_model, load_tokenizer
     from sft.preflight import Resume, preflight
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
+    check_tokenizer(train_dataset, tokenizer, training_args)
     fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
     check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
     if resume_from:

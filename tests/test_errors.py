@@ -6,6 +6,7 @@ built, so no process needs to be launched."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,9 @@ def expect_error(result, *needles: str) -> None:
 
 def run_with_data(tmp_path: Path, records: list[dict]):
     data = write_jsonl(tmp_path, records)
-    return run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[]))]), data
+    return run_cli(
+        ["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[], eval_strategy="no"))]
+    ), data
 
 
 @pytest.mark.parametrize(
@@ -75,7 +78,9 @@ def test_malformed_sharegpt_role(tmp_path):
 def test_invalid_json_line(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(chats(1)[0]) + "\n{not json\n")
-    result = run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[]))])
+    result = run_cli(
+        ["--config", str(write_recipe(tmp_path, datasets=[{"path": str(data)}], eval_datasets=[], eval_strategy="no"))]
+    )
     expect_error(result, "record 1 (line 2) is not valid JSON")
 
 
@@ -233,3 +238,82 @@ def test_recipe_values_of_the_wrong_kind_are_refused(tmp_path, overrides, needle
 def test_a_non_finite_flag_value_is_refused(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path)), "--learning_rate", "nan"])
     expect_error(result, "`learning_rate` must be a finite number, got nan")
+
+
+def run_with_source(tmp_path: Path, records: list[dict] | None = None, raw: bytes | None = None, **overrides):
+    path = tmp_path / "data.jsonl"
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    source = {"path": str(path), **overrides.pop("source", {})}
+    recipe = write_recipe(tmp_path, datasets=[source], eval_datasets=[], eval_strategy="no", **overrides)
+    return run_cli(["--config", str(recipe)])
+
+
+def turns(*pairs) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in pairs]}
+
+
+@pytest.mark.parametrize(
+    ("records", "raw", "overrides", "needles"),
+    [
+        (None, b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "caf\xe9"}\n', {},
+         ["data.jsonl: not UTF-8 text: byte 67 (line 2) is b'\\xe9'", "Re-save the file as UTF-8"]),
+        ([turns(("user", "hi"))] * 3, None, {}, ["record 0: no assistant turn, so `assistant_only_loss`"]),
+        ([turns(("system", "be brief"))] * 3, None, {}, ["record 0: no assistant turn"]),
+        ([turns(("user", "hi"), ("assistant", ""))] * 3, None, {},
+         ["record 0: `messages[1].content` is empty (a assistant turn with no text)"]),
+        ([{"text": "hello"}] * 3, None, {},
+         ["`assistant_only_loss: true` trains on the assistant turns of conversations", "holds text records"]),
+        ([turns(("user", "hi"), ("assistant", "yo"))] * 3, None, {"source": {"columns": ["messages", "nope"]}},
+         ["`columns` names ['nope'], which the data does not have; its columns are ['messages']"]),
+    ],
+    ids=["not-utf8", "no-assistant-turn", "only-system-turn", "empty-content", "assistant-only-on-text",
+         "missing-column"],
+)  # fmt: skip
+def test_bad_data_is_named_before_training(tmp_path, records, raw, overrides, needles):
+    result = run_with_source(tmp_path, records, raw, **overrides)
+    expect_error(result, *needles)
+    assert result.returncode == 2
+
+
+def test_eval_strategy_without_an_eval_set(tmp_path):
+    result = run_cli(["--config", str(write_recipe(tmp_path, eval_datasets=[], eval_strategy="steps"))])
+    expect_error(result, "`eval_strategy: steps` evaluates during training, but there is no eval set")
+
+
+def test_a_tokenizer_without_a_chat_template_on_chat_data(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "recipes" / "demo" / "model", model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = run_cli(["--config", str(write_recipe(tmp_path, model_name_or_path=str(model)))])
+    expect_error(result, "has no chat template, and the data is conversations", "chat_template_path")
+
+
+@pytest.mark.parametrize(
+    ("zero", "needle"),
+    [
+        ({"stage": 4}, "zero_optimization.stage in"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "zero_optimization.offload_param offloads to nvme in"),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "zero_optimization.offload_param in"),
+    ],
+    ids=["stage-4", "nvme-without-path", "param-offload-below-stage-3"],
+)
+def test_deepspeed_values_deepspeed_would_reject_late(tmp_path, zero, needle):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto"}))
+    result = run_cli(["--config", str(write_recipe(tmp_path, deepspeed=str(config)))])
+    expect_error(result, f"`deepspeed`: {needle}")
+    assert result.returncode == 2
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    target = tmp_path / "out"
+    target.write_bytes(b"my file")
+    result = run_cli(["--config", str(write_recipe(tmp_path))])
+    expect_error(result, "is a file, not a directory")
+    assert target.read_bytes() == b"my file"

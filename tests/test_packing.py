@@ -19,12 +19,12 @@ SHAPES = {
 }
 
 
-def tiny_model(shape: str, use_cache: bool = False):
+def tiny_model(shape: str, use_cache: bool = False, backend: str = "sdpa"):
     config = AutoConfig.from_pretrained(DEMO_MODEL).to_dict()
     config.update(SHAPES[shape])
     config = AutoConfig.for_model(**config)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=backend, dtype=torch.float32)
     model.config.use_cache = use_cache
     return model
 
@@ -44,10 +44,11 @@ def per_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="none", ignore_index=-100)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])  # eager too: transformers gives it the same block mask
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("completion_only", [False, True], ids=["all-tokens", "completion-only"])
-def test_packed_row_equals_samples_one_at_a_time(shape, completion_only):
-    model = tiny_model(shape)
+def test_packed_row_equals_samples_one_at_a_time(shape, completion_only, backend):
+    model = tiny_model(shape, backend=backend)
     batch = samples(completion_only)
     packed = DataCollatorForLanguageModeling(pad_token_id=1, padding_free=True)(batch)
     assert "attention_mask" not in packed and packed["input_ids"].shape[0] == 1

@@ -86,6 +86,7 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
     value = zero.get("overlap_comm") if isinstance(zero, dict) else None
     where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    _check_zero_values(zero if isinstance(zero, dict) else {}, where)
     breaks = sp > 1 and stage in (1, 2)  # the overlapped reduction under sequence parallelism: wrong gradients
     if value is True and breaks:
         raise ConfigError(
@@ -101,6 +102,33 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
         )
     zero["overlap_comm"] = processes > 1 and not breaks
     return config, {"zero_optimization.overlap_comm": zero["overlap_comm"]}
+
+
+def _check_zero_values(zero: dict, where: str) -> None:
+    """The `zero_optimization` values DeepSpeed would only reject deep inside its engine (or the MPI probe)."""
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(
+            f"`deepspeed`: zero_optimization.stage in {where} is {stage!r}; ZeRO has stages 0, 1, 2 and 3 "
+            "(ds_configs/zero2.json and zero3.json are the usual ones)."
+        )
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section) or {}
+        device = str(offload.get("device", "none")).lower()
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(
+                f"`deepspeed`: zero_optimization.{section}.device in {where} is {device!r}; use cpu, nvme or none."
+            )
+        if device == "nvme" and not offload.get("nvme_path"):
+            raise ConfigError(
+                f"`deepspeed`: zero_optimization.{section} offloads to nvme in {where} but gives no `nvme_path`: add "
+                '"nvme_path": "/local_nvme" (a fast local disk), or offload to "cpu".'
+            )
+        if section == "offload_param" and device != "none" and stage != 3:
+            raise ConfigError(
+                f"`deepspeed`: zero_optimization.offload_param in {where} needs ZeRO stage 3 (the stage is {stage}); "
+                "use ds_configs/zero3_offload.json, or offload_optimizer only."
+            )
 
 
 def unresolved_config(training_args) -> str | dict | None:
