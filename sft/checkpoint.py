@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import time
+import zipfile
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -75,6 +76,80 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
 
 def is_complete(checkpoint: str | Path) -> bool:
     return (Path(checkpoint) / MARKER).is_file()
+
+
+def _file_damage(path: Path) -> str | None:
+    """Why a checkpoint file cannot be read whole, from its structure alone (no tensor is loaded): empty, a torch
+    zip archive without its central directory (truncated), a safetensors file shorter than its header says."""
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty"
+    if path.suffix in (".pt", ".pth", ".bin"):
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"is not a whole torch file ({e})"
+    elif path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            try:
+                header = json.loads(f.read(length)) if 0 < length < size else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                header = None
+        if header is None:
+            return "has no readable safetensors header"
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + length + end != size:
+            return f"is {size:,} bytes where its header says {8 + length + end:,} (truncated)"
+    elif path.suffix == ".json":
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return f"is not valid JSON ({e})"
+    return None
+
+
+def damage(checkpoint: str | Path) -> str | None:
+    """What makes a complete checkpoint unusable, naming the file, or None. Checks what transformers and DeepSpeed
+    will read: sft's state, the trainer state, each rank's RNG state, DeepSpeed's `latest` tag and its shards (one
+    per rank where there is one per rank), and every weight, optimizer and state file's structure."""
+    ckpt = Path(checkpoint)
+    try:
+        state = read_state(ckpt)
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        return f"{STATE} is not valid JSON ({e})"
+    if not state or "global_step" not in state:
+        return f"{STATE} has no global_step"
+    if not (ckpt / "trainer_state.json").is_file():
+        return "trainer_state.json is missing"
+    world = int((state.get("fingerprint") or {}).get("world_size", 1))
+    rng = ["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]
+    missing = [name for name in rng if not (ckpt / name).is_file()]
+    if missing and not (world == 1 and (ckpt / "rng_state_0.pth").is_file()):
+        return f"{missing[0]} is missing (a run of {world} process(es) saves one RNG state per process)"
+    latest = ckpt / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        shards = ckpt / tag
+        if not shards.is_dir():
+            return f"`latest` names {tag!r}, which is not in the checkpoint"
+        for kind in ("optim_states", "model_states"):
+            ranks = sorted(
+                int(m.group(1))
+                for f in shards.iterdir()
+                if (m := re.search(rf"zero_pp_rank_(\d+)_mp_rank_00_{kind}", f.name))
+            )
+            if ranks and ranks != list(range(world)):
+                gone = sorted(set(range(world)) - set(ranks))
+                return f"{tag}/ lacks the {kind.replace('_', ' ')} of rank(s) {gone} ({len(ranks)} of {world} present)"
+    for path in sorted(ckpt.rglob("*")):
+        if path.is_file() and path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".json"):
+            problem = _file_damage(path)
+            if problem:
+                return f"{path.relative_to(ckpt)} {problem}"
+    return None
 
 
 def write_json_synced(path: Path, payload: dict) -> None:
@@ -264,13 +339,16 @@ def resolve_resume(training_args) -> str | None:
                 f"`resume_from_checkpoint`: {value} has no {MARKER}, so it may be half-written (a job killed while "
                 "saving). Pick a complete checkpoint, or use `auto` to take the newest complete one."
             )
+        problem = damage(path)
+        if problem:
+            raise ConfigError(f"`resume_from_checkpoint`: {value} is damaged: {problem}. Pick another checkpoint.")
         return str(path)
     auto = value is not None and str(value).lower() in ("auto", "true")
     _check_writable(out)
     if not out.is_dir() or not any(out.iterdir()):
         return None
     foreign = _foreign_entries(out)
-    complete = [c for c in checkpoints(out) if is_complete(c)]
+    complete = _usable(out, [c for c in checkpoints(out) if is_complete(c)]) if not foreign else []
     if not auto or foreign:
         what = foreign or [p.name for p in sorted(out.iterdir())]
         raise ConfigError(
@@ -289,19 +367,40 @@ def resolve_resume(training_args) -> str | None:
     return str(newest) if newest else None
 
 
+def _usable(out: Path, complete: list[Path]) -> list[Path]:
+    """The complete checkpoints up to the newest undamaged one; the damaged ones after it are named (and moved aside
+    by `set_aside_incomplete`). None usable while some are complete is an error."""
+    for i in range(len(complete) - 1, -1, -1):
+        problem = damage(complete[i])
+        if problem is None:
+            return complete[: i + 1]
+        logger.warning(
+            "%s is damaged: %s. It will be moved to %s/ and %s used instead.",
+            complete[i], problem, INCOMPLETE_DIR, complete[i - 1].name if i else "no checkpoint",
+        )  # fmt: skip
+        last_problem = f"{complete[i].name}: {problem}"
+    if complete:
+        raise ConfigError(
+            f"`output_dir` {str(out)!r}: no checkpoint can be resumed, every complete one is damaged (the oldest, "
+            f"{last_problem}). Move the output_dir away and start again, or restore the files."
+        )
+    return complete
+
+
 def _step(checkpoint: Path) -> int:
     return int(CHECKPOINT_RE.match(checkpoint.name).group(1))
 
 
 def set_aside_incomplete(output_dir: str, resume_from: str | None) -> None:
-    """Move checkpoints without a marker that are newer than the resume point into `incomplete/` (main process)."""
+    """Move checkpoints newer than the resume point that have no marker or are damaged into `incomplete/` (main
+    process): never deleted."""
     start = read_state(resume_from)["global_step"] if resume_from else -1
     for c in checkpoints(output_dir):
-        if not is_complete(c) and _step(c) > start:
+        if _step(c) > start and (not is_complete(c) or damage(c)):
             target = Path(output_dir) / INCOMPLETE_DIR / f"{c.name}.{int(time.time())}"
             target.parent.mkdir(exist_ok=True)
             os.replace(c, target)
-            logger.warning("Moved the incomplete %s to %s.", c, target)
+            logger.warning("Moved the incomplete or damaged %s to %s.", c, target)
 
 
 def rotate(output_dir: str, limit: int | None, keep: set[str]) -> None:

@@ -156,7 +156,7 @@ def check_utf8(path: Path, chunk: int = 1 << 24) -> None:
                 line = lines + block.count(b"\n", 0, at) + 1
                 raise DataError(
                     f"{path}: not UTF-8 text: byte {offset + at} (line {line}) is "
-                    f"{block[at : at + 1]!r} ({e.reason}). Re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+                    f"{block[at : at + 1]!r} ({e.reason}). Re-save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
                 ) from None
             offset, lines = offset + len(block), lines + block.count(b"\n")
 

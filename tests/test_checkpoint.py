@@ -8,15 +8,27 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from sft import checkpoint as ckpt
 from sft.errors import ConfigError
 
 
-def make(out: Path, step: int, complete: bool = True) -> Path:
+def make(out: Path, step: int, complete: bool = True, world: int = 2) -> Path:
+    """A checkpoint laid out as transformers + DeepSpeed ZeRO-2 write it for `world` processes (tiny tensors)."""
     path = out / f"checkpoint-{step}"
-    path.mkdir(parents=True)
-    (path / ckpt.STATE).write_text(json.dumps({"global_step": step}))
+    shards = path / f"global_step{step}"
+    shards.mkdir(parents=True)
+    (path / ckpt.STATE).write_text(json.dumps({"global_step": step, "fingerprint": {"world_size": world}}))
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    save_file({"w": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    torch.save({"lr": 1.0}, path / "scheduler.pt")
+    for rank in range(world):
+        torch.save({"python": rank}, path / (f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"))
+        torch.save({"state": torch.zeros(8)}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
+    (path / "latest").write_text(shards.name)
     if complete:
         (path / ckpt.MARKER).write_text("{}")
     return path
@@ -98,3 +110,48 @@ def test_rotation_keeps_newest_and_resumed_from(tmp_path):
     make(tmp_path, 10, complete=False)
     ckpt.rotate(str(tmp_path), limit=1, keep={str((tmp_path / "checkpoint-4").resolve())})
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-8", "checkpoint-10"]
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("harm", "named"),
+    [
+        (lambda c: truncate(c / f"global_step{8}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+         "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt is not a whole torch file"),
+        (lambda c: (c / "global_step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink(),
+         "global_step8/ lacks the optim states of rank(s) [0] (1 of 2 present)"),
+        (lambda c: (c / ckpt.STATE).write_text('{"global_step": 8,'), f"{ckpt.STATE} is not valid JSON"),
+        (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_1.pth is missing"),
+        (lambda c: (c / "latest").write_text("global_step9"), "`latest` names 'global_step9', which is not in"),
+        (lambda c: truncate(c / "model.safetensors"), "model.safetensors is 68 bytes where its header says 136"),
+        (lambda c: (c / "scheduler.pt").write_bytes(b""), "scheduler.pt is empty"),
+    ],
+    ids=["truncated-optimizer", "deleted-shard", "corrupt-state", "deleted-rng", "dangling-latest",
+         "truncated-weights", "empty-file"],
+)  # fmt: skip
+def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, caplog, harm, named):
+    make(tmp_path, 4)
+    newest = make(tmp_path, 8)
+    assert ckpt.damage(newest) is None
+    harm(newest)
+    assert named in ckpt.damage(newest)
+    with caplog.at_level("WARNING"):
+        resumed = ckpt.resolve_resume(args(tmp_path))
+    assert resumed == str(tmp_path / "checkpoint-4")
+    assert "checkpoint-8 is damaged" in caplog.text and named in caplog.text
+    ckpt.set_aside_incomplete(str(tmp_path), resumed)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-4"]
+    moved = list((tmp_path / ckpt.INCOMPLETE_DIR).iterdir())
+    assert [p.name.split(".")[0] for p in moved] == ["checkpoint-8"]  # moved whole, not deleted
+
+
+def test_no_usable_checkpoint_is_an_error(tmp_path):
+    only = make(tmp_path, 4)
+    (only / "rng_state_0.pth").unlink()
+    with pytest.raises(ConfigError, match="no checkpoint can be resumed, every complete one is damaged"):
+        ckpt.resolve_resume(args(tmp_path))
+    with pytest.raises(ConfigError, match="is damaged: rng_state_0.pth is missing"):
+        ckpt.resolve_resume(args(tmp_path / "elsewhere", str(only)))

@@ -259,7 +259,7 @@ def turns(*pairs) -> dict:
     ("records", "raw", "overrides", "needles"),
     [
         (None, b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "caf\xe9"}\n', {},
-         ["data.jsonl: not UTF-8 text: byte 67 (line 2) is b'\\xe9'", "Re-save the file as UTF-8"]),
+         ["data.jsonl: not UTF-8 text: byte 67 (line 2) is b'\\xe9'", "Re-save it as UTF-8"]),
         ([turns(("user", "hi"))] * 3, None, {}, ["record 0: no assistant turn, so `assistant_only_loss`"]),
         ([turns(("system", "be brief"))] * 3, None, {}, ["record 0: no assistant turn"]),
         ([turns(("user", "hi"), ("assistant", ""))] * 3, None, {},
