@@ -47,9 +47,11 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete chec
 # directory is sft's (a README.md or metrics.jsonl there is the user's), unless it holds checkpoint-N folders (runs
 # from before the manifest).
 RUN_MANIFEST = "sft_run.json"
-# Files an sft run writes into output_dir besides checkpoints (README.md is the model card TRL writes at each save)
+# Files sft writes into output_dir besides checkpoints (README.md is the model card TRL writes at each save;
+# wandb_run.json the metrics log's; eval/ and merged/ are `sft eval`'s results and merged adapter)
 SFT_ARTIFACTS = {
     "README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR, RUN_MANIFEST,
+    "wandb_run.json", "eval", "merged",
 }  # fmt: skip
 # Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation).
 GEOMETRY_KEYS = {
