@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -261,25 +262,36 @@ def _foreign_entries(out: Path) -> list[str]:
     manifest = read_manifest(out)
     ours = manifest is not None or bool(checkpoints(out))
     if not ours:
-        return sorted(p.name for p in out.iterdir())
+        return sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_PROBE))
     final = set((manifest or {}).get("files", []))
     return sorted(
         p.name
         for p in out.iterdir()
-        if p.name not in SFT_ARTIFACTS and p.name not in final and not CHECKPOINT_RE.match(p.name)
+        if p.name not in SFT_ARTIFACTS
+        and p.name not in final
+        and not CHECKPOINT_RE.match(p.name)
+        and not p.name.startswith(WRITE_PROBE)  # another rank's probe of _check_writable
     )
 
 
+WRITE_PROBE = ".sft-write-probe-"
+
+
 def _check_writable(out: Path) -> None:
-    """output_dir must be a directory (or not exist yet) that this user can write in."""
+    """output_dir must be a directory (or not exist yet) that this process can create entries in: tried with an
+    empty directory made and removed at once (permission bits alone do not tell for root, read-only mounts, /proc)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"`output_dir` {str(out)!r} is a file, not a directory: choose a directory path.")
     existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=WRITE_PROBE, dir=existing))
+    except OSError as e:
         raise ConfigError(
-            f"`output_dir` {str(out)!r} cannot be written: {str(existing)!r} is not a writable directory for this "
-            "user. Choose a directory you can write to."
-        )
+            f"`output_dir` {str(out)!r} cannot be written: nothing can be created in {str(existing)!r} "
+            f"({e.strerror or e}). Choose a directory you can write to."
+        ) from None
 
 
 def claim_output_dir(output_dir: str) -> None:

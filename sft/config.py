@@ -644,7 +644,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
         script_args, data_args, training_args, model_args = parser.parse_args_and_config(args)
     except ConfigError:
         raise
-    except ValueError as e:  # transformers/TRL reject values in __post_init__ with a ValueError
+    except (ValueError, TypeError, AttributeError) as e:  # transformers/TRL rejecting a value in __post_init__
         raise ConfigError(_name_the_field(str(e), parser, args)) from e
     _check_parsed_values(script_args, data_args, training_args, model_args)
     if not data_args.datasets and not script_args.dataset_name:

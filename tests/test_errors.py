@@ -317,3 +317,10 @@ def test_output_dir_that_is_a_file(tmp_path):
     result = run_cli(["--config", str(write_recipe(tmp_path))])
     expect_error(result, "is a file, not a directory")
     assert target.read_bytes() == b"my file"
+
+
+def test_output_dir_that_cannot_be_written(tmp_path):
+    recipe = write_recipe(tmp_path)
+    result = run_cli(["--config", str(recipe), "--output_dir", "/proc/sft-out/run"])  # not even root writes there
+    expect_error(result, "`output_dir` '/proc/sft-out/run' cannot be written: nothing can be created in '/proc'")
+    assert result.returncode == 2

@@ -197,6 +197,24 @@ def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
     assert_same_run(reference_out, out)
 
 
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_exactly(reference, model_dir, tmp_path):
+    """A truncated optimizer shard in the newest checkpoint: named, moved to incomplete/, the previous checkpoint used,
+    and the run ends bit-identical to the uninterrupted one (through the real CLI, not just sft.checkpoint)."""
+    out = tmp_path / "out"
+    kill_after_checkpoint(args_for(model_dir, out, "zero2"), out, step=8)
+    shard = out / "checkpoint-8" / "global_step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2)
+    assert_ok(result)
+    assert (
+        "checkpoint-8 is damaged: global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt is not a whole torch "
+        "file" in result.stderr
+    )
+    assert re.search(r"Resuming from \S+/checkpoint-4: step 4", result.stderr)
+    assert list((out / "incomplete").glob("checkpoint-8.*")), "the damaged checkpoint is kept aside, not deleted"
+    assert_same_run(reference("zero2"), out)
+
+
 def test_stale_checkpoint_of_another_run_is_refused(model_dir, tmp_path):
     out = tmp_path / "out"
     run_cli(args_for(model_dir, out, "none"), env={KILL_DURING_SAVE_ENV: "8"})
