@@ -484,13 +484,14 @@ def short_help(parser: TrlParser) -> str:
 def _check_flags(parser: TrlParser, args: list[str]) -> None:
     """An unknown command-line flag is one paragraph naming the closest real ones, not argparse's usage dump."""
     known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
-    named = sorted(option for option in known if "-" not in option[2:])  # the field names (not their --a-b twins)
+    named = sorted(option for option in known if "-" not in option[2:] and option != "--help")  # fields, not twins
     for arg in args:
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--") or flag in known or flag == "--":
             continue
         hints = [FLAG_SHORTHANDS[flag]] if flag in FLAG_SHORTHANDS else []
-        hints += difflib.get_close_matches(flag, named, n=3 - len(hints), cutoff=0.6)
+        hints += [h for h in difflib.get_close_matches(flag, named, n=3, cutoff=0.6) if h not in hints]
+        hints = hints[:3]
         if not hints:  # a short or partial name: the flags that contain it
             hints = [option for option in named if flag[2:] in option][:3]
         fix = f"did you mean {' or '.join(f'`{h}`' for h in hints)}?" if hints else "no flag is close to it."

@@ -79,7 +79,7 @@ def _check_turns(turns, field: str, roles: dict[str, str] | set[str], role_key: 
         if not isinstance(content, str):
             return f"`{field}[{i}].{content_key}` must be a string, got {type(content).__name__} ({content!r})"
         if not content.strip() and role not in ("system",):
-            return f"`{field}[{i}].{content_key}` is empty (a {role} turn with no text)"
+            return f"`{field}[{i}].{content_key}` is empty (the {role} turn has no text)"
     return None
 
 

@@ -263,7 +263,7 @@ def turns(*pairs) -> dict:
         ([turns(("user", "hi"))] * 3, None, {}, ["record 0: no assistant turn, so `assistant_only_loss`"]),
         ([turns(("system", "be brief"))] * 3, None, {}, ["record 0: no assistant turn"]),
         ([turns(("user", "hi"), ("assistant", ""))] * 3, None, {},
-         ["record 0: `messages[1].content` is empty (a assistant turn with no text)"]),
+         ["record 0: `messages[1].content` is empty (the assistant turn has no text)"]),
         ([{"text": "hello"}] * 3, None, {},
          ["`assistant_only_loss: true` trains on the assistant turns of conversations", "holds text records"]),
         ([turns(("user", "hi"), ("assistant", "yo"))] * 3, None, {"source": {"columns": ["messages", "nope"]}},
