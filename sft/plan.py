@@ -150,6 +150,11 @@ def load_config(model: str, trust_remote_code: bool = False):
             return AutoConfig.for_model(**shipped)
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise ConfigError(f"memory plan: cannot read a model config from {model!r} ({e}).") from e
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an owner/name hub id
+        raise ConfigError(
+            f"memory plan: cannot read a model config from {model!r}: no such file or directory. Give a config.json, "
+            "a model directory, or a hub id (owner/name)."
+        )
     names = ", ".join(key for key in json.loads(SHIPPED_CONFIGS.read_text()) if not key.startswith("_"))
     if "/" not in model:
         raise ConfigError(
