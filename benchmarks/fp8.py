@@ -1,6 +1,7 @@
 """FP8 (torchao float8, `sft.fp8`) against sft's bf16 default: throughput, loss curves, resume; one script.
 
     python -m benchmarks.fp8 --parts throughput --out $OUT                  # 1B and 3B shapes, 1 GPU, ZeRO-2
+    python -m benchmarks.fp8 --parts 8b_2gpu --out $OUT                     # Llama-3.1-8B on 2 GPUs, ZeRO-2 and ZeRO-3
     python -m benchmarks.fp8 --parts zero3,accuracy,resume --out $OUT       # 8B widths under ZeRO-3/2; 300-step loss
                                                                             # curves; kill + resume with FP8
     python -m benchmarks.fp8 --report DIR [DIR ...] --out benchmarks/results/fp8   # merge calls into one report
@@ -53,6 +54,7 @@ SHAPES = {
     "1b": LLAMA_SHAPES["llama-1b"],
     "3b": LLAMA_SHAPES["llama-3b"],
     "8b-l8": {**LLAMA_SHAPES["llama-8b"], "num_hidden_layers": 8},
+    "8b": LLAMA_SHAPES["llama-8b"],
 }
 SETTINGS = {
     "bf16": {"fp8": False},
@@ -60,6 +62,13 @@ SETTINGS = {
     "fp8_tensorwise": {"fp8": True, "fp8_recipe": "tensorwise"},
     "fp8_rowwise_eager": {"fp8": True, "fp8_recipe": "rowwise", "compile_decoder_layers": False},
     "fp8_tensorwise_eager": {"fp8": True, "fp8_recipe": "tensorwise", "compile_decoder_layers": False},
+    "fp8_tensorwise_compiled": {"fp8": True, "fp8_recipe": "tensorwise", "compile_decoder_layers": True},
+    "fp8_tensorwise_no_liger_swiglu": {
+        "fp8": True,
+        "fp8_recipe": "tensorwise",
+        "compile_decoder_layers": True,
+        "liger_kernel_config": {"swiglu": False},
+    },
 }
 PARTS = {
     "throughput": [("1b", "zero2", s) for s in ("bf16", "fp8_rowwise", "fp8_tensorwise")]
@@ -67,6 +76,14 @@ PARTS = {
     + [("1b", "zero2", "fp8_rowwise_eager")],
     "zero3": [("8b-l8", "zero3", s) for s in ("bf16", "fp8_tensorwise")]
     + [("8b-l8", "zero2", s) for s in ("bf16", "fp8_tensorwise")],
+    # the Llama-3.1-8B shape, whole, on 2 GPUs (in order of importance: a call's budget may cut the last)
+    "8b_2gpu": [
+        ("8b", "zero2", "bf16", 2),
+        ("8b", "zero2", "fp8_tensorwise", 2),
+        ("8b", "zero3", "bf16", 2),
+        ("8b", "zero3", "fp8_tensorwise_compiled", 2),
+        ("8b", "zero3", "fp8_tensorwise_no_liger_swiglu", 2),
+    ],
 }
 ACCURACY_STEPS, ACCURACY_TAIL = 300, 50
 FAILURES = {  # what a failed run's log tail says, in short
@@ -84,9 +101,9 @@ def recipe_for(args, model: Path, data: Path, out: Path, setting: str, stage: st
     return recipe
 
 
-def launch(args, work: Path, name: str, recipe: dict, env: dict | None = None):
+def launch(args, work: Path, name: str, recipe: dict, env: dict | None = None, gpus: int = 1):
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-    cmd = sft_command(1, ["--config", str(work / f"{name}.yaml")])
+    cmd = sft_command(gpus, ["--config", str(work / f"{name}.yaml")])
     return start(cmd, work / "logs" / f"{name}.log", env)
 
 
@@ -94,14 +111,15 @@ def speed_part(args, work: Path, part: str) -> None:
     data = work / "data.jsonl"
     if not data.exists():
         make_sft_data(data, args.records, 104 if args.tiny else SHAPES["1b"]["vocab_size"], 512 if args.tiny else 4096)
-    for shape, stage, setting in PARTS[part]:
+    for shape, stage, setting, *gpus in PARTS[part]:
+        gpus = gpus[0] if gpus else 1
         if time.time() - args.t0 > args.budget:
-            print(f"budget of {args.budget} s spent: {shape}-{stage}-{setting} not run", flush=True)
+            print(f"budget of {args.budget} s spent: {shape}-{gpus}gpu-{stage}-{setting} not run", flush=True)
             continue
-        name = f"{shape}-1gpu-{stage}-{setting}"
+        name = f"{shape}-{gpus}gpu-{stage}-{setting}"
         model = model_dir(work / f"model-{shape}", None if args.tiny else SHAPES[shape])
-        proc = launch(args, work, name, recipe_for(args, model, data, work / name, setting, stage))
-        run = {"name": name, "model": shape, "gpus": 1, "stage": stage, "setting": setting, "part": part}
+        proc = launch(args, work, name, recipe_for(args, model, data, work / name, setting, stage), gpus=gpus)
+        run = {"name": name, "model": shape, "gpus": gpus, "stage": stage, "setting": setting, "part": part}
         result = throughput.collect(run, proc, args, work, [name])
         log = (work / "logs" / f"{name}.log").read_text()
         result["fp8_log"] = [line.split("sft.", 1)[-1] for line in log.splitlines() if "FP8: " in line][:6]
@@ -219,13 +237,14 @@ def plan_rows(runs: dict) -> list[str]:
     rows = ["| run | micro batch | plan GiB | measured GiB | error |", "| --- | --- | --- | --- | --- |"]
     work = Path(tempfile.mkdtemp())
     for name, r in runs.items():
-        if "peak_memory_gib" not in r or r["model"] not in SHAPES or r["stage"] != "zero2":
+        if "peak_memory_gib" not in r or r["model"] not in SHAPES:
             continue
         auto = next((x for x in r["plan"] if x.startswith("auto settings")), "")
         micro = int(auto.split("per_device_train_batch_size = ")[1].split(",")[0])
         config = work / f"{r['model']}.json"
         config.write_text(json.dumps(SHAPES[r["model"]]))
-        setting = plan.Setting(gpus=1, zero_stage=2, micro_batch=micro, seq_len=4096, liger=True,
+        setting = plan.Setting(gpus=r.get("gpus", 1), zero_stage=int(r["stage"][-1]), micro_batch=micro, seq_len=4096,
+                               liger=True,
                                fp8=SETTINGS[r["setting"]]["fp8"])  # fmt: skip
         peak = plan.estimate(plan.load_shape(str(config)), setting).peak / plan.GiB
         error = (r["peak_memory_gib"] - peak) / peak
@@ -266,7 +285,7 @@ def report(args, dirs: list[Path]) -> None:
             f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_memory_gib']:.1f} | {chosen} |"
         )
     lines += ["", "## Memory plan vs measured peak", "",
-              "`sft.plan` for each run's setting (ZeRO-2, 1 GPU, the plan's micro batch, Liger, FP8 as run) against "
+              "`sft.plan` for each run's setting (stage, GPUs, the plan's micro batch, Liger, FP8 as run) against "
               "`max_memory_allocated`:", ""] + plan_rows(runs)  # fmt: skip
     for d in dirs:
         for name in ("accuracy.json", "resume.json"):

@@ -66,13 +66,18 @@ def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTra
     return model
 
 
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList | None:
+    """The decoder layers (`model.model.layers` of transformers' causal LMs), or None."""
+    return getattr(getattr(model, "model", model), "layers", None)
+
+
 def compile_decoder_layers(model: PreTrainedModel) -> None:
     """`torch.compile` each decoder layer (one graph, reused by every layer), not the whole model.
 
     transformers' `torch_compile` compiles the whole model, loss and LM head included, and breaks the graph at every
     DeepSpeed hook; the decoder layers are where the elementwise work between the matmuls is.
     """
-    layers = getattr(getattr(model, "model", model), "layers", None)
+    layers = decoder_layers(model)
     if layers is None:
         raise ConfigError(
             f"`compile_decoder_layers`: {type(model).__name__} has no `model.layers` to compile. Set it to false."

@@ -24,6 +24,7 @@ from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
+from sft.model import decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class Trainer(SFTTrainer):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
             )
+        if self.args.compile_decoder_layers and ds_engine.zero_setup(self.args).stage == 3:
+            wrapped = ds_engine.hooks_outside_compile(decoder_layers(self.model))
+            logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
         if self.args.parallel.sp > 1:
             train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)
             if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:

@@ -11,6 +11,8 @@
   loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
   included); `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
+- `hooks_outside_compile`: ZeRO-3's module hooks kept out of the compiled decoder layers (run eagerly between the
+  compiled pieces), as DeepSpeed's own `engine.compile` keeps its NVTX wrappers out.
 
 A second engine (FSDP2) would be a sibling module with the same functions; the planner, preflight, the model build,
 resume and merge call these, never DeepSpeed's config or modules directly.
@@ -185,6 +187,31 @@ def prepare_model_build(training_args) -> bool:
     )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return stage3
+
+
+def hooks_outside_compile(layers) -> int:
+    """Under ZeRO-3 with compiled decoder layers: every ZeRO-3 forward hook inside `layers` (gather before, release
+    and the backward hooks after each submodule) runs eagerly, outside torch.compile; the number of hooks wrapped.
+
+    Traced, these hooks are Python bookkeeping keyed on each module (its `ds_id`, type, the stack depth): dynamo
+    recompiles them per module until its recompile limit (measured on the demo: 1,012 recompile lines in 3 steps) and
+    failed on the GPU inside Liger's SwiGLU (`benchmarks/results/fp8/call3_zero3`). Eager, each hook is one graph
+    break, and the compiled pieces between them hold the elementwise work (norms, RoPE, float8 casts).
+    """
+    import deepspeed.utils.nvtx
+
+    deepspeed.utils.nvtx.enable_nvtx = False  # what `DeepSpeedEngine.compile` does: its wrapper breaks graphs
+    wrapped = 0
+    for layer in layers:
+        for module in layer.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if not getattr(hook, "_sft_eager", False):
+                        eager = torch.compiler.disable(hook)
+                        eager._sft_eager = True
+                        hooks[key] = eager
+                        wrapped += 1
+    return wrapped
 
 
 def gradient_divisor(training_args) -> int:
