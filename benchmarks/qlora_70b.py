@@ -1,6 +1,8 @@
 """QLoRA on the Llama-3.1-70B layer widths under ZeRO-3 with each GPU capped at 24 GiB: measured vs planned.
 
     python -m benchmarks.qlora_70b --layers 8 16 --out benchmarks/results/qlora_70b   # GPU machine
+    python -m benchmarks.qlora_70b --layers 40 --gpus 2 --variants fit_2x24 nested --storage float8_e4m3fn \
+        --out benchmarks/results/qlora_70b_2gpu                                        # 2 GPUs, loaded in host memory
     python -m benchmarks.qlora_70b --report benchmarks/results/qlora_70b              # the table again
 
 A random bf16 checkpoint of the 70B widths (hidden 8192, MLP 28672, 64 query / 8 KV heads, vocab 128256, untied) with
@@ -65,7 +67,7 @@ def ds_config(work: Path, variant: str) -> Path:
     return path
 
 
-def train_args(model: Path, out: Path, ds: Path, extra: list[str]) -> list[str]:
+def train_args(model: Path, out: Path, ds: Path, extra: list[str], steps: int = STEPS) -> list[str]:
     return [
         "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(model),
         "--output_dir", str(out), "--load_in_4bit", "true", "--dtype", "bfloat16", "--bf16", "true",
@@ -73,7 +75,7 @@ def train_args(model: Path, out: Path, ds: Path, extra: list[str]) -> list[str]:
         "--max_length", str(SEQ), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
         "--activation_checkpointing", "true", "--lora_r", str(LORA_R), "--lora_alpha", str(2 * LORA_R),
         "--lora_dropout", "0", "--learning_rate", "1e-3", "--warmup_steps", "3", "--lr_scheduler_type", "constant",
-        "--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
+        "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
         "--report_to", "none", *extra,
     ]  # fmt: skip
 
@@ -100,7 +102,7 @@ def measure(args) -> dict:
     work = args.work
     start = time.time()
     source = random_checkpoint(work / f"llama70b_{max(args.layers)}layers", config, storage=args.storage)
-    result = {"env": environment(), "cap_gib": CAP_GIB, "seq_len": SEQ, "lora_r": LORA_R, "steps": STEPS,
+    result = {"env": environment(), "cap_gib": CAP_GIB, "seq_len": SEQ, "lora_r": LORA_R, "steps": args.steps,
               "checkpoint_write_s": round(time.time() - start, 1), "runs": []}  # fmt: skip
     previous = args.out / "qlora_70b.json"  # runs of an earlier call are kept (one call cannot do every run)
     if previous.is_file():
@@ -108,15 +110,16 @@ def measure(args) -> dict:
     for variant in args.variants:
         for layers in sorted(args.layers):
             model = source if layers == max(args.layers) else fewer_layers(source, work / f"llama70b_{layers}", layers)
-            name = f"{layers}_{variant}"
+            name = f"{layers}_{variant}" + (f"_{args.gpus}gpu" if args.gpus > 1 else "")
             out = work / f"run_{name}"
-            cmd = sft_command(1, train_args(model, out, ds_config(work, variant), VARIANTS[variant][2]))
+            extra = VARIANTS[variant][2]
+            cmd = sft_command(args.gpus, train_args(model, out, ds_config(work, variant), extra, args.steps))
             rc, seconds = run(cmd, args.out / f"run_{name}.log")
             rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
             steps = [r for r in rows if "loss" in r]
             timed = steps[3:]  # after warm-up
             run_result = {
-                "layers": layers, "variant": variant, "exit_code": rc, "wall_s": round(seconds, 1),
+                "layers": layers, "variant": variant, "gpus": args.gpus, "exit_code": rc, "wall_s": round(seconds, 1),
                 "losses": [r["loss"] for r in steps],
                 # the whole run's peak (the model build's included), as the plan's peak is; and training's alone
                 "peak_memory_gib": max((max(r.get("peak_memory_gib", 0), r.get("setup_peak_memory_gib", 0))
@@ -126,7 +129,8 @@ def measure(args) -> dict:
                 "tokens_per_second_per_gpu": sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed)
                 if timed else None,
             }  # fmt: skip
-            result["runs"] = [r for r in result["runs"] if (r["layers"], r["variant"]) != (layers, variant)]
+            key = (layers, variant, args.gpus)
+            result["runs"] = [r for r in result["runs"] if (r["layers"], r["variant"], r.get("gpus", 1)) != key]
             result["runs"].append(run_result)
             print(f"{name}: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
             report(result, args.out)
@@ -145,7 +149,7 @@ def report(result: dict, out: Path) -> None:
     """The table, with the plan figures of this commit's `sft.plan` (they are recomputed, not read back)."""
     config = LLAMA_SHAPES["llama-70b"]
     for r in result["runs"]:
-        r["plan"] = planned(config, r["layers"], 1, r["variant"])
+        r["plan"] = planned(config, r["layers"], r.get("gpus", 1), r["variant"])
     if "plan_80_layers_2_gpus" in result:  # the full model on 2 GPUs of 24 GiB, as `sft.plan` answers today
         with tempfile.TemporaryDirectory() as tmp:
             cli = subprocess.run(
@@ -170,7 +174,7 @@ def report(result: dict, out: Path) -> None:
         "plan GiB | plan error | plan phase | training peak GiB | plan, training |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in sorted(result["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["layers"])):
+    for r in sorted(result["runs"], key=lambda r: (r.get("gpus", 1), list(VARIANTS).index(r["variant"]), r["layers"])):
         losses = r["losses"]
         curve = f"{sum(losses[:3]) / 3:.3f} -> {sum(losses[-3:]) / 3:.3f}" if len(losses) >= 6 else "-"
         peak, plan_peak = r["peak_memory_gib"], r["plan"]["peak_gib"]
@@ -178,8 +182,9 @@ def report(result: dict, out: Path) -> None:
         tps = f"{r['tokens_per_second_per_gpu']:,.0f}" if r["tokens_per_second_per_gpu"] else "-"
         train = f"{r['train_peak_memory_gib']:.2f}" if r.get("train_peak_memory_gib") else "-"
         lines.append(
-            f"| {r['layers']} | {r['variant']} | 1 | {r['exit_code']} | {curve} | {tps} | {peak or 0:.2f} | "
-            f"{plan_peak:.2f} | {error} | {r['plan']['phase']} | {train} | {r['plan']['train_gib']:.2f} |"
+            f"| {r['layers']} | {r['variant']} | {r.get('gpus', 1)} | {r['exit_code']} | {curve} | {tps} | "
+            f"{peak or 0:.2f} | {plan_peak:.2f} | {error} | {r['plan']['phase']} | {train} | "
+            f"{r['plan']['train_gib']:.2f} |"
         )
     notes = [f"- {r['layers']} layers, {r['variant']}: {r['note']}" for r in result["runs"] if r.get("note")]
     if notes:
@@ -197,6 +202,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 12])
     parser.add_argument("--variants", nargs="+", default=["zero3"], choices=list(VARIANTS))
+    parser.add_argument("--gpus", type=int, default=1, help="Processes per run (one per GPU)")
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--storage", default="bfloat16", help="float8_e4m3fn: the random checkpoint in half the disk")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")

@@ -117,7 +117,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
     quantized = quantization.load_kwargs(model_args, training_args, partitioned)
     kwargs.update(quantized)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+        with quantization.loading(bool(quantized) and partitioned):
+            model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     except OSError as e:
         raise ConfigError(
             f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "
@@ -130,7 +131,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
             type(model).__name__,
             layers,
             4 if model_args.load_in_4bit else 8,
-            f" (packed in {quantization.zero3_storage(training_args)}; ZeRO-3 partitions them as it starts)"
+            f" (packed in {quantization.zero3_storage(training_args)}, in host memory; ZeRO-3 partitions them as it "
+            "starts)"
             if partitioned
             else "",
         )

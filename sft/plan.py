@@ -388,13 +388,14 @@ def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
 
 
 def load_bytes(shape: ModelShape, s: Setting) -> float:
-    """QLoRA under ZeRO-3, while the model loads: transformers' bitsandbytes loader puts the whole 4-bit model (its
-    linears, their constants and the 16-bit rest) on each process's GPU (it refuses a `device_map` under ZeRO-3);
-    DeepSpeed partitions or offloads it only when its engine starts (measured on 1 x H200 at the 70B widths with
-    parameter offload: 7.01 / 9.89 GiB at 6 / 12 layers, the whole model; benchmarks/results/qlora_70b)."""
+    """QLoRA under ZeRO-3, while the model loads: the weights load into host memory, each quantized on the GPU on its
+    way (`sft.quantization.loading`), so the GPU holds one linear at a time, in 16 bits and packed in 4. (Before,
+    transformers' loader put the whole 4-bit model on each GPU: 20.78 GiB at 40 layers of 70B width;
+    benchmarks/results/qlora_70b.)"""
     if not (s.qlora and s.zero_stage == 3):
         return 0.0
-    return frozen_weight_bytes(shape, s) + quant_constant_bytes(shape, s)
+    largest = shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim)
+    return largest * (s.dtype_bytes + 0.5)
 
 
 def quant_constant_bytes(shape: ModelShape, s: Setting) -> float:
@@ -504,7 +505,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         items.update(step)
         phase, peak = "optimizer step", at_step
     if at_load:  # before training, alone on the GPU: not added to the lines above
-        items["(model load: whole 4-bit model on each GPU)"] = at_load
+        items["(model load: one linear quantized at a time)"] = at_load
     if at_load > peak:
         phase, peak = "model load", at_load
     return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
@@ -597,16 +598,10 @@ def detected_gpu_memory() -> float | None:
 
 def nothing_fits(s: Setting, shape: ModelShape | None = None) -> str:
     """What to say when no setting fits: the next lever is LoRA, then QLoRA, then nested quantization, then more
-    GPUs; or, when QLoRA's load under ZeRO-3 is what does not fit, GPUs with more memory."""
+    GPUs."""
     lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
     if s.qlora and not s.qlora_nested:
         lever = "set use_bnb_nested_quant: true (QLoRA's constants in 8 bits), or add GPUs"
-    if shape is not None and s.qlora:
-        load = load_bytes(shape, dataclasses.replace(s, zero_stage=3, qlora_nested=True))
-        lever += (
-            f"; but loading QLoRA's weights puts the whole 4-bit model on each GPU first ({load / GiB:.1f} GiB with "
-            "nested quantization) whatever the GPU count, so GPUs with less memory cannot train it with sft yet"
-        )
     return f"Nothing fits on this many GPUs, even with CPU offload and micro batch 1: {lever}."
 
 

@@ -97,7 +97,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         if multiple != training_args.pad_to_multiple_of:
             changes["pad_to_multiple_of"] = multiple
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        changes["compile_decoder_layers"] = fp8_on and not zero3
+        changes["compile_decoder_layers"] = fp8_on
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -182,8 +182,8 @@ def _resolve_fp8(training_args, model_args, zero3: bool) -> bool:
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
-        if zero3 and training_args.compile_decoder_layers is not True:
-            logger.warning(fp8.ZERO3_UNCOMPILED)
+        if zero3:
+            logger.warning(fp8.ZERO3_SLOWER)
     else:
         logger.info("FP8: off (%s)", decision.reason)
     return decision.on

@@ -6,18 +6,21 @@ weights go:
 
 - ZeRO-0/1/2 or no DeepSpeed: each rank loads the whole quantized model onto its own GPU (`device_map`), or onto the
   CPU on a machine without one (bitsandbytes 0.46+ runs 4-bit on the CPU).
-- ZeRO-3: no `device_map` (transformers refuses one under ZeRO-3). transformers' bitsandbytes loader then puts the
-  whole 4-bit model on this process's GPU (on the CPU without one), replacing `zero.Init`'s partitioned weights;
-  DeepSpeed's engine partitions them when it starts (on CPU: a rank of two keeps half of each packed weight). So the
-  load, not training, sets the peak of a large model: the whole 4-bit model on every GPU (`sft.plan`'s "model load";
-  measured at the 70B widths, benchmarks/results/qlora_70b). ZeRO-3 keeps one flat buffer per dtype, so the 4-bit
-  weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's DeepSpeed
-  guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8 keeps row
-  statistics outside the parameter) cannot be partitioned and are refused under ZeRO-3.
+- ZeRO-3: no `device_map` (transformers refuses one under ZeRO-3), and the weights load into host memory, each
+  quantized on this rank's GPU on its way there (`loading`): transformers' bitsandbytes loader alone would put the
+  whole 4-bit model on every GPU first (measured at the 70B widths, 40 layers: 20.78 GiB per GPU before DeepSpeed's
+  engine partitioned it, benchmarks/results/qlora_70b), so the load, not training, set the peak and a 70B could not
+  load on a 24 GB GPU at all. DeepSpeed's engine then moves each weight to the GPU and partitions it (or offloads
+  it); the quantization constants follow to the GPU (`place_quant_states`). Without a GPU, bitsandbytes quantizes on
+  the CPU (on CPU: a rank of two keeps half of each packed weight). ZeRO-3 keeps one flat buffer per dtype, so the
+  4-bit weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's
+  DeepSpeed guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8
+  keeps row statistics outside the parameter) cannot be partitioned and are refused under ZeRO-3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -75,3 +78,46 @@ def load_kwargs(model_args, training_args, partitioned: bool) -> dict:
         return {"quantization_config": config}
     device = training_args.local_process_index if torch.cuda.is_available() else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}  # each rank loads onto its own GPU
+
+
+@contextlib.contextmanager
+def loading(partitioned: bool):
+    """While `from_pretrained` runs under ZeRO-3 on a GPU: the model loads into host memory (transformers' quantizer
+    would pick this rank's GPU), each weight quantized on the GPU one at a time (fast) and moved back to host memory
+    with its constants. Elsewhere nothing changes."""
+    if not partitioned or not torch.cuda.is_available():
+        yield
+        return
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    update_device_map, convert = Bnb4BitHfQuantizer.update_device_map, Bnb4bitQuantize.convert
+
+    def to_host(self, device_map):
+        return {"": "cpu"}
+
+    def quantize_on_gpu(self, input_dict, *args, **kwargs):
+        on_gpu = {k: [v.to(gpu) for v in x] if isinstance(x, list) else x.to(gpu) for k, x in input_dict.items()}
+        return {k: v.to("cpu") for k, v in convert(self, on_gpu, *args, **kwargs).items()}
+
+    Bnb4BitHfQuantizer.update_device_map, Bnb4bitQuantize.convert = to_host, quantize_on_gpu
+    try:
+        yield
+    finally:
+        Bnb4BitHfQuantizer.update_device_map, Bnb4bitQuantize.convert = update_device_map, convert
+
+
+def place_quant_states(model: torch.nn.Module) -> int:
+    """After DeepSpeed's engine has placed the 4-bit weights: their quantization constants (bitsandbytes keeps them
+    beside the parameter, whole on every rank) onto this rank's GPU, where the weights are used; the number moved."""
+    if not torch.cuda.is_available():
+        return 0
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    moved = 0
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None and state.absmax.device != gpu:
+            state.to(gpu)
+            moved += 1
+    return moved

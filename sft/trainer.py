@@ -19,7 +19,7 @@ import torch
 from trl import SFTTrainer
 
 from sft import checkpoint as ckpt
-from sft import fp8, metrics, tiling
+from sft import fp8, metrics, quantization, tiling
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
@@ -117,6 +117,9 @@ class Trainer(SFTTrainer):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
             )
+        moved = quantization.place_quant_states(self.model)  # QLoRA loaded in host memory under ZeRO-3
+        if moved:
+            logger.info("QLoRA: the quantization constants of %d layers moved to this GPU", moved)
         if self.args.compile_decoder_layers and ds_engine.zero_setup(self.args).stage == 3:
             wrapped = ds_engine.hooks_outside_compile(decoder_layers(self.model))
             logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
