@@ -119,6 +119,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
     try:
         with quantization.loading(bool(quantized) and partitioned):
             model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+        if quantized and partitioned:
+            quantization.partition(model)
     except OSError as e:
         raise ConfigError(
             f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "
@@ -131,8 +133,8 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
             type(model).__name__,
             layers,
             4 if model_args.load_in_4bit else 8,
-            f" (packed in {quantization.zero3_storage(training_args)}, in host memory; ZeRO-3 partitions them as it "
-            "starts)"
+            f" (packed in {quantization.zero3_storage(training_args)}; loaded in host memory, then partitioned by "
+            "ZeRO-3 one weight at a time)"
             if partitioned
             else "",
         )

@@ -10,12 +10,14 @@ weights go:
   quantized on this rank's GPU on its way there (`loading`): transformers' bitsandbytes loader alone would put the
   whole 4-bit model on every GPU first (measured at the 70B widths, 40 layers: 20.78 GiB per GPU before DeepSpeed's
   engine partitioned it, benchmarks/results/qlora_70b), so the load, not training, set the peak and a 70B could not
-  load on a 24 GB GPU at all. DeepSpeed's engine then moves each weight to the GPU and partitions it (or offloads
-  it); the quantization constants follow to the GPU (`place_quant_states`). Without a GPU, bitsandbytes quantizes on
-  the CPU (on CPU: a rank of two keeps half of each packed weight). ZeRO-3 keeps one flat buffer per dtype, so the
-  4-bit weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` = bf16/fp16/fp32, as PEFT's
-  DeepSpeed guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused. 8-bit weights (LLM.int8
-  keeps row statistics outside the parameter) cannot be partitioned and are refused under ZeRO-3.
+  load on a 24 GB GPU at all. Then `partition` hands the loaded model to `deepspeed.zero.Init`, which moves each
+  weight to the GPU and cuts it to this rank's share (or keeps it in host memory with parameter offload) one at a
+  time; the quantization constants follow to the GPU once the engine runs (`place_quant_states`). Without a GPU,
+  bitsandbytes quantizes on the CPU (a rank of two keeps half of each packed weight). ZeRO-3 keeps one flat buffer
+  per dtype, so the 4-bit weights are packed into the dtype it partitions in (`bnb_4bit_quant_storage` =
+  bf16/fp16/fp32, as PEFT's DeepSpeed guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused.
+  8-bit weights (LLM.int8 keeps row statistics outside the parameter) cannot be partitioned and are refused under
+  ZeRO-3.
 """
 
 from __future__ import annotations
@@ -106,6 +108,18 @@ def loading(partitioned: bool):
         yield
     finally:
         Bnb4BitHfQuantizer.update_device_map, Bnb4bitQuantize.convert = update_device_map, convert
+
+
+def partition(model: torch.nn.Module) -> None:
+    """Under ZeRO-3, a model loaded in host memory (`loading`) partitioned now, one weight at a time, as if it had been
+    built inside `deepspeed.zero.Init`. Without this DeepSpeed's engine, finding no parameter ZeRO has seen, moves the
+    whole model to the GPU first (`module.to(device)`; measured: 20.55 GiB per GPU at 40 layers of 70B width on 2
+    GPUs, benchmarks/results/qlora_70b_2gpu/run_40_fit_2x24_2gpu.log)."""
+    import deepspeed
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    # mem_efficient_linear off: with `module` given, zero.Init would patch torch's linear for good
+    deepspeed.zero.Init(module=model, config_dict_or_path=deepspeed_config(), mem_efficient_linear=False)
 
 
 def place_quant_states(model: torch.nn.Module) -> int:
