@@ -259,8 +259,10 @@ def report(args, dirs: list[Path]) -> None:
             for line in (d / "runs.jsonl").read_text().splitlines():
                 runs[json.loads(line)["name"]] = json.loads(line)
     env_files = [d / "environment.json" for d in dirs if (d / "environment.json").exists()]
-    env = json.loads(env_files[0].read_text()) if env_files else environment()
-    lines = [f"# FP8 (torchao float8) vs bf16 — {env['device']}", "",
+    envs = [json.loads(f.read_text()) for f in env_files] or [environment()]
+    env = envs[0]
+    devices = ", ".join(dict.fromkeys(e["device"] for e in envs))  # the calls' machines (a run's name says its GPUs)
+    lines = [f"# FP8 (torchao float8) vs bf16 — {devices}", "",
              f"Date {env['date']}; seq 4096; global batch {throughput.GLOBAL_BATCH} packed rows; random-init Llama "
              "shapes; MFU against 989 TFLOP/s dense bf16 (spec) in every row, FP8 included. Versions: "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
