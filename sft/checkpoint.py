@@ -49,10 +49,11 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete chec
 # from before the manifest).
 RUN_MANIFEST = "sft_run.json"
 # Files sft writes into output_dir besides checkpoints (README.md is the model card TRL writes at each save;
-# wandb_run.json the metrics log's; eval/ and merged/ are `sft eval`'s results and merged adapter)
+# wandb_run.json the metrics log's; eval/ and merged/ are `sft eval`'s results and merged adapter; report/ is
+# `sft report`'s)
 SFT_ARTIFACTS = {
     "README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR, RUN_MANIFEST,
-    "wandb_run.json", "eval", "merged",
+    "wandb_run.json", "eval", "merged", "report", "data_stats.json",
 }  # fmt: skip
 # Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation).
 GEOMETRY_KEYS = {
@@ -301,6 +302,15 @@ def claim_output_dir(output_dir: str) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     write_json_synced(out / RUN_MANIFEST, {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "finished_step": None})
+
+
+def record_settings(output_dir: str, fingerprint: dict) -> None:
+    """The run's fingerprint (its settings: model, data, batch, packing, parallel sizes) in the run manifest, for
+    `sft report`'s header."""
+    out = Path(output_dir)
+    manifest = read_manifest(out) or {}
+    manifest["fingerprint"] = fingerprint
+    write_json_synced(out / RUN_MANIFEST, manifest)
 
 
 def mark_finished(output_dir: str, step: int, max_steps: int, num_train_epochs: float, before: set[str]) -> None:

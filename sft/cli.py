@@ -5,6 +5,8 @@ sft plan --model recipes/demo/model --gpus 2 --gpu-memory 80 --suggest
 sft batch --global-batch-size 128 --world-size 8 --per-device-batch-size 2
 sft merge --adapter outputs/run --output outputs/run-merged
 sft eval --model outputs/demo --tasks sft_demo
+sft report outputs/demo [outputs/other ...]
+sft data recipes/demo.yaml [--gpus 8]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ COMMANDS = {
     "batch": ("sft.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
     "merge": ("sft.merge", "merge a LoRA adapter into its base model"),
     "eval": ("sft.evaluation", "evaluate a model or adapter with lm-eval"),
+    "report": ("sft.report", "plots and an HTML page of one or more runs' curves"),
+    "data": ("sft.datastats", "a recipe's data once tokenised: lengths, truncation, packing, steps per epoch"),
 }
 
 

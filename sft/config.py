@@ -167,6 +167,9 @@ class TrainConfig(SFTConfig):
             Processes that share the tokens of one packed row (Ulysses sequence parallelism on DeepSpeed, see
             `sft.sequence_parallel`); the data-parallel size is the world size / this. `auto`: the smallest size whose
             memory plan fits (1 without a GPU to plan for).
+        report (`bool`, *optional*, defaults to `True`):
+            At the end of training, write `<output_dir>/report/` (`sft.report`: one PNG per curve and an HTML page
+            with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several overlaid.
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
             `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
@@ -181,6 +184,10 @@ class TrainConfig(SFTConfig):
     sequence_parallel_size: str = field(
         default="1",
         metadata={"help": "Processes sharing one row's tokens (Ulysses SP on DeepSpeed), or `auto` (the plan's)."},
+    )
+    report: bool = field(
+        default=True,
+        metadata={"help": "Write <output_dir>/report/ (curves as PNG + one HTML page) when training ends."},
     )
     trace_data: bool = field(
         default=False,
@@ -444,6 +451,7 @@ HELP_GROUPS = {
     },
     "logging and evaluation": {
         "logging_steps": "log every N steps (metrics.jsonl, tensorboard, wandb)",
+        "report": "curves as PNGs + an HTML page in <output_dir>/report/ at the end (true)",
         "report_to": "none, tensorboard, wandb (WANDB_MODE=offline without network)",
         "eval_strategy": "no, steps or epoch",
         "seed": "seed of the weights (from_scratch), data order and dropout",

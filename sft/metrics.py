@@ -40,7 +40,8 @@ class MetricsLog(TrainerCallback):
     Each line has `step`, `epoch`, a wall-clock `time` and everything the trainer logged at that step (loss,
     learning_rate, grad_norm, num_tokens, mean_token_accuracy, eval metrics, ...). On resume from step k, lines of
     steps after k (written by the attempt that crashed, and about to be trained again) move to
-    `metrics.discarded.jsonl`, so the file reads as one run.
+    `metrics.discarded.jsonl`, so the file reads as one run, and a line `{"step": k, "resumed_from_step": k}` marks
+    the resume.
     """
 
     def __init__(self, output_dir: str):
@@ -57,6 +58,12 @@ class MetricsLog(TrainerCallback):
             f.writelines(line for line in lines if json.loads(line)["step"] > step)
         self.path.write_text("".join(keep))
         logger.warning("metrics.jsonl: moved %d lines after step %d to %s", len(lines) - len(keep), step, f.name)
+
+    def mark_resume(self, step: int) -> None:
+        """One line saying training resumed from `step` (`sft.report` marks it on every plot)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), "resumed_from_step": step}) + "\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     from trl import get_peft_config
 
     from sft import checkpoint as ckpt
+    from sft import datastats
     from sft import plan as memplan
     from sft.data import check_tokenizer, load_datasets
     from sft.engines import deepspeed as ds_engine
@@ -51,9 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     check_tokenizer(train_dataset, tokenizer, training_args)
     fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
     check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
+    if training_args.process_index == 0:
+        ckpt.record_settings(training_args.output_dir, fingerprint)
     if resume_from:
         ckpt.compare_fingerprints(saved, fingerprint, resume_from)
         ds_engine.convert_for_resume(training_args, resume_from)
+    # tokenised by TRL's own steps on every rank (their main-process-first barriers must match), which the trainer
+    # below then finds in the datasets cache
+    stats = datastats.for_training(train_dataset, tokenizer, training_args)
+    logger.info("%s", datastats.describe(stats, long=False))
     model = load_model(model_args, training_args)
     trainer = Trainer(
         model=model,
@@ -80,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
             before,
         )
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
+    if training_args.process_index == 0 and training_args.report:
+        from sft import report
+
+        try:
+            logger.info("Report (curves, settings, totals): %s", report.write([training_args.output_dir]))
+        except Exception as e:  # the model is saved: a report that fails must not fail the run
+            logger.warning("The report could not be written (%s: %s); the run is complete.", type(e).__name__, e)
     training_args.distributed_state.wait_for_everyone()  # every rank's last collective is done before any teardown
     trainer.end()
 

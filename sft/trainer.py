@@ -87,6 +87,8 @@ class Trainer(SFTTrainer):
         self.throughput.start(step, self._total_train_tokens)
         if self.args.process_index == 0:
             self.metrics_log.keep_until(step)
+            if resume_from_checkpoint:
+                self.metrics_log.mark_resume(step)
         self.trace.keep_until(step)
         self.preemption.install()
         if self.is_deepspeed_enabled:

@@ -120,6 +120,11 @@ def test_sigkill_then_same_command_is_bit_exact(stage, reference, model_dir, tmp
     resumed = re.search(r"Resuming from \S+/(checkpoint-\d+): step", result.stderr).group(1)
     # save_total_limit 2 keeps the newest checkpoint and the one resumed from
     assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({"checkpoint-12", resumed})
+    # the report marks the resume on every curve (and the attempt's discarded steps, if it logged any)
+    step = int(resumed.split("-")[1])
+    plotted = json.loads((out / "report" / "plotted.json").read_text())
+    assert plotted["loss"]["resumed at"][0] == [step] and plotted["grad_norm"]["resumed at"][0] == [step]
+    assert f"<th>resumed at step</th><td>{step}</td>" in (out / "report" / "index.html").read_text()
 
 
 def test_sigkill_during_checkpoint_write(reference, model_dir, tmp_path):

@@ -176,3 +176,41 @@ def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zer
     assert f"raise max_steps or num_train_epochs: it then resumes from checkpoint-{STEPS}" in lines[-1]
     assert sum(line.startswith("sft: error:") for line in lines) == 1
     assert len(lines) <= 4 and "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_run_ends_with_its_report_and_data_figures(zero_runs, tmp_path):
+    """The report written at the end (`sft.report`): every plot a PNG that decodes and is inline in index.html, the
+    plotted values those of metrics.jsonl; the data figures of the start (`sft.datastats`) agree with the epochs
+    the trainer counted; two runs overlay in one report."""
+    import base64
+    import json
+
+    from matplotlib.image import imread
+
+    out = zero_runs[2]
+    pngs = sorted((out / "report").glob("*.png"))
+    assert {p.stem for p in pngs} == {"loss", "learning_rate", "grad_norm", "tokens_per_second", "packing", "lengths"}
+    page = (out / "report" / "index.html").read_text()
+    for png in pngs:
+        assert imread(png).shape[0] > 300
+        assert base64.b64encode(png.read_bytes()).decode() in page  # inline: the page is one file
+    plotted = json.loads((out / "report" / "plotted.json").read_text())
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert plotted["loss"]["train"] == [[r["step"] for r in train], [r["loss"] for r in train]]
+    assert plotted["loss"]["eval"][1] == [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert plotted["grad_norm"]["out"][1] == [r["grad_norm"] for r in train]
+    assert "resumed at" not in plotted["loss"]
+    assert f"<td>{train[-1]['step']}</td>" in page and f"{train[-1]['num_tokens']:,.0f}" in page
+    stats = json.loads((out / "data_stats.json").read_text())
+    assert train[0]["epoch"] == pytest.approx(LOG_EVERY / stats["steps_per_epoch"])
+    assert sum(plotted["lengths"]["out"][1]) == stats["records"]
+    # two runs overlaid, named apart (both directories are called `out`)
+    args = [sys.executable, "-m", "sft", "report", str(zero_runs[2]), str(zero_runs[3]), "--out", str(tmp_path)]
+    both = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=cli_env())
+    assert both.returncode == 0, both.stderr
+    overlay = json.loads((tmp_path / "plotted.json").read_text())
+    names = [f"{p.parent.name}/out" for p in (zero_runs[2], zero_runs[3])]
+    assert sorted(overlay["grad_norm"]) == sorted(names)
+    assert overlay["grad_norm"][names[1]][1] == [r["grad_norm"] for r in read_jsonl(zero_runs[3] / "metrics.jsonl")
+                                                 if "loss" in r]  # fmt: skip
