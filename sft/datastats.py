@@ -11,8 +11,8 @@ rows, the packing efficiency the packer reaches (real tokens / (rows x max_lengt
 optimizer steps per epoch at the recipe's global batch. It loads, checks and tokenises with the code training runs:
 sft's loading and checks (`sft.data`), then TRL's own dataset preparation (`SFTTrainer._prepare_dataset`: the same
 map steps, so the same datasets cache: a training run after `sft data` tokenised nothing again; only the packed rows'
-cache file was written anew, a pyarrow pass), and TRL's packer. Training prints the short form of the total at its start
-and writes the figures to `<output_dir>/data_stats.json` (the report plots the length histogram).
+cache file was written anew, a pyarrow pass), and TRL's packer. Training prints the short form of the total at its
+start and writes the figures to `<output_dir>/data_stats.json` (the report plots the length histogram).
 """
 
 from __future__ import annotations
