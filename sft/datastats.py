@@ -80,7 +80,7 @@ class Stats:
         return d
 
 
-def histogram_counts(lengths: list[int], bins: int = 12) -> dict[str, list]:
+def histogram_counts(lengths: list[int], bins: int = 20) -> dict[str, list]:
     """Records per bin of whole token counts, `edges[i]` to `edges[i + 1] - 1` tokens, at most `bins` bins of one
     width (one bin per length when the lengths span at most `bins` values)."""
     lo, hi = min(lengths), max(lengths)
@@ -90,7 +90,7 @@ def histogram_counts(lengths: list[int], bins: int = 12) -> dict[str, list]:
     return {"counts": counts.tolist(), "edges": edges.tolist()}
 
 
-def text_histogram(lengths: list[int], bins: int = 12, width: int = 40) -> str:
+def text_histogram(lengths: list[int], bins: int = 20, width: int = 40) -> str:
     h = histogram_counts(lengths, bins)
     top = max(h["counts"]) or 1
     lines = []

@@ -230,6 +230,8 @@ def plot(runs: list[Run], stem: str, title: str, ylabel: str, keys: tuple[str, .
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    if stem in ("tokens_per_second", "mfu", "memory", "packing"):  # rates and sizes from 0: swings read true
+        ax.set_ylim(bottom=0)
     if stem == "mfu":
         ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.legend(fontsize=8)
