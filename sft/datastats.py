@@ -187,9 +187,24 @@ def describe(stats: Stats, long: bool = True) -> str:
     return "\n".join(lines)
 
 
-def for_training(train_dataset, tokenizer, training_args) -> Stats:
+def skipped(train_dataset, training_args) -> str | None:
+    """Why training's data figures are not computed, or None: a streamed dataset is only known by reading it through,
+    and `skip_prepare_dataset` means TRL does not tokenise it (the figures would describe other data)."""
+    import datasets
+
+    if isinstance(train_dataset, datasets.IterableDataset):
+        return "the training data is streamed (counted only by reading it all; `sft data` does not stream)"
+    if (training_args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return "`dataset_kwargs.skip_prepare_dataset`: TRL takes the data as it is"
+    return None
+
+
+def for_training(train_dataset, tokenizer, training_args) -> Stats | None:
     """The figures training prints at its start (the mix that trains, on this run's processes), written by the main
-    process to `<output_dir>/data_stats.json`. Every rank calls it (TRL's preparation has barriers)."""
+    process to `<output_dir>/data_stats.json`; None where `skipped` says why. Every rank calls it (TRL's preparation
+    has barriers)."""
+    if skipped(train_dataset, training_args):
+        return None
     stats = measure(train_dataset, tokenizer, training_args, "training data")
     stats = add_packing(stats, train_dataset, tokenizer, training_args, training_args.parallel.dp)
     if training_args.process_index == 0:

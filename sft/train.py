@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     # tokenised by TRL's own steps on every rank (their main-process-first barriers must match), which the trainer
     # below then finds in the datasets cache
     stats = datastats.for_training(train_dataset, tokenizer, training_args)
-    logger.info("%s", datastats.describe(stats, long=False))
+    if stats is not None:
+        logger.info("%s", datastats.describe(stats, long=False))
+    else:
+        logger.info("No data figures at the start: %s", datastats.skipped(train_dataset, training_args))
     model = load_model(model_args, training_args)
     trainer = Trainer(
         model=model,

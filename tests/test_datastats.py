@@ -86,3 +86,16 @@ def test_sft_report_does_not_replace_a_page_it_did_not_write(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "exists and sft did not write it" in capsys.readouterr().err
     assert (tmp_path / "report" / "index.html").read_text() == "<html>mine</html>"
+
+
+def test_training_skips_the_figures_for_streamed_data(tmp_path):
+    """A streamed source is not read through at the start (nor data TRL does not prepare); training says why."""
+    import datasets
+
+    from tests.test_plan import demo_args
+
+    _, _, args, _ = demo_args(tmp_path, "--output_dir", str(tmp_path / "out"))
+    streamed = datasets.load_dataset("json", data_files=str(ROOT / "recipes/demo/data/train.jsonl"), split="train",
+                                     streaming=True)  # fmt: skip
+    assert datastats.for_training(streamed, None, args) is None
+    assert "streamed" in datastats.skipped(streamed, args)
