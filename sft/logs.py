@@ -9,8 +9,8 @@ One owner for the console, called once by `sft.train` right after the arguments 
   stays;
 - warnings that torch raises on every call of a collective DeepSpeed makes (`reduce_scatter_tensor`,
   `all_gather_into_tensor` "is deprecated": 8,300 lines in a 60-step ZeRO-3 demo) are filtered, with one line
-  saying so (`HARMLESS_WARNINGS`); two libraries' loggers that print harmless tracebacks on GPUs are raised to
-  ERROR (`QUIET_LOGGERS`);
+  saying so (`HARMLESS_WARNINGS`); two harmless messages that other libraries log on GPUs, one with a traceback per
+  Triton kernel, are dropped (`QUIET_MESSAGES`);
 - without a terminal (a log file, CI, a pipe) there are no progress bars, which there write carriage returns and
   cursor-up escape codes; each training log is one plain line instead (transformers' `disable_tqdm`).
 """
@@ -29,15 +29,28 @@ HARMLESS_WARNINGS = (
     # torch 2.13 deprecates the `*_tensor` collectives that DeepSpeed's ZeRO-2/3 call on every step and save
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
 )
-# loggers of other libraries that print harmless tracebacks or notices at WARNING, raised to ERROR (measured on the
-# GPU machine, benchmarks/results/fp8/call4_8b_2gpu: 7,292 log lines for a 7-step compiled FP8 run, 49 without)
-QUIET_LOGGERS = {
-    # torch.compile reading Liger's Triton kernels: "Encountered an exception in identify_mutated_tensors, assuming
-    # every input is mutated" plus a 25-line traceback per kernel and rank (the kernel then runs as it is)
-    "torch._higher_order_ops.triton_kernel_wrap": logging.ERROR,
+# messages of other libraries that are harmless, with tracebacks, printed at WARNING: (logger, message start) dropped
+# by a filter on that logger (measured on the GPU machine, benchmarks/results/fp8/call4_8b_2gpu: 7,292 log lines for a
+# 7-step compiled FP8 run, 49 for bf16)
+QUIET_MESSAGES = (
+    # torch.compile reading Liger's Triton kernels: "Encountered an exception in identify_mutated_tensors [torch 2.11;
+    # identify_accessed_tensors in 2.13], assuming every input is mutated" and a 25-line traceback, per kernel and
+    # rank (the kernel then runs as it is). The logger is all of dynamo's, whose other warnings stay.
+    ("torch._dynamo", "Encountered an exception in identify_"),
     # Liger's optional backends (CuTe DSL, Ascend) that are not installed: "Backend impl ... could not be imported"
-    "liger_kernel.backends.registry": logging.ERROR,
-}
+    ("liger_kernel.backends.registry", "Backend impl"),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -58,8 +71,10 @@ def setup(training_args) -> None:
     transformers.utils.logging.set_verbosity(level)
     for category, message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    for name, quiet in QUIET_LOGGERS.items():
-        logging.getLogger(name).setLevel(max(quiet, level))
+    for name, start in QUIET_MESSAGES:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.start == start for f in target.filters):
+            target.addFilter(_DropMessages(start))
     if not main and level > logging.INFO:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout from here on)
     if not main or not is_terminal():

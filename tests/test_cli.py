@@ -100,3 +100,24 @@ def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
     peaks = [float(row.split("|")[4]) for row in rows]
     assert all(peak <= gib * 0.9 for peak, gib in zip(peaks, plan.COMMON_GPU_GIB, strict=True))
     assert plan.main(args) == 0 and "add --suggest for a table" in capsys.readouterr().out
+
+
+def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplog):
+    """`sft.logs.setup` drops the messages named in `QUIET_MESSAGES` (torch's traceback for every Liger Triton kernel
+    it compiles: thousands of lines in a compiled FP8 run) and nothing else of those loggers."""
+    import logging
+
+    from sft import logs
+    from tests.test_plan import demo_args
+
+    _, _, args, _ = demo_args(tmp_path)
+    logs.setup(args)
+    logs.setup(args)  # twice: one filter per message
+    dynamo = logging.getLogger("torch._dynamo")
+    assert sum(isinstance(f, logs._DropMessages) for f in dynamo.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        dynamo.warning("Encountered an exception in identify_mutated_tensors, assuming every input is mutated")
+        dynamo.warning("Encountered an exception in identify_accessed_tensors, assuming every input is mutated")
+        dynamo.warning("torch._dynamo hit config.recompile_limit (8)")
+        logging.getLogger("liger_kernel.backends.registry").warning("Backend impl 'x' could not be imported")
+    assert [r.getMessage() for r in caplog.records] == ["torch._dynamo hit config.recompile_limit (8)"]
