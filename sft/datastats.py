@@ -18,7 +18,7 @@ start and writes the figures to `<output_dir>/data_stats.json` (the report plots
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import copy
 import json
 import logging
 import math
@@ -120,7 +120,10 @@ def tokenized(dataset, tokenizer, training_args, name: str, packing: bool = Fals
     packs it (`packing=True`, the recipe's max_length and strategy)."""
     from trl import SFTTrainer
 
-    args = training_args if packing else dataclasses.replace(training_args, max_length=None, shuffle_dataset=False)
+    args = training_args
+    if not packing:  # a shallow copy, not `dataclasses.replace`: that re-runs the recipe checks (tiled_mlp needs
+        args = copy.copy(training_args)  # max_length, and refused the copy under sequence parallelism)
+        args.max_length, args.shuffle_dataset = None, False
     stand_in = _preparer(tokenizer, training_args, next(iter(dataset)))
     return SFTTrainer._prepare_dataset(stand_in, dataset, tokenizer, args, packing, None, name)
 
