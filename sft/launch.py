@@ -6,7 +6,8 @@ environment and restarts as `torchrun --standalone --nproc_per_node N -m sft tra
 
 - a configuration error (exit code 2 in the workers) is printed once, as the last line, and the command exits 2
   instead of torchrun's 1 after its ~40-line ChildFailedError report: the workers write their one-paragraph error
-  to the file in `ERROR_FILE_ENV` instead of printing it;
+  into the folder in `ERROR_FILE_ENV` (one file per rank: the agent stops the other workers as soon as one exits,
+  so the first to fail must be the one that wrote) instead of printing it;
 - a run stopped on a signal with a complete checkpoint exits 75, like a single process;
 - any other failure names the rank and exit code in one line (the worker's traceback is above it) and exits 1.
 
@@ -80,8 +81,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
         args.master_port = 29500
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers, without its banner
     with tempfile.TemporaryDirectory(prefix="sft-launch-") as tmp:
-        error_file = Path(tmp) / "error.txt"
-        os.environ[ERROR_FILE_ENV] = str(error_file)
+        os.environ[ERROR_FILE_ENV] = tmp
         config, cmd, cmd_args = torchrun.config_from_args(args)
         # the agent's own failure report (a ~40-line ChildFailedError) is replaced by the lines below
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -89,7 +89,8 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             return 0
         except ChildFailedError as e:
-            message = error_file.read_text().strip() if error_file.exists() else ""
+            written = sorted(Path(tmp).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+            message = written[0].read_text().strip() if written else ""
             codes = {failure.exitcode for failure in e.failures.values()}
             if message:
                 print(f"sft: error: {message}", file=sys.stderr, flush=True)
@@ -111,11 +112,13 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
 
 
 def report_error(message: str) -> None:
-    """A worker's configuration error: into the launcher's file (it prints it last) or, without one, on stderr
-    from the main process. One local rank writes it: every rank raises the same error."""
-    error_file = os.environ.get(ERROR_FILE_ENV)
-    if error_file:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            Path(error_file).write_text(message)
+    """A worker's configuration error: into the launcher's folder (it prints it last) or, without one, on stderr
+    from the main process. Every rank writes its own file, whole or not at all (renamed into place)."""
+    folder = os.environ.get(ERROR_FILE_ENV)
+    if folder:
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        partial = Path(folder) / f".rank{rank}.partial"
+        partial.write_text(message)
+        partial.replace(Path(folder) / f"rank{rank}.txt")
     elif int(os.environ.get("RANK", "0")) == 0:
         print(f"sft: error: {message}", file=sys.stderr, flush=True)
