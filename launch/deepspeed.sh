@@ -22,10 +22,12 @@ Environment (defaults in brackets):
   PYTHON        Python interpreter [python]
   DRY_RUN       if set, print the command instead of running it
 
-Environment on the other hosts: DeepSpeed forwards variables whose names start with NCCL_, PYTHON, MV2_, UCX_
-(and a few more), plus every `NAME=value` line of a `.deepspeed_env` file in the working directory or in $HOME
-(see launch/deepspeed_env.example; DS_ENV_FILE names another file). Put HF_HOME, HF_TOKEN, WANDB_* and
-SFT_DIST_TIMEOUT there when the nodes do not share a login environment.
+Environment on the hosts (over ssh every host, the first too, starts from a login environment): DeepSpeed forwards
+variables whose names start with NCCL_, PYTHON, MV2_, UCX_ (and a few more), plus every `NAME=value` line of a
+`.deepspeed_env` file in $HOME and in the working directory (see launch/deepspeed_env.example). Put HF_HOME,
+HF_TOKEN, WANDB_* and the like there. Over ssh this script hands DeepSpeed one file (DS_ENV_FILE) that holds
+SFT_DIST_TIMEOUT, then the lines of those two files (theirs win), without the comments and blank lines that
+DeepSpeed's reader fails on; your files are only read.
 USAGE
 }
 
@@ -61,4 +63,16 @@ if [[ -n "${DRY_RUN:-}" ]]; then
   printf '\n'
   exit 0
 fi
-exec "${cmd[@]}"
+if [[ -n "${NO_SSH:-}" ]] || [[ " ${cmd[*]} " == *" --no_ssh_check "* ]] || [[ -n "${DS_ENV_FILE:-}" ]]; then
+  exec "${cmd[@]}"  # no ssh (this environment is inherited), or the user names the environment file
+fi
+env_file="$(mktemp "${TMPDIR:-/tmp}/sft-deepspeed-env.XXXXXX")"
+trap 'rm -f "$env_file"' EXIT
+{
+  echo "SFT_DIST_TIMEOUT=$SFT_DIST_TIMEOUT"
+  for f in "$HOME/.deepspeed_env" ./.deepspeed_env; do
+    if [[ -f "$f" ]]; then grep -E '^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*=' "$f" || true; fi
+  done
+} > "$env_file"
+export DS_ENV_FILE="$env_file"
+"${cmd[@]}"

@@ -1,4 +1,4 @@
-"""Process-group set-up that survives elastic restarts.
+"""Process-group set-up that survives elastic restarts and crosses hosts (sft.nodes picks the interface).
 
 Under `torchrun --max-restarts N`, the restarted workers of torch 2.13 reach the agent's TCPStore, which still holds
 the previous round's rendezvous keys; gloo (and NCCL) then read a dead peer's address and time out ("Gloo
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 from datetime import timedelta
 
@@ -31,21 +32,32 @@ def init_process_group(timeout_s: int | None = None) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     if timeout_s is None:
-        raw = os.environ.get("SFT_DIST_TIMEOUT", "1800")
-        if not raw.isdigit() or int(raw) < 1:
-            raise ConfigError(f"SFT_DIST_TIMEOUT must be a whole number of seconds >= 1, got {raw!r}.")
-        timeout_s = int(raw)
+        timeout_s = timeout_seconds()
+    from sft import nodes
+
+    nodes.pick_interface()  # across hosts: the interface toward MASTER_ADDR, not the host name's (often loopback)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=not agent_store and rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    prefix = f"sft/round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=not agent_store and rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (dist.DistStoreError, RuntimeError) as e:  # the store's client gives up after timeout_s
+        raise ConfigError(
+            f"Rank {rank} on {socket.gethostname()} could not reach MASTER_ADDR={address} port {port} within "
+            f"{timeout_s} s ({str(e).splitlines()[0]}). Check that {address} is node 0's address as this node sees "
+            "it, that node 0 has started, and that no firewall blocks the port (SFT_DIST_TIMEOUT sets the wait)."
+        ) from e
+    # a store shared by the agent's rounds (plain torchrun) holds every round's keys: a prefix per round. Under
+    # `sft train` (sft.launch) each round has a store of its own, and no prefix: the restart count differs between
+    # a node that was there and one that joined (elastic membership change), which would then never meet.
+    prefix = f"sft/round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" if agent_store else "sft"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -56,6 +68,14 @@ def init_process_group(timeout_s: int | None = None) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def timeout_seconds() -> int:
+    """`SFT_DIST_TIMEOUT`: how long a collective (and the first connection to node 0) may wait."""
+    raw = os.environ.get("SFT_DIST_TIMEOUT", "1800")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"SFT_DIST_TIMEOUT must be a whole number of seconds >= 1, got {raw!r}.")
+    return int(raw)
 
 
 PER_RANK_FIELDS = {"local_rank", "logging_dir", "disable_tqdm"}  # disable_tqdm: sft.logs, by terminal

@@ -34,11 +34,16 @@ LAUNCHER_FLAGS = {
     "master-addr": "--master-addr",
     "master-port": "--master-port",
     "max-restarts": "--max-restarts",
+    "rdzv-endpoint": "--rdzv-endpoint",
+    "rdzv-id": "--rdzv-id",
+    "rdzv-timeout": "--rdzv-timeout",  # sft's: seconds the nodes wait for each other (torchrun's rdzv-conf)
 }
 USAGE = (
-    "sft train [--nproc-per-node N [--nnodes N --node-rank R --master-addr A --master-port P] [--max-restarts K]] "
-    "--config RECIPE.yaml [--FIELD VALUE ...]"
+    "sft train [--nproc-per-node N [--nnodes N --node-rank R --master-addr A --master-port P | --nnodes MIN:MAX "
+    "--rdzv-endpoint HOST:PORT --rdzv-id ID] [--rdzv-timeout S] [--max-restarts K]] --config RECIPE.yaml "
+    "[--FIELD VALUE ...]"
 )
+RDZV_TIMEOUT_S = 600  # torchrun's own default for a static and a c10d rendezvous
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -64,21 +69,44 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def launch(launcher_args: list[str], train_args: list[str]) -> int:
     """Run `sft train` in `--nproc-per-node` worker processes on this node; the exit code of the run."""
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     from sft.checkpoint import PREEMPTED_EXIT_CODE
 
+    rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
     try:
         args = torchrun.get_args_parser().parse_args([*launcher_args, "--module", "sft", "train", *train_args])
     except SystemExit as e:
         raise ConfigError(f"the launcher flags {' '.join(launcher_args)} are not valid. Usage: {USAGE}") from e
-    if torchrun.parse_min_max_nnodes(args.nnodes) == (1, 1) and "--master-port" not in launcher_args:
+    several_nodes = torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1
+    if args.rdzv_endpoint:
+        args.rdzv_backend = "c10d"
+    elif not several_nodes and "--master-port" not in launcher_args:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # standalone
     if args.master_port is None:
         args.master_port = 29500
+    args.rdzv_conf = f"timeout={rdzv_timeout},join_timeout={rdzv_timeout}"  # static, c10d
+    endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{args.master_port}"
+    if several_nodes:
+        from sft import nodes
+
+        nodes.check_before_rendezvous(args.node_rank, endpoint, rdzv_timeout, static=args.rdzv_backend == "static")
+        host = endpoint.rpartition(":")[0]
+        if args.rdzv_backend == "c10d":  # torch decides both from the host name, which may not resolve (or not on
+            # the other nodes): whether this node hosts the rendezvous store, and the address it gives the others
+            args.rdzv_conf += f",is_host={nodes.is_local(host)}"
+            args.local_addr = args.local_addr or nodes.route_to(host)[0]
+
+    # A fresh store for the workers in every rendezvous round, hosted by rank 0 (sft.distributed). torch 2.13 shares
+    # the agent's store between rounds instead, and writes its address for the workers only in the first round
+    # node 0 takes part in: a node that joins later (elastic, NNODES=MIN:MAX) waits for it until the timeout
+    # (dynamic_rendezvous.next_rendezvous keeps _bootstrap_store_info).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers, without its banner
     with tempfile.TemporaryDirectory(prefix="sft-launch-") as tmp:
         os.environ[ERROR_FILE_ENV] = tmp
@@ -104,11 +132,28 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
                   f"{len(e.failures)} of {config.nproc_per_node * config.max_nodes} workers failed.",
                   file=sys.stderr, flush=True)  # fmt: skip
             return 1
+        except (RendezvousError, DistError) as e:  # nodes missing or unreachable after the rendezvous timeout
+            print(f"sft: error: the rendezvous of {args.nnodes} nodes at {endpoint} failed: "
+                  f"{str(e).strip().splitlines()[-1]} Check that every node was started with the same node count and "
+                  f"rendezvous address, and that each one reaches {endpoint} (--rdzv-timeout, RDZV_TIMEOUT in "
+                  f"launch/torchrun.sh, sets the wait: {rdzv_timeout} s).", file=sys.stderr, flush=True)  # fmt: skip
+            return 1
         except SignalException as e:  # the agent passed the signal on to the workers and stopped them
             print(f"sft: stopped by {e.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
             return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
+
+
+def _take_rdzv_timeout(launcher_args: list[str]) -> tuple[int, list[str]]:
+    """sft's `--rdzv-timeout S` out of the launcher flags: (S, the rest)."""
+    if "--rdzv-timeout" not in launcher_args:
+        return RDZV_TIMEOUT_S, launcher_args
+    i = launcher_args.index("--rdzv-timeout")
+    value = launcher_args[i + 1]
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"`--rdzv-timeout` must be a whole number of seconds >= 1, got {value!r}.")
+    return int(value), launcher_args[:i] + launcher_args[i + 2 :]
 
 
 def report_error(message: str) -> None:

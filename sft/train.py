@@ -18,13 +18,14 @@ logger = logging.getLogger("sft")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sft import logs
+    from sft import logs, nodes
     from sft.config import parse_args
-    from sft.distributed import check_ranks_agree, init_process_group
+    from sft.distributed import check_ranks_agree, init_process_group, timeout_seconds
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
     logs.setup(training_args)
+    nodes.log_table(timeout_seconds())
 
     from trl import get_peft_config
 
@@ -129,7 +130,11 @@ def run(argv: list[str] | None = None) -> None:
             print("sft: error: --nproc-per-node starts worker processes; this already is one (under torchrun or "
                   "deepspeed). Drop the launcher flags.", file=sys.stderr, flush=True)  # fmt: skip
             sys.exit(2)
-        sys.exit(launch.launch(launcher_args, train_args))
+        try:
+            sys.exit(launch.launch(launcher_args, train_args))
+        except SFTError as e:  # the launcher flags, or this node cannot take part (sft.nodes)
+            print(f"sft: error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
     try:
         code = cli(argv)
     except SystemExit as e:  # a preempted run's exit code

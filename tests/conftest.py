@@ -17,16 +17,21 @@ DEMO = ["--config", str(ROOT / "recipes" / "demo.yaml")]
 
 
 MULTIPROC_DIR = Path(__file__).resolve().parent / "multiproc"
+MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 
 
 def pytest_collection_modifyitems(config, items):
     """Tiers: every test under tests/multiproc/ runs training in launched processes and is marked `multiproc`
-    (`pytest -m "not multiproc"` is the quick loop); the folder, not a decorator per test, decides."""
+    (`pytest -m "not multiproc"` is the quick loop); those under tests/multinode/ run it on two network namespaces
+    as two nodes and are marked `multinode` too. The folder, not a decorator per test, decides."""
     import pytest
 
     for item in items:
-        if MULTIPROC_DIR in Path(item.fspath).parents:
+        parents = Path(item.fspath).parents
+        if MULTIPROC_DIR in parents or MULTINODE_DIR in parents:
             item.add_marker(pytest.mark.multiproc)
+        if MULTINODE_DIR in parents:
+            item.add_marker(pytest.mark.multinode)
 
 
 def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
