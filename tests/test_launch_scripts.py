@@ -72,14 +72,20 @@ def test_script_checks(script):
 
 def test_torchrun_command_lines():
     static = dry_run("launch/torchrun.sh", "--config", "r.yaml", NNODES=2, NODE_RANK=1, MASTER_ADDR="node0",
-                     MASTER_PORT=1234, NPROC_PER_NODE=8)  # fmt: skip
-    assert (
-        "--nnodes 2 --nproc_per_node 8 --max-restarts 0 --node-rank 1 --master-addr node0 --master-port 1234" in static
-    )
-    assert static.rstrip().endswith("sft/train.py --config r.yaml")
+                     MASTER_PORT=1234, NPROC_PER_NODE=8, RDZV_TIMEOUT=30)  # fmt: skip
+    assert static.startswith(f"{sys.executable} -m sft train --nnodes 2 --nproc-per-node 8 --max-restarts 0 "
+                             "--rdzv-timeout 30 --node-rank 1 --master-addr node0 --master-port 1234 ")  # fmt: skip
+    assert static.rstrip().endswith("--master-port 1234 --config r.yaml")
     elastic = dry_run("launch/torchrun.sh", NNODES="1:4", RDZV_ENDPOINT="node0:29400", MAX_RESTARTS=3)
-    assert "--nnodes 1:4" in elastic and "--max-restarts 3" in elastic
-    assert "--rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id sft" in elastic and "--node-rank" not in elastic
+    assert "--nnodes 1:4" in elastic and "--max-restarts 3" in elastic and "--rdzv-timeout 600" in elastic
+    assert "--rdzv-endpoint node0:29400 --rdzv-id sft" in elastic and "--node-rank" not in elastic
+    one = dry_run("launch/torchrun.sh", NPROC_PER_NODE=2)  # one node, no MASTER_PORT: a free port (standalone)
+    assert "--nnodes 1 --nproc-per-node 2" in one and "--master-port" not in one
+    # each line is one `sft train` accepts: its launcher flags split off whole
+    from sft.launch import split_args
+
+    launcher, rest = split_args(static.split()[4:])
+    assert rest == ["--config", "r.yaml"] and launcher[-2:] == ["--master-port", "1234"]
 
 
 def test_deepspeed_command_line(tmp_path):

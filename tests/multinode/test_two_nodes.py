@@ -160,10 +160,10 @@ def test_deepspeed_launcher_over_ssh_then_a_lost_node_resumes_bit_identically(ho
         "OMP_NUM_THREADS=1\n"
     )
     out = tmp_path / "out"
-    variables = env(HOSTFILE=tmp_path / "hostfile", MASTER_PORT=PORT + 5, DIST_TIMEOUT=77,
-                    PATH=f"{sshd}:{os.environ['PATH']}")  # fmt: skip
+    variables = env(HOSTFILE=tmp_path / "hostfile", MASTER_PORT=PORT + 5, DIST_TIMEOUT=77, HOME=tmp_path,
+                    PATH=f"{sshd}:{os.environ['PATH']}")  # fmt: skip  (HOME: where .deepspeed_env is read)
     command = ["bash", str(ROOT / "launch/deepspeed.sh"), *TRAIN, "--output_dir", str(out)]
-    first = hosts[0].start(command, tmp_path / "first.log", env=variables, cwd=tmp_path)
+    first = hosts[0].start(command, tmp_path / "first.log", env=variables, cwd=ROOT)
     deadline = time.time() + 300
     while not (out / "checkpoint-4" / MARKER).exists():
         assert time.time() < deadline and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
@@ -178,7 +178,7 @@ def test_deepspeed_launcher_over_ssh_then_a_lost_node_resumes_bit_identically(ho
         (node.name, node.address, node.interface, str(i), "77") for i, node in enumerate(hosts)
     ], first_log[-3000:]
     assert not (out / "model.safetensors").exists()
-    second = hosts[0].start(command, tmp_path / "second.log", env=variables, cwd=tmp_path)
+    second = hosts[0].start(command, tmp_path / "second.log", env=variables, cwd=ROOT)
     assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-4000:]
     assert f"Resuming from {out}/checkpoint-4" in (tmp_path / "second.log").read_text()
     reference = static_runs["two"]

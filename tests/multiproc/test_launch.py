@@ -64,21 +64,6 @@ def start_node(tmp_path: Path, name: str, rank: int, port: int, out: Path, *extr
                             env=variables, stdout=log, stderr=log)  # fmt: skip
 
 
-def test_two_nodes_on_one_machine_train_like_one_node(tmp_path):
-    one = subprocess.run(["bash", "launch/torchrun.sh", *TRAIN, "--output_dir", str(tmp_path / "one")], cwd=ROOT,
-                         env=env(NPROC_PER_NODE=2, MASTER_PORT=free_port()), capture_output=True,
-                         text=True)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-4000:]
-    port = free_port()
-    nodes = [start_node(tmp_path, f"node{r}", r, port, tmp_path / "two", "--trace_data") for r in (0, 1)]
-    for r, node in enumerate(nodes):
-        assert node.wait(timeout=600) == 0, (tmp_path / f"node{r}.log").read_text()[-4000:]
-    assert len(losses(tmp_path / "one")) == 8
-    assert losses(tmp_path / "two") == losses(tmp_path / "one")
-    traces = [read_jsonl(tmp_path / "two" / "data_trace" / f"rank{r}.jsonl") for r in (0, 1)]
-    assert all(a["sha1"] != b["sha1"] for a, b in zip(*traces, strict=True))  # each node trained on other samples
-
-
 def test_nodes_that_disagree_are_refused(tmp_path):
     port = free_port()
     nodes = [start_node(tmp_path, "node0", 0, port, tmp_path / "out"),
