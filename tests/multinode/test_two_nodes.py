@@ -160,8 +160,9 @@ def test_deepspeed_launcher_over_ssh_then_a_lost_node_resumes_bit_identically(ho
         "OMP_NUM_THREADS=1\n"
     )
     out = tmp_path / "out"
+    # HOME: where DeepSpeed's launcher reads .deepspeed_env (its other place is the working directory, the repository)
     variables = env(HOSTFILE=tmp_path / "hostfile", MASTER_PORT=PORT + 5, DIST_TIMEOUT=77, HOME=tmp_path,
-                    PATH=f"{sshd}:{os.environ['PATH']}")  # fmt: skip  (HOME: where .deepspeed_env is read)
+                    PATH=f"{sshd}:{os.environ['PATH']}")  # fmt: skip
     command = ["bash", str(ROOT / "launch/deepspeed.sh"), *TRAIN, "--output_dir", str(out)]
     first = hosts[0].start(command, tmp_path / "first.log", env=variables, cwd=ROOT)
     deadline = time.time() + 300
