@@ -57,3 +57,21 @@ def test_the_checks_before_the_rendezvous(monkeypatch):
         nodes.check_before_rendezvous(1, "127.0.0.2:9", 2, static=True)
     assert time.monotonic() - started < 10
     assert "could not reach the rendezvous at 127.0.0.2 port 9 within 2 s" in str(e.value)
+
+
+def test_a_worker_that_cannot_reach_master_addr_says_so_within_the_timeout(monkeypatch):
+    """Under DeepSpeed's launcher (no agent, no check before): the worker's own first connection to MASTER_ADDR."""
+    from sft.distributed import init_process_group
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        init_process_group(timeout_s=2)
+    assert time.monotonic() - started < 30
+    expected = f"Rank 1 on {socket.gethostname()} could not reach MASTER_ADDR=127.0.0.1 port {port} within 2 s"
+    assert str(e.value).startswith(expected), str(e.value)

@@ -178,6 +178,8 @@ def test_deepspeed_launcher_over_ssh_then_a_lost_node_resumes_bit_identically(ho
     assert node_table(tmp_path / "first.log") == [
         (node.name, node.address, node.interface, str(i), "77") for i, node in enumerate(hosts)
     ], first_log[-3000:]
+    # what DeepSpeed's runner sends each host: the launcher's timeout and the lines of .deepspeed_env
+    assert "export SFT_DIST_TIMEOUT=77;" in first_log and "export HF_HUB_OFFLINE=1;" in first_log
     assert not (out / "model.safetensors").exists()
     second = hosts[0].start(command, tmp_path / "second.log", env=variables, cwd=ROOT)
     assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-4000:]
