@@ -93,11 +93,10 @@ def pick_interface() -> str | None:
     if all(ipaddress.ip_address(a).is_loopback for a in _addresses(master)):
         return None
     _, interface = route_to(master)
-    backend_variable = "NCCL_SOCKET_IFNAME" if _uses_nccl() else "GLOO_SOCKET_IFNAME"
-    for variable in INTERFACE_VARIABLES:
-        if interface != "?":
+    if interface != "?":  # an address no interface lists: the backends keep their own choice
+        for variable in INTERFACE_VARIABLES:
             os.environ.setdefault(variable, interface)
-    return os.environ.get(backend_variable)
+    return os.environ.get(_backend_variable(), interface)
 
 
 def _names_exist(variable: str, named: str, interfaces: dict) -> bool:
@@ -111,10 +110,10 @@ def _names_exist(variable: str, named: str, interfaces: dict) -> bool:
     return all(any(i == n if exact else i.startswith(n) for i in interfaces) for n in names if n)
 
 
-def _uses_nccl() -> bool:
+def _backend_variable() -> str:
     import torch
 
-    return torch.cuda.is_available()
+    return "NCCL_SOCKET_IFNAME" if torch.cuda.is_available() else "GLOO_SOCKET_IFNAME"
 
 
 def check_before_rendezvous(node_rank: int | None, endpoint: str, timeout_s: float, static: bool) -> None:
@@ -163,7 +162,7 @@ def log_table(timeout_s: int) -> None:
         return
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     address, interface = route_to(master)
-    mine = (socket.gethostname(), address, os.environ.get("GLOO_SOCKET_IFNAME") or interface, timeout_s)
+    mine = (socket.gethostname(), address, os.environ.get(_backend_variable()) or interface, timeout_s)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -171,7 +170,7 @@ def log_table(timeout_s: int) -> None:
     nodes: dict[tuple, list[int]] = {}
     for rank, info in enumerate(everyone):
         nodes.setdefault(info, []).append(rank)
-    if len(nodes) == 1 and len({info[0] for info in nodes}) == 1 and ipaddress.ip_address(address).is_loopback:
+    if len(nodes) == 1 and ipaddress.ip_address(address).is_loopback:
         return  # one host on loopback: nothing to tell
     logger.info("Nodes: %d (%s, rendezvous at %s)", len(nodes), dist.get_backend(), master)
     for (host, addr, iface, timeout), ranks in nodes.items():
