@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -67,14 +68,27 @@ def _unavailable() -> str | None:
     return None
 
 
+def _sweep_left_over() -> None:
+    """Namespaces of an earlier test session that was killed (SIGKILL skips the fixture's own clean-up), named
+    after its process id: their processes killed and the namespaces deleted once that process is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for name in re.findall(r"^sft-(\d+)-n[01]\b", listed, flags=re.M):
+        if not Path(f"/proc/{name}").exists():
+            for netns in (f"sft-{name}-n0", f"sft-{name}-n1"):
+                Node("", netns, "", "").kill_all()
+                subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
 @pytest.fixture(scope="session")
 def hosts():
     reason = _unavailable()
     if reason:
         pytest.skip(f"several-node tests skipped: {reason}")
-    tag = os.getpid() % 10000
+    _sweep_left_over()
+    pid = os.getpid()
+    tag = pid % 10000
     subnet = f"10.{200 + tag % 50}.{tag % 250}"
-    nodes = [Node(f"node{i}", f"sft{tag}n{i}", f"sft{tag}v{i}", f"{subnet}.{i + 1}") for i in (0, 1)]
+    nodes = [Node(f"node{i}", f"sft-{pid}-n{i}", f"sft{tag}v{i}", f"{subnet}.{i + 1}") for i in (0, 1)]
     try:
         for node in nodes:
             _ip("netns", "add", node.netns)
