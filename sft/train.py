@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from sft.errors import SFTError
+from sft.errors import ConfigError, SFTError
 
 logger = logging.getLogger("sft")
 
@@ -120,21 +120,16 @@ def run(argv: list[str] | None = None) -> None:
     from sft.distributed import leave
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    try:  # the launcher's own errors: its flags, or this node cannot take part (sft.nodes)
         launcher_args, train_args = launch.split_args(argv)
+        if launcher_args:
+            if "LOCAL_RANK" in os.environ:
+                raise ConfigError("--nproc-per-node starts worker processes; this already is one (under torchrun or "
+                                  "deepspeed). Drop the launcher flags.")  # fmt: skip
+            sys.exit(launch.launch(launcher_args, train_args))
     except SFTError as e:
         print(f"sft: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    if launcher_args:
-        if "LOCAL_RANK" in os.environ:
-            print("sft: error: --nproc-per-node starts worker processes; this already is one (under torchrun or "
-                  "deepspeed). Drop the launcher flags.", file=sys.stderr, flush=True)  # fmt: skip
-            sys.exit(2)
-        try:
-            sys.exit(launch.launch(launcher_args, train_args))
-        except SFTError as e:  # the launcher flags, or this node cannot take part (sft.nodes)
-            print(f"sft: error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
     try:
         code = cli(argv)
     except SystemExit as e:  # a preempted run's exit code
