@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import multiprocessing.forkserver
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +30,37 @@ from sft.errors import ConfigError
 from sft.model import decoder_layers
 
 logger = logging.getLogger(__name__)
+
+
+# CPython releases whose forked child can deadlock in PyOS_AfterFork_Child on a lock another thread held at the fork
+# (python/cpython#112275; fixed in 3.10.15 and 3.11.10, never present in 3.12+)
+_FORK_DEADLOCK = (
+    sys.version_info[:2] == (3, 10)
+    and sys.version_info < (3, 10, 15)
+    or (sys.version_info[:2] == (3, 11) and sys.version_info < (3, 11, 10))
+)
+
+
+def fork_safe_workers(args, collator, dataset) -> str | None:
+    """Start DataLoader workers from a fork server where this Python can deadlock a forked worker; the reason or None.
+
+    By the first batch a rank runs threads (torch, DeepSpeed, the distributed store); on the releases above a worker
+    forked while one of them holds the interpreter's thread-list lock hangs for ever (seen in sft's CI as a resume run
+    stuck in `PyOS_AfterFork_Child`). The fork server is a single-threaded process that imports the collator's and the
+    dataset's modules once, while the model and engine are set up; each worker is a fork of it. A recipe that names
+    `dataloader_multiprocessing_context` keeps its choice.
+    """
+    if not _FORK_DEADLOCK or args.dataloader_num_workers == 0 or args.dataloader_multiprocessing_context is not None:
+        return None
+    args.dataloader_multiprocessing_context = "forkserver"
+    modules = {"torch", type(collator).__module__, type(dataset).__module__ if dataset is not None else "torch"}
+    multiprocessing.set_forkserver_preload(sorted(modules))
+    multiprocessing.forkserver.ensure_running()
+    version = ".".join(map(str, sys.version_info[:3]))
+    return (
+        f"DataLoader workers start from a fork server: a worker forked by Python {version} can deadlock "
+        "(python/cpython#112275, fixed in 3.10.15 / 3.11.10); set dataloader_multiprocessing_context to choose"
+    )
 
 
 class Trainer(SFTTrainer):
@@ -53,6 +87,9 @@ class Trainer(SFTTrainer):
                 self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
             )
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
+        reason = fork_safe_workers(self.args, self.data_collator, self.train_dataset)
+        if reason:
+            logger.info(reason)
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
         self.throughput = metrics.Throughput(self.model, getattr(self.args, "peak_tflops", None), dims.world_size)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -76,9 +77,29 @@ def start_cli(
     return proc
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun's workers and their DataLoader workers included), so that a
+    run that timed out leaves nothing behind."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    """Wait for a process from `start_cli`; return its stderr."""
-    proc.wait(timeout=timeout)
+    """Wait for a process from `start_cli`; return its stderr. On timeout the whole process tree is killed first."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise
     proc.log.seek(0)
     text = proc.log.read()
     proc.log.close()
@@ -96,15 +117,21 @@ def run_cli(
     args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600, env: dict | None = None
 ):
     """Run sft/train.py to the end: nproc=0 as `python sft/train.py`, else under torchrun with nproc processes."""
-    cmd = cli_command(nproc)
-    return subprocess.run(
-        cmd + list(args),
+    cmd = cli_command(nproc) + list(args)
+    with subprocess.Popen(
+        cmd,
         cwd=ROOT,
         env={**cli_env(tmp_path), **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)  # subprocess.run would kill torchrun's agent only, leaving its workers running
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_cli_in_process(args: list[str]) -> subprocess.CompletedProcess:

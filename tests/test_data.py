@@ -113,3 +113,40 @@ def test_bad_record_in_parquet_names_source_and_index(tmp_path):
     path = write(tmp_path, "d.parquet", rows)
     with pytest.raises(DataError, match=r"d\.parquet: record 3: missing field `instruction`"):
         load(tmp_path, [DatasetConfig(path=path)])
+
+
+@pytest.mark.parametrize("deadlock_prone", [True, False])
+def test_dataloader_workers_start_from_a_fork_server_where_fork_can_deadlock(monkeypatch, deadlock_prone):
+    """On a Python with python/cpython#112275 the workers start from a fork server that preloads the collator's and
+    dataset's modules, and give the batches that fork (and no workers) give; elsewhere, and where the recipe names a
+    start method, nothing changes."""
+    from types import SimpleNamespace
+
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from sft import trainer
+
+    monkeypatch.setattr(trainer, "_FORK_DEADLOCK", deadlock_prone)
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]})
+    collator = DataCollatorForLanguageModeling(pad_token_id=0)
+    args = SimpleNamespace(dataloader_num_workers=2, dataloader_multiprocessing_context=None)
+    reason = trainer.fork_safe_workers(args, collator, dataset)
+    if not deadlock_prone:
+        assert reason is None and args.dataloader_multiprocessing_context is None
+        return
+    assert args.dataloader_multiprocessing_context == "forkserver"
+    assert "python/cpython#112275" in reason and "dataloader_multiprocessing_context" in reason
+
+    def batches(**kwargs):
+        loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collator, **kwargs)
+        return [b["input_ids"].tolist() for b in loader]
+
+    served = batches(num_workers=2, multiprocessing_context=args.dataloader_multiprocessing_context)
+    assert served == batches() == [[[1, 2, 3], [4, 5, 0]], [[6, 0, 0, 0], [7, 8, 9, 10]]]
+
+    chosen = SimpleNamespace(dataloader_num_workers=2, dataloader_multiprocessing_context="spawn")
+    assert trainer.fork_safe_workers(chosen, collator, dataset) is None
+    assert chosen.dataloader_multiprocessing_context == "spawn"
+    none = SimpleNamespace(dataloader_num_workers=0, dataloader_multiprocessing_context=None)
+    assert trainer.fork_safe_workers(none, collator, dataset) is None

@@ -6,7 +6,6 @@ per-step loss, learning rate, grad norm and token counts in metrics.jsonl, and t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -17,14 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import safetensors.torch
 import torch
 
 from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER, PREEMPTED_EXIT_CODE
 from sft.metrics import samples_per_step
-from tests.conftest import ROOT, cli_env, finish, read_jsonl, run_cli, start_cli, wait_for
+from tests.conftest import ROOT, cli_env, finish, kill_tree, read_jsonl, run_cli, start_cli, wait_for
 
 STEPS = 12
 # per-device batch 1 x accumulation 2 x 2 processes = global batch 4 packed rows; 2 dataloader workers
@@ -74,14 +72,6 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = weights(reference), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and all its descendants (torchrun starts its workers in sessions of their own)."""
-    parent = psutil.Process(pid)
-    for proc in [*parent.children(recursive=True), parent]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.send_signal(signal.SIGKILL)
 
 
 def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2, env: dict | None = None) -> None:
