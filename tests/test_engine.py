@@ -62,3 +62,25 @@ def test_integer_steps_are_left_alone():
     optimizer.state[param]["step"] = 5
     place_optimizer_state(optimizer)
     assert optimizer.state[param]["step"] == 5
+
+
+def test_zero3_costs_are_the_committed_benchmarks():
+    """The ratios the start-up advice quotes are those of benchmarks/results/throughput.json (sft's default runs)."""
+    import json
+    import re
+
+    from sft.engines.deepspeed import ZERO3_MEASURED, zero3_cost
+    from tests.conftest import ROOT
+
+    runs = json.loads((ROOT / "benchmarks" / "results" / "throughput.json").read_text())["runs"]
+    measured = {}
+    for name, run in runs.items():
+        m = re.fullmatch(r"(\d+)b-(\d+)gpu-zero3-sft", name)
+        pair = runs.get(name.replace("zero3", "zero2"))
+        if m and pair and run["exit_code"] == pair["exit_code"] == 0:
+            ratio = run["tokens_per_second_per_gpu"] / pair["tokens_per_second_per_gpu"]
+            measured[(float(m[1]), int(m[2]))] = round(ratio, 3)
+    assert {(m.params_b, m.gpus): m.ratio for m in ZERO3_MEASURED} == measured
+    assert (zero3_cost(8_030_000_000, 2).params_b, zero3_cost(8_030_000_000, 2).gpus) == (8, 2)
+    assert (zero3_cost(70_000_000_000, 8).params_b, zero3_cost(70_000_000_000, 8).gpus) == (8, 4)
+    assert (zero3_cost(1_000_000, 1).params_b, zero3_cost(1_000_000, 1).gpus) == (3, 1)

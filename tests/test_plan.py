@@ -291,3 +291,39 @@ def test_one_zero3_process_gathers_nothing(tmp_path):
     head = 2 * shape.vocab * shape.hidden
     gathered = "LM head gathered + its gradient + loss tile"
     assert two.items[gathered] - one.items[gathered] == pytest.approx(head)
+
+
+def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog):
+    """A ZeRO-3 run whose plan shows ZeRO-2 fitting (same micro batch, no checkpointing) is told so at start, with
+    the nearest measured ZeRO-3 / ZeRO-2 ratio; where ZeRO-2 would not fit, or ZeRO-3 offloads, nothing is said."""
+    from sft.preflight import zero2_advice
+
+    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    zero3 = plan.Setting(gpus=2, zero_stage=3, micro_batch=2, seq_len=4096, liger=True)
+    zero2 = dataclasses.replace(zero3, zero_stage=2)
+    zero2_peak, zero3_peak = plan.estimate(shape, zero2).peak, plan.estimate(shape, zero3).peak
+    assert zero3_peak < zero2_peak
+    roomy = 141 * plan.GiB
+    assert plan.estimate(shape, zero2).fits(roomy, 0.1)
+    advice = zero2_advice(shape, zero3, roomy, 0.1, None)
+    assert advice.startswith(
+        "ZeRO-2 fits here: ZeRO-2, 2 GPU(s), micro batch 2 x 4096 tokens, activation checkpointing off"
+    )
+    assert f"peaks at {zero2_peak / plan.GiB:.2f} GiB of {141 * 0.9:.2f} GiB usable" in advice
+    assert "8B on 2 x H200: ZeRO-3 at 0.82 of ZeRO-2's tokens/s, ZeRO-2 was 22% faster" in advice
+    # checkpointing on under ZeRO-3: still advised, as ZeRO-2 without it fits
+    assert zero2_advice(shape, dataclasses.replace(zero3, activation_checkpointing=True), roomy, 0.1, None) == advice
+    between = (zero2_peak + zero3_peak) / 2 / 0.9  # ZeRO-3 fits, ZeRO-2 does not
+    assert plan.estimate(shape, zero3).fits(between, 0.1) and not plan.estimate(shape, zero2).fits(between, 0.1)
+    assert zero2_advice(shape, zero3, between, 0.1, None) is None
+    assert zero2_advice(shape, dataclasses.replace(zero3, offload_optimizer=True), roomy, 0.1, None) is None
+    assert zero2_advice(shape, zero2, roomy, 0.1, None) is None
+    # at start: the demo under ZeRO-3 with a GPU to plan for; the nearest measurement is one GPU's
+    _, _, training_args, model_args = demo_args(
+        tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "1"
+    )
+    with caplog.at_level("WARNING", logger="sft.preflight"):
+        preflight(training_args, model_args)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeRO-2 fits here")]
+    assert len(said) == 1 and "3B on 1 x H200: ZeRO-3 at 0.97 of ZeRO-2's tokens/s, ZeRO-2 was 3% faster" in said[0]
+    assert said[0].endswith("ZeRO-3 kept as asked; for ZeRO-2: --deepspeed ds_configs/zero2.json")

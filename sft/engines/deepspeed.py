@@ -11,6 +11,8 @@
   loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
   included); `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
+- `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
+  when the plan shows ZeRO-2 fits.
 - `hooks_outside_compile`: ZeRO-3's module hooks kept out of the compiled decoder layers (run eagerly between the
   compiled pieces), as DeepSpeed's own `engine.compile` keeps its NVTX wrappers out.
 
@@ -42,6 +44,39 @@ class ZeroSetup:
     stage: int | None = None
     offload_optimizer: bool = False
     offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class Zero3Cost:
+    """One measured pair: sft's default run under ZeRO-3 and under ZeRO-2, same model, GPUs, data and micro batch."""
+
+    params_b: float  # model size, billions of parameters (the Llama-3.x shape of the benchmark)
+    gpus: int
+    ratio: float  # ZeRO-3 tokens/s per GPU / ZeRO-2's
+
+    def describe(self) -> str:
+        return f"{self.params_b:g}B on {self.gpus} x H200: ZeRO-3 at {self.ratio:.2f} of ZeRO-2's tokens/s"
+
+
+# benchmarks/results/throughput.md (H200, seq 4096, global batch 32 packed rows, full fine-tuning, Liger, no
+# checkpointing); tests/test_engine.py checks these against benchmarks/results/throughput.json
+ZERO3_MEASURED = (
+    Zero3Cost(3, 1, 0.975),
+    Zero3Cost(3, 2, 0.968),
+    Zero3Cost(3, 4, 0.913),
+    Zero3Cost(8, 2, 0.819),
+    Zero3Cost(8, 4, 0.956),
+)
+
+
+def zero3_cost(params: int, gpus: int) -> Zero3Cost:
+    """The measurement nearest to this run: the closest GPU count, then the closest model size (by ratio of sizes)."""
+    import math
+
+    def distance(m: Zero3Cost) -> tuple[int, float]:
+        return abs(math.log2(m.gpus / gpus)), abs(math.log(m.params_b * 1e9 / max(params, 1)))
+
+    return min(ZERO3_MEASURED, key=distance)
 
 
 def _check_file(path: str) -> Path:
