@@ -25,7 +25,10 @@ Settings (same data, max_length and DeepSpeed config within a cell; packed runs 
 - `sft`: sft's defaults, nothing tuned by hand: `packing: true`, `attn_implementation: auto`, micro batch and
   checkpointing from the memory plan (`auto`), Liger on (the default with a GPU), the global batch.
 - variants of `sft` with one change, to decide defaults: `sft_no_liger`, `sft_compile` (decoder layers compiled),
-  `sft_ckpt` (checkpointing forced on), `sft_buckets` (DeepSpeed bucket sizes 5e8 instead of transformers' `auto`).
+  `sft_ckpt` (checkpointing forced on), `sft_buckets` (DeepSpeed bucket sizes 5e8 instead of transformers' `auto`);
+  for ZeRO-3 (issue #23) `sft_deepcompile` (DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and
+  `torch_compile`, which makes accelerate call `engine.compile()`), `sft_prefetch` (`stage3_prefetch_bucket_size`
+  5e8), `sft_persist` (`stage3_param_persistence_threshold` 5e6: the k and v projections of these shapes kept whole).
 
 Runs are grouped in waves that use disjoint GPUs and run at the same time (two 2-GPU runs, or 1-GPU runs, side by
 side); the report says which. The baselines run through sft's `Trainer`, i.e. TRL's SFTTrainer plus sft's
@@ -61,7 +64,15 @@ SETTINGS = {
     "sft_no_liger": {"packing": True, "global_batch_size": GLOBAL_BATCH, "use_liger_kernel": False},
     "sft_compile": {"packing": True, "global_batch_size": GLOBAL_BATCH, "compile_decoder_layers": True},
     "sft_ckpt": {"packing": True, "global_batch_size": GLOBAL_BATCH, "activation_checkpointing": True},
-    "sft_buckets": {"packing": True, "global_batch_size": GLOBAL_BATCH, "ds_buckets": 5e8},
+    "sft_buckets": {"packing": True, "global_batch_size": GLOBAL_BATCH,
+                    "ds": {"zero_optimization": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}}},
+    # DeepSpeed's levers for ZeRO-3 (issue #23); `ds` is merged into the stage's config
+    "sft_deepcompile": {"packing": True, "global_batch_size": GLOBAL_BATCH, "torch_compile": True,
+                        "ds": {"compile": {"deepcompile": True}}},
+    "sft_prefetch": {"packing": True, "global_batch_size": GLOBAL_BATCH,
+                     "ds": {"zero_optimization": {"stage3_prefetch_bucket_size": 5e8}}},
+    "sft_persist": {"packing": True, "global_batch_size": GLOBAL_BATCH,
+                    "ds": {"zero_optimization": {"stage3_param_persistence_threshold": 5e6}}},
 }  # fmt: skip
 STAGES = {"zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 
@@ -80,28 +91,30 @@ MATRIX = [
     [cell("8b", 4, "zero3", "sft_buckets")],
     [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
     [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
+    *[[cell("3b", 1, "zero3", s)] for s in ("sft_deepcompile",)],
+    *[[cell(m, 2, "zero3", s)] for m in ("8b", "3b") for s in ("sft_deepcompile", "sft_prefetch", "sft_persist")],
 ]
 
 
-def ds_config(work: Path, stage: str, buckets: float | None) -> str:
-    if buckets is None:
+def ds_config(work: Path, stage: str, name: str, overrides: dict | None) -> str:
+    """The stage's config from ds_configs/, with a variant's `ds` values merged in (one level deep)."""
+    if not overrides:
         return str(ROOT / STAGES[stage])
     config = json.loads((ROOT / STAGES[stage]).read_text())
-    zero = config["zero_optimization"]
-    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size") if stage == "zero3" else ("reduce_bucket_size",)
-    zero.update(dict.fromkeys(keys, buckets))
-    path = work / f"{stage}-buckets.json"
+    for key, value in overrides.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    path = work / f"{name}-ds.json"
     path.write_text(json.dumps(config, indent=2))
     return str(path)
 
 
 def launch(run: dict, gpu_ids: list[int], args, work: Path, data: Path):
     settings = dict(SETTINGS[run["setting"]])
-    buckets = settings.pop("ds_buckets", None)
+    overrides = settings.pop("ds", None)
     model = model_dir(work / f"model-{run['model']}", None if args.tiny else SHAPES[run["model"]])
     recipe = {**COMMON, **settings, "model_name_or_path": str(model)}
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / run["name"]), max_steps=args.steps)
-    recipe["deepspeed"] = ds_config(work, run["stage"], buckets)
+    recipe["deepspeed"] = ds_config(work, run["stage"], run["name"], overrides)
     if args.tiny:
         recipe.update(bf16=False, dtype="float32", max_length=512, attn_implementation="auto", peak_tflops=1.0)
         recipe.pop("use_liger_kernel", None)
@@ -154,7 +167,8 @@ def run_matrix(args) -> None:
     vocab = 104 if args.tiny else SHAPES["1b"]["vocab_size"]
     make_sft_data(data, args.records, vocab, 512 if args.tiny else 4096)
     waves = [[r for r in wave if not args.only or any(w in r["name"] for w in args.only)] for wave in MATRIX]
-    waves = [w for w in waves if w]
+    room = args.gpus_on_machine or 2  # --tiny: 2 CPU processes per run, one run at a time
+    waves = [part for w in waves if w for part in _fit(w, room)]
     for i, wave in enumerate(waves):
         names = [r["name"] for r in wave]
         print(f"wave {i + 1}/{len(waves)}: {', '.join(names)}", flush=True)
@@ -171,6 +185,18 @@ def run_matrix(args) -> None:
                   f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU, MFU {mfu}", flush=True)  # fmt: skip
         shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
     report(args, [args.out])
+
+
+def _fit(wave: list[dict], gpus: int) -> list[list[dict]]:
+    """A wave split into consecutive waves that each fit on this machine's GPUs."""
+    parts, used = [[]], 0
+    for run in wave:
+        if parts[-1] and used + run["gpus"] > gpus:
+            parts.append([])
+            used = 0
+        parts[-1].append(run)
+        used += run["gpus"]
+    return parts
 
 
 def report(args, dirs: list[Path]) -> None:
@@ -259,7 +285,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    args.gpu = env["gpu"]
+    args.gpu, args.gpus_on_machine = env["gpu"], 0 if args.tiny else env["gpus_on_machine"]
     (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     run_matrix(args)
 
