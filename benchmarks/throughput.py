@@ -68,7 +68,10 @@ SETTINGS = {
                     "ds": {"zero_optimization": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}}},
     # DeepSpeed's levers for ZeRO-3 (issue #23); `ds` is merged into the stage's config
     "sft_deepcompile": {"packing": True, "global_batch_size": GLOBAL_BATCH, "torch_compile": True,
-                        "ds": {"compile": {"deepcompile": True}}},
+                        "compile_decoder_layers": False, "ds": {"compile": {"deepcompile": True}}},
+    "sft_deepcompile_fp8": {"packing": True, "global_batch_size": GLOBAL_BATCH, "torch_compile": True,
+                            "compile_decoder_layers": False, "fp8": True, "ds": {"compile": {"deepcompile": True}}},
+    "sft_fp8": {"packing": True, "global_batch_size": GLOBAL_BATCH, "fp8": True},
     "sft_prefetch": {"packing": True, "global_batch_size": GLOBAL_BATCH,
                      "ds": {"zero_optimization": {"stage3_prefetch_bucket_size": 5e8}}},
     "sft_persist": {"packing": True, "global_batch_size": GLOBAL_BATCH,
@@ -91,7 +94,7 @@ MATRIX = [
     [cell("8b", 4, "zero3", "sft_buckets")],
     [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
     [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
-    *[[cell("3b", 1, "zero3", s)] for s in ("sft_deepcompile",)],
+    *[[cell("3b", 1, "zero3", s)] for s in ("sft_deepcompile", "sft_deepcompile_fp8", "sft_fp8")],
     *[[cell(m, 2, "zero3", s)] for m in ("8b", "3b") for s in ("sft_deepcompile", "sft_prefetch", "sft_persist")],
 ]
 
