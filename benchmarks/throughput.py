@@ -95,7 +95,8 @@ MATRIX = [
     [cell("3b", 2, "zero3", "sft"), cell("3b", 2, "zero2", "sft")],
     [cell("3b", 1, "zero2", "sft"), cell("3b", 1, "zero3", "sft")],
     *[[cell("3b", 1, "zero3", s)] for s in ("sft_deepcompile", "sft_deepcompile_fp8", "sft_fp8")],
-    *[[cell(m, 2, "zero3", s)] for m in ("8b", "3b") for s in ("sft_deepcompile", "sft_prefetch", "sft_persist")],
+    *[[cell(m, 2, "zero3", s)] for m in ("8b", "3b") for s in ("sft_prefetch", "sft_persist")],
+    [cell("1b", 1, "zero3", "sft")],
 ]
 
 

@@ -84,3 +84,23 @@ def test_zero3_costs_are_the_committed_benchmarks():
     assert (zero3_cost(8_030_000_000, 2).params_b, zero3_cost(8_030_000_000, 2).gpus) == (8, 2)
     assert (zero3_cost(70_000_000_000, 8).params_b, zero3_cost(70_000_000_000, 8).gpus) == (8, 4)
     assert (zero3_cost(1_000_000, 1).params_b, zero3_cost(1_000_000, 1).gpus) == (3, 1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepcompile_is_refused_with_what_was_measured(tmp_path, stage):
+    import json
+
+    from sft.config import parse_args
+    from sft.errors import ConfigError
+    from tests.conftest import ROOT
+
+    config = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
+    config["compile"] = {"deepcompile": True}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    match = rf"`deepspeed`: {path} asks for DeepCompile \(compile.deepcompile\), which sft does not run: .* Remove"
+    with pytest.raises(ConfigError, match=match):
+        parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--deepspeed", str(path)])
+    config["compile"] = {"deepcompile": False}
+    path.write_text(json.dumps(config))
+    parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--deepspeed", str(path)])

@@ -11,7 +11,8 @@
   loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
   included); `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
-- `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
+- `refuse_deepcompile`: DeepSpeed's DeepCompile refused with what was measured;
+  `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
   when the plan shows ZeRO-2 fits.
 - `hooks_outside_compile`: ZeRO-3's module hooks kept out of the compiled decoder layers (run eagerly between the
   compiled pieces), as DeepSpeed's own `engine.compile` keeps its NVTX wrappers out.
@@ -77,6 +78,32 @@ def zero3_cost(params: int, gpus: int) -> Zero3Cost:
         return abs(math.log2(m.gpus / gpus)), abs(math.log(m.params_b * 1e9 / max(params, 1)))
 
     return min(ZERO3_MEASURED, key=distance)
+
+
+def deepcompile_requested(deepspeed: str | dict | None) -> bool:
+    """Whether the DeepSpeed config asks for DeepCompile (`"compile": {"deepcompile": true}`)."""
+    if not deepspeed:
+        return False
+    return bool((read_config(deepspeed).get("compile") or {}).get("deepcompile"))
+
+
+def refuse_deepcompile(deepspeed: str | dict | None) -> None:
+    """DeepCompile (`"compile": {"deepcompile": true}`) is refused, with what was measured (issue #23).
+
+    Tried on 1 x H200 (DeepSpeed 0.19.8, transformers 5.23; benchmarks/results/zero3_levers/): accelerate starts it
+    only with `torch_compile` on; the traced forward of transformers' Llama breaks at its output-capturing wrapper,
+    and the input embedding then runs outside the compiled graph on ZeRO-3's partition, which DeepCompile no longer
+    gathers by hooks ("Padding_idx must be within num_embeddings"; with padding_idx dropped, "'weight' must be 2-D").
+    """
+    if not deepspeed or not (read_config(deepspeed).get("compile") or {}).get("deepcompile"):
+        return
+    where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
+    raise ConfigError(
+        f"`deepspeed`: {where} asks for DeepCompile (compile.deepcompile), which sft does not run: with DeepSpeed "
+        "0.19.8 and transformers' Llama it failed at the first step (the model's forward breaks the compiled graph "
+        "and the input embedding then runs on ZeRO-3's ungathered partition). Remove the compile section; "
+        "compile_decoder_layers compiles the decoder layers under ZeRO-3 instead."
+    )
 
 
 def _check_file(path: str) -> Path:
