@@ -57,8 +57,9 @@ def token_multiple(on: bool) -> int:
 # Measured (benchmarks/results/fp8/call4_8b_2gpu, Llama-3.1-8B shape, 2 x H200, same data and global batch):
 ZERO3_SLOWER = (
     "FP8 under ZeRO-3 measured slower than bf16 (0.875x on the Llama-3.1-8B shape, 2 x H200; 1.16x under ZeRO-2): "
-    "ZeRO-3 gathers each weight in 16 bits before the float8 cast, and its hooks split the compiled layers. Kept as "
-    "asked; fp8: auto (or false) trains in bf16 here."
+    "ZeRO-3 gathers each weight in 16 bits before the float8 cast, and its hooks split the compiled layers; on the "
+    "Llama-3.2-3B shape on 1 x H200 it failed twice out of two with a CUDA illegal memory access in a compiled kernel "
+    "(benchmarks/results/zero3_levers). Kept as asked; fp8: auto (or false) trains in bf16 here."
 )
 
 

@@ -65,25 +65,28 @@ def test_integer_steps_are_left_alone():
 
 
 def test_zero3_costs_are_the_committed_benchmarks():
-    """The ratios the start-up advice quotes are those of benchmarks/results/throughput.json (sft's default runs)."""
+    """The ratios the start-up advice quotes are those of the committed runs of sft's defaults under both stages."""
     import json
-    import re
 
     from sft.engines.deepspeed import ZERO3_MEASURED, zero3_cost
     from tests.conftest import ROOT
 
-    runs = json.loads((ROOT / "benchmarks" / "results" / "throughput.json").read_text())["runs"]
-    measured = {}
-    for name, run in runs.items():
-        m = re.fullmatch(r"(\d+)b-(\d+)gpu-zero3-sft", name)
-        pair = runs.get(name.replace("zero3", "zero2"))
-        if m and pair and run["exit_code"] == pair["exit_code"] == 0:
-            ratio = run["tokens_per_second_per_gpu"] / pair["tokens_per_second_per_gpu"]
-            measured[(float(m[1]), int(m[2]))] = round(ratio, 3)
+    results = ROOT / "benchmarks" / "results"
+    levers = json.loads((results / "zero3_levers" / "throughput.json").read_text())["runs"]
+    fp8 = json.loads((results / "fp8" / "fp8.json").read_text())["runs"]
+    pairs = {
+        (1, 1): (levers["1b-1gpu-zero3-sft"], levers["1b-1gpu-zero2-sft"]),
+        (3, 1): (levers["3b-1gpu-zero3-sft"], levers["3b-1gpu-zero2-sft"]),
+        (8, 2): (fp8["8b-2gpu-zero3-bf16"], fp8["8b-2gpu-zero2-fp8_tensorwise"]),
+    }
+    measured = {
+        k: round(z3["tokens_per_second_per_gpu"] / z2["tokens_per_second_per_gpu"], 3) for k, (z3, z2) in pairs.items()
+    }
     assert {(m.params_b, m.gpus): m.ratio for m in ZERO3_MEASURED} == measured
+    assert all(z3["exit_code"] == z2["exit_code"] == 0 for z3, z2 in pairs.values())
     assert (zero3_cost(8_030_000_000, 2).params_b, zero3_cost(8_030_000_000, 2).gpus) == (8, 2)
-    assert (zero3_cost(70_000_000_000, 8).params_b, zero3_cost(70_000_000_000, 8).gpus) == (8, 4)
-    assert (zero3_cost(1_000_000, 1).params_b, zero3_cost(1_000_000, 1).gpus) == (3, 1)
+    assert (zero3_cost(70_000_000_000, 8).params_b, zero3_cost(70_000_000_000, 8).gpus) == (8, 2)
+    assert (zero3_cost(3_200_000_000, 1).params_b, zero3_cost(1_000_000, 1).params_b) == (3, 1)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
