@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
-import multiprocessing.forkserver
 import sys
 from pathlib import Path
 
@@ -41,25 +39,18 @@ _FORK_DEADLOCK = (
 )
 
 
-def fork_safe_workers(args, collator, dataset) -> str | None:
-    """Start DataLoader workers from a fork server where this Python can deadlock a forked worker; the reason or None.
-
-    By the first batch a rank runs threads (torch, DeepSpeed, the distributed store); on the releases above a worker
-    forked while one of them holds the interpreter's thread-list lock hangs for ever (seen in sft's CI as a resume run
-    stuck in `PyOS_AfterFork_Child`). The fork server is a single-threaded process that imports the collator's and the
-    dataset's modules once, while the model and engine are set up; each worker is a fork of it. A recipe that names
-    `dataloader_multiprocessing_context` keeps its choice.
-    """
-    if not _FORK_DEADLOCK or args.dataloader_num_workers == 0 or args.dataloader_multiprocessing_context is not None:
+def fork_warning(args) -> str | None:
+    """A warning for DataLoader workers forked by a Python whose forked child can deadlock; None elsewhere."""
+    if not _FORK_DEADLOCK or args.dataloader_num_workers == 0:
         return None
-    args.dataloader_multiprocessing_context = "forkserver"
-    modules = {"torch", type(collator).__module__, type(dataset).__module__ if dataset is not None else "torch"}
-    multiprocessing.set_forkserver_preload(sorted(modules))
-    multiprocessing.forkserver.ensure_running()
+    if args.dataloader_multiprocessing_context not in (None, "fork"):
+        return None
     version = ".".join(map(str, sys.version_info[:3]))
     return (
-        f"DataLoader workers start from a fork server: a worker forked by Python {version} can deadlock "
-        "(python/cpython#112275, fixed in 3.10.15 / 3.11.10); set dataloader_multiprocessing_context to choose"
+        f"dataloader_num_workers {args.dataloader_num_workers} forks workers from a multi-threaded process, and on "
+        f"Python {version} a forked child can hang for ever (python/cpython#112275, fixed in 3.10.15 and 3.11.10; "
+        "seen in sft's CI). Upgrade Python, or set dataloader_multiprocessing_context: spawn (each worker then "
+        "imports torch itself: seconds per worker at every epoch)."
     )
 
 
@@ -87,9 +78,9 @@ class Trainer(SFTTrainer):
                 self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
             )
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
-        reason = fork_safe_workers(self.args, self.data_collator, self.train_dataset)
-        if reason:
-            logger.info(reason)
+        warning = fork_warning(self.args)
+        if warning:
+            logger.warning(warning)
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
         self.throughput = metrics.Throughput(self.model, getattr(self.args, "peak_tflops", None), dims.world_size)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)

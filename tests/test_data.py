@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import datasets
 import pytest
@@ -116,37 +117,19 @@ def test_bad_record_in_parquet_names_source_and_index(tmp_path):
 
 
 @pytest.mark.parametrize("deadlock_prone", [True, False])
-def test_dataloader_workers_start_from_a_fork_server_where_fork_can_deadlock(monkeypatch, deadlock_prone):
-    """On a Python with python/cpython#112275 the workers start from a fork server that preloads the collator's and
-    dataset's modules, and give the batches that fork (and no workers) give; elsewhere, and where the recipe names a
-    start method, nothing changes."""
+def test_forked_workers_on_a_python_that_can_deadlock_them_are_warned_about(monkeypatch, deadlock_prone):
     from types import SimpleNamespace
-
-    import torch
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from sft import trainer
 
+    version = sys.version_info
+    assert trainer._FORK_DEADLOCK is ((3, 10) <= version < (3, 10, 15) or (3, 11) <= version < (3, 11, 10))
     monkeypatch.setattr(trainer, "_FORK_DEADLOCK", deadlock_prone)
-    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]})
-    collator = DataCollatorForLanguageModeling(pad_token_id=0)
-    args = SimpleNamespace(dataloader_num_workers=2, dataloader_multiprocessing_context=None)
-    reason = trainer.fork_safe_workers(args, collator, dataset)
-    if not deadlock_prone:
-        assert reason is None and args.dataloader_multiprocessing_context is None
-        return
-    assert args.dataloader_multiprocessing_context == "forkserver"
-    assert "python/cpython#112275" in reason and "dataloader_multiprocessing_context" in reason
-
-    def batches(**kwargs):
-        loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collator, **kwargs)
-        return [b["input_ids"].tolist() for b in loader]
-
-    served = batches(num_workers=2, multiprocessing_context=args.dataloader_multiprocessing_context)
-    assert served == batches() == [[[1, 2, 3], [4, 5, 0]], [[6, 0, 0, 0], [7, 8, 9, 10]]]
-
-    chosen = SimpleNamespace(dataloader_num_workers=2, dataloader_multiprocessing_context="spawn")
-    assert trainer.fork_safe_workers(chosen, collator, dataset) is None
-    assert chosen.dataloader_multiprocessing_context == "spawn"
-    none = SimpleNamespace(dataloader_num_workers=0, dataloader_multiprocessing_context=None)
-    assert trainer.fork_safe_workers(none, collator, dataset) is None
+    for workers, context in ((2, None), (2, "fork"), (2, "spawn"), (0, None)):
+        said = trainer.fork_warning(
+            SimpleNamespace(dataloader_num_workers=workers, dataloader_multiprocessing_context=context)
+        )
+        if deadlock_prone and workers and context != "spawn":
+            assert "python/cpython#112275" in said and "dataloader_multiprocessing_context: spawn" in said
+        else:
+            assert said is None
