@@ -134,6 +134,16 @@ def run_cli(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_cli_side_by_side(jobs: list[tuple[list[str], int]], env: dict | None = None) -> list:
+    """Several `run_cli` runs of one process each (`(args, nproc)` with nproc 0 or 1), two at a time: each uses one
+    core (OMP_NUM_THREADS=1), so two together take the time of one on CI's two cores. Results in the jobs' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert all(nproc <= 1 for _, nproc in jobs), "only one-process runs share the machine"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda job: run_cli(job[0], nproc=job[1], env=env), jobs))
+
+
 def run_cli_in_process(args: list[str]) -> subprocess.CompletedProcess:
     """`sft.train.cli(args)` in this process, for runs that stop before training (bad input): its exit code and what
     it wrote to stdout/stderr, as `run_cli` returns them. An exception other than sft's own errors propagates (it

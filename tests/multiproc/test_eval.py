@@ -51,10 +51,12 @@ def evaluate(model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dic
 
 
 def test_eval_beats_the_untrained_model_and_logs_to_the_runs_wandb(trained, untrained):
-    done, results = evaluate(trained)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one process each: side by side on two cores
+        (done, results), (_, before) = pool.map(evaluate, [trained, untrained])
     assert done.returncode == 0, done.stderr[-4000:]
     accuracy = results["results"]["sft_demo"]["exact_match,none"]
-    _, before = evaluate(untrained)
     untrained_accuracy = before["results"]["sft_demo"]["exact_match,none"]
     print(f"sft_demo exact match: trained {accuracy:.3f}, untrained {untrained_accuracy:.3f}")
     assert accuracy >= untrained_accuracy + 0.08

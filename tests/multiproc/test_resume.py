@@ -22,7 +22,17 @@ import torch
 
 from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER, PREEMPTED_EXIT_CODE
 from sft.metrics import samples_per_step
-from tests.conftest import ROOT, cli_env, finish, kill_tree, read_jsonl, run_cli, start_cli, wait_for
+from tests.conftest import (
+    ROOT,
+    cli_env,
+    finish,
+    kill_tree,
+    read_jsonl,
+    run_cli,
+    run_cli_side_by_side,
+    start_cli,
+    wait_for,
+)
 
 STEPS = 12
 # per-device batch 1 x accumulation 2 x 2 processes = global batch 4 packed rows
@@ -193,8 +203,8 @@ def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
     stopped_at = max(int(p.name.split("-")[1]) for p in complete)
     assert stopped_at < STEPS and not (out / "model.safetensors").exists()
     reference_out = tmp_path / "ref"
-    assert_ok(run_cli(args_for(model_dir, reference_out, "none")))
-    assert_ok(run_cli(args))
+    for result in run_cli_side_by_side([(args_for(model_dir, reference_out, "none"), 0), (args, 0)]):
+        assert_ok(result)
     assert_same_run(reference_out, out)
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sft.metrics import samples_per_step
-from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
+from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
 from tests.multiproc.test_resume import kill_after_checkpoint
 
 STEPS = 8
@@ -60,21 +60,31 @@ def args_for(init_model: Path, out: Path, sp: int, stage: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, init_model) -> dict[str, Path]:
+    """Every run of the module; the one-process runs two at a time."""
     made = {}
-    for name, nproc, sp, stage, extra in (
+    settings = (
         ("sp1", 1, 1, 2, []),
-        ("sp2_zero2", 2, 2, 2, []),
-        ("sp2_zero3", 2, 2, 3, []),
         ("sp1_tools", 1, 1, 2, TOOLS),
         ("sp1_zero3_tools", 1, 1, 3, TOOLS),
-        ("sp2_zero3_tools", 2, 2, 3, TOOLS),
         ("lora_sp1", 1, 1, 2, LORA),
+        ("sp2_zero2", 2, 2, 2, []),
+        ("sp2_zero3", 2, 2, 3, []),
+        ("sp2_zero3_tools", 2, 2, 3, TOOLS),
         ("lora_sp2", 2, 2, 2, LORA),
-    ):
-        out = tmp_path_factory.mktemp(name) / "out"
-        result = run_cli(args_for(init_model, out, sp, stage) + extra, nproc=nproc)
-        assert result.returncode == 0, result.stderr[-5000:]
-        made[name] = out
+    )
+    outs = {name: tmp_path_factory.mktemp(name) / "out" for name, *_ in settings}
+    jobs = {
+        name: (args_for(init_model, outs[name], sp, stage) + extra, nproc)
+        for name, nproc, sp, stage, extra in settings
+    }
+    single = [name for name, (_, nproc) in jobs.items() if nproc == 1]
+    results = dict(zip(single, run_cli_side_by_side([jobs[name] for name in single]), strict=True))
+    for name, (args, nproc) in jobs.items():
+        if name not in results:
+            results[name] = run_cli(args, nproc=nproc)
+    for name, result in results.items():
+        assert result.returncode == 0, (name, result.stderr[-5000:])
+        made[name] = outs[name]
         made[name + "_log"] = result.stderr
     return made
 
