@@ -83,13 +83,6 @@ def zero3_cost(params: int, gpus: int) -> Zero3Cost:
     return min(ZERO3_MEASURED, key=distance)
 
 
-def deepcompile_requested(deepspeed: str | dict | None) -> bool:
-    """Whether the DeepSpeed config asks for DeepCompile (`"compile": {"deepcompile": true}`)."""
-    if not deepspeed:
-        return False
-    return bool((read_config(deepspeed).get("compile") or {}).get("deepcompile"))
-
-
 def refuse_deepcompile(deepspeed: str | dict | None) -> None:
     """DeepCompile (`"compile": {"deepcompile": true}`) is refused, with what was measured (issue #23).
 
