@@ -342,11 +342,9 @@ class TrainConfig(SFTConfig):
             self.use_cpu = True
             logs.quiet_accelerator_detection()
         launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
-        given = self.deepspeed
         self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
             self.deepspeed, launch.world_size, launch.sp
         )
-        ds_engine.refuse_deepcompile(given if isinstance(given, str) and self.deepspeed else self.deepspeed)
         super().__post_init__()
         ds_engine.check_agrees(self)
 

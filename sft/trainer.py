@@ -32,11 +32,7 @@ logger = logging.getLogger(__name__)
 
 # CPython releases whose forked child can deadlock in PyOS_AfterFork_Child on a lock another thread held at the fork
 # (python/cpython#112275; fixed in 3.10.15 and 3.11.10, never present in 3.12+)
-_FORK_DEADLOCK = (
-    sys.version_info[:2] == (3, 10)
-    and sys.version_info < (3, 10, 15)
-    or (sys.version_info[:2] == (3, 11) and sys.version_info < (3, 11, 10))
-)
+_FORK_DEADLOCK = (3, 10) <= sys.version_info < (3, 10, 15) or (3, 11) <= sys.version_info < (3, 11, 10)
 
 
 def fork_warning(args) -> str | None:

@@ -1,6 +1,7 @@
 """DeepSpeed, the engine that shards and steps the model: everything sft asks of it, behind one narrow interface.
 
-- `prepare_config`: the `--deepspeed` JSON checked (exists, is an object) and sft's own `"auto"` values resolved
+- `prepare_config`: the `--deepspeed` JSON checked (exists, is an object, no DeepCompile: refused with what was
+  measured) and sft's own `"auto"` values resolved
   (`unresolved_config` gives them back as `"auto"` when the plan changes what they depend on);
   `check_agrees`: after transformers has filled its `"auto"` values, a DeepSpeed value that contradicts a training
   argument is an error naming both.
@@ -11,8 +12,7 @@
   loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
   included); `place_optimizer_state` mends the load.
 - `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
-- `refuse_deepcompile`: DeepSpeed's DeepCompile refused with what was measured;
-  `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
+- `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
   when the plan shows ZeRO-2 fits.
 - `hooks_outside_compile`: ZeRO-3's module hooks kept out of the compiled decoder layers (run eagerly between the
   compiled pieces), as DeepSpeed's own `engine.compile` keeps its NVTX wrappers out.
@@ -28,6 +28,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,6 @@ ZERO3_MEASURED = (
 
 def zero3_cost(params: int, gpus: int) -> Zero3Cost:
     """The measurement nearest to this run: the closest GPU count, then the closest model size (by ratio of sizes)."""
-    import math
 
     def distance(m: Zero3Cost) -> tuple[int, float]:
         return abs(math.log2(m.gpus / gpus)), abs(math.log(m.params_b * 1e9 / max(params, 1)))
@@ -83,7 +83,7 @@ def zero3_cost(params: int, gpus: int) -> Zero3Cost:
     return min(ZERO3_MEASURED, key=distance)
 
 
-def refuse_deepcompile(deepspeed: str | dict | None) -> None:
+def _refuse_deepcompile(config: dict, where: str) -> None:
     """DeepCompile (`"compile": {"deepcompile": true}`) is refused, with what was measured (issue #23).
 
     Tried on 1 x H200 (DeepSpeed 0.19.8, transformers 5.23; benchmarks/results/zero3_levers/): accelerate starts it
@@ -91,9 +91,8 @@ def refuse_deepcompile(deepspeed: str | dict | None) -> None:
     and the input embedding then runs outside the compiled graph on ZeRO-3's partition, which DeepCompile no longer
     gathers by hooks ("Padding_idx must be within num_embeddings"; with padding_idx dropped, "'weight' must be 2-D").
     """
-    if not deepspeed or not (read_config(deepspeed).get("compile") or {}).get("deepcompile"):
+    if not (config.get("compile") or {}).get("deepcompile"):
         return
-    where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
     raise ConfigError(
         f"`deepspeed`: {where} asks for DeepCompile (compile.deepcompile), which sft does not run: with DeepSpeed "
         "0.19.8 and transformers' Llama it failed at the first step (the model's forward breaks the compiled graph "
@@ -145,6 +144,7 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
     zero = config.get("zero_optimization")
     value = zero.get("overlap_comm") if isinstance(zero, dict) else None
     where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
+    _refuse_deepcompile(config, where)
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     _check_zero_values(zero if isinstance(zero, dict) else {}, where)
     breaks = sp > 1 and stage in (1, 2)  # the overlapped reduction under sequence parallelism: wrong gradients
