@@ -18,6 +18,7 @@ than varlen FlashAttention-2 on Hopper.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -50,20 +51,37 @@ def _varlen_attn():
     return varlen_attn
 
 
-def _causal_kwargs(fn) -> dict:
-    """torch 2.9 spelled causal masking `is_causal=True`; later releases `window_size=(-1, 0)`."""
-    params = inspect.signature(fn).parameters
-    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+def varlen_has_window(fn=None) -> bool:
+    """Whether PyTorch's varlen kernel takes a window (`window_size`, after torch 2.9's `is_causal`)."""
+    fn = fn or _varlen_attn()
+    return fn is not None and "window_size" in inspect.signature(fn).parameters
 
 
-def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_):
-    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA) on sdpa, one sample at a time: for CPU."""
-    out = torch.empty_like(q)
+def _causal_kwargs(fn, window: int | None = None) -> dict:
+    """torch 2.9 spelled causal masking `is_causal=True`; later releases `window_size=(-1, 0)`, which also takes a
+    left window: transformers' `sliding_window` w (a token sees `kv > q - w`) is `window_size=(w - 1, 0)`."""
+    if not varlen_has_window(fn):
+        if window is not None:  # refused at start by check_backend; a safeguard
+            raise ConfigError(f"{VARLEN}: this torch's varlen kernel has no window; the sliding window would be lost.")
+        return {"is_causal": True}
+    return {"window_size": (-1 if window is None else window - 1, 0)}
+
+
+def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
+    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA, a left window) on sdpa, one sample at a
+    time: for CPU."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bounds = cu_q.tolist()
+    left = window_size[0]
     for start, end in zip(bounds[:-1], bounds[1:], strict=False):
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        mask = None
+        if 0 <= left < end - start - 1:  # causal and at most `left` tokens back
+            pos = torch.arange(end - start, device=q.device)
+            distance = pos[:, None] - pos[None, :]
+            mask = (distance >= 0) & (distance <= left)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
         )
         out[start:end] = attended.transpose(0, 1)
     return out
@@ -78,8 +96,103 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
 
 
-def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok)."""
+def scored_attention(q, k, v, cu, scale, window: int | None, softcap: float | None, sinks: torch.Tensor | None):
+    """Attention whose scores a model changes (soft-capping, sinks), sample by sample on the boundaries `cu`: exact
+    where the model's own mask code would mix packed samples (transformers' gpt-oss builds its mask without the
+    position ids). On a GPU flex_attention with a block mask of the samples (and window); on the CPU the eager
+    arithmetic of transformers' Gemma 2 / gpt-oss attention, one sample at a time. [total, heads, dim] tensors."""
+    if q.is_cuda:
+        return _flex_scored(q, k, v, cu, scale, window, softcap, sinks)
+    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = q.new_empty(q.shape[0], heads, v.shape[-1])
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
+        qs = q[start:end].transpose(0, 1)
+        ks, vs = (t[start:end].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))
+        scores = qs @ ks.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(end - start, device=q.device)
+        distance = pos[:, None] - pos[None, :]
+        allowed = (distance >= 0) & (distance < (window or end - start + 1))
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.reshape(heads, 1, 1).expand(heads, end - start, 1).to(scores)], -1)
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out[start:end] = (probs.to(vs.dtype) @ vs).transpose(0, 1)
+    return out
+
+
+def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None):
+    """The GPU path of `scored_attention`: flex_attention (compiled, as transformers calls it; `flex` another one)
+    over the whole row with a document-causal block mask, soft-capping as its score function, sinks by renormalising
+    with its log-sum-exp (as transformers' flex_attention does for gpt-oss)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
+
+    if flex is None:
+        flex = functools.partial(compile_friendly_flex_attention, training=torch.is_grad_enabled())
+
+    total = q.shape[0]
+    sample = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff().long())
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (sample[q_idx] == sample[kv_idx]) & (kv_idx <= q_idx)
+        return keep & (q_idx - kv_idx < window) if window is not None else keep
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap) if softcap is not None else score
+
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device)
+    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out, aux = flex(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, enable_gqa=key.shape[1] != query.shape[1],
+        scale=scale, **get_flex_attention_lse_kwargs(True),
+    )  # fmt: skip
+    if sinks is not None:
+        lse = (aux.lse if hasattr(aux, "lse") else aux).unsqueeze(-1).float()
+        combined = torch.logsumexp(torch.cat([lse, sinks.float().view(1, -1, 1, 1).expand_as(lse)], -1), -1, True)
+        out = out * torch.exp(lse - combined).to(out.dtype)
+    return out[0].transpose(0, 1)
+
+
+# What transformers' attention layers of the model matrix pass besides q, k, v and the mask (tests/test_architectures
+# records every argument they pass): honoured by `sft_varlen` ...
+# (`seq_idx`, the sample index of each token from TRL's collator, is the same boundaries as `cu_seq_lens_q`)
+HANDLED = frozenset({"scaling", "dropout", "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                     "max_length_k", "position_ids", "seq_idx"})  # fmt: skip
+# ... or carrying nothing the attention computes with (the model's own switches, passed down through **kwargs)
+INERT = frozenset({"use_cache", "output_router_logits", "output_attentions", "cache_position"})
+
+
+def refused_arguments(kwargs: dict) -> list[str]:
+    """The attention arguments `sft_varlen` cannot honour: non-causal attention, or any argument it does not know (a
+    newer transformers may pass one that changes the result: refused, never ignored)."""
+    refused = [k for k, v in kwargs.items() if v is not None and k not in HANDLED | INERT | {"is_causal"}]
+    if kwargs.get("is_causal") is False:
+        refused.append("is_causal=False")
+    return sorted(refused)
+
+
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
+    s_aux=None, **kwargs,
+):  # fmt: skip
+    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
+    causal, with the layer's sliding window (transformers' `sliding_window`: a token sees itself and the `w - 1`
+    before it); soft-capping and sinks through `scored_attention`."""
+    refused = refused_arguments(kwargs)
+    if refused:
+        raise ConfigError(
+            f"`attn_implementation: {VARLEN}`: {type(module).__name__} asks for {', '.join(refused)}, which this "
+            "backend cannot honour (it would be dropped and the model would train on other attention than it runs "
+            f"with). Use `attn_implementation: auto`, which picks a backend that has "
+            f"{' and '.join(refused)}."
+        )
     kernel = _varlen_attn() if query.is_cuda else None
     on_gpu = kernel is not None
     varlen_attn = kernel if on_gpu else per_sample_sdpa
@@ -108,7 +221,17 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         max_q = max_k = seq
     if dropout and module.training:
         logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
-    if on_gpu and batch == 1 and keep is None and cu_q.numel() == 2 and cu_k.numel() == 2:
+    windowed = sliding_window is not None and max_k > sliding_window
+    scored = softcap is not None or s_aux is not None
+    if (
+        on_gpu
+        and batch == 1
+        and not scored
+        and keep is None
+        and cu_q.numel() == 2
+        and cu_k.numel() == 2
+        and not windowed
+    ):
         # One sample in the row (long-context rows; sequence-parallel padding is part of it, see
         # `sft.sequence_parallel.row_boundaries`): plain causal sdpa, whose cuDNN kernel runs at 1.7-1.9x the varlen
         # FlashAttention-2 kernel on H200 (benchmarks/results/attention_kernels)
@@ -119,8 +242,17 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
     if keep is not None:
         q, k, v = q[keep], k[keep], v[keep]
-    causal = _causal_kwargs(varlen_attn) if on_gpu else {}
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)
+    if scored:
+        out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
+    else:
+        causal = _causal_kwargs(varlen_attn, sliding_window if windowed else None) if on_gpu else {}
+        if windowed and not on_gpu:
+            causal = {"window_size": (sliding_window - 1, 0)}
+        v_dim = v.shape[-1]
+        if on_gpu and v_dim != dim:  # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
+            v = torch.nn.functional.pad(v, (0, dim - v_dim))
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)[..., :v_dim]
+    dim = out.shape[-1]
     if keep is not None:
         full = out.new_zeros(batch * seq, heads, dim)
         full[keep] = out
@@ -137,32 +269,106 @@ def register_varlen() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, flash_attention_mask)
 
 
-def resolve_attn_implementation(requested: str | None, sequence_parallel: bool = False) -> str | None:
-    """The backend for `attn_implementation` (`auto` or unset: the fastest available one); logs the choice."""
+# What each backend honours of what a model's attention asks (`sft.architectures.Attention`). transformers' sdpa takes
+# the window from its mask but has no soft-capping or sinks; flash-attn has soft-capping but no sinks; eager (the
+# family's own function) and flex_attention (score and mask functions) have all three.
+HONOURS = {
+    "eager": {"window", "softcap", "sinks"},
+    "flex_attention": {"window", "softcap", "sinks"},
+    "sdpa": {"window"},
+    "flash_attention_2": {"window", "softcap"},
+    "flash_attention_3": {"window", "softcap"},
+    VARLEN: {"window", "softcap", "sinks"},
+}
+
+
+# Backends that keep packed samples apart only through the mask the model's own code builds from position_ids
+MASKED = {"sdpa", "eager", "flex_attention"}
+
+
+def _needs(attention) -> set[str]:
+    wanted = set()
+    if attention.sliding:
+        wanted.add("window")
+    if attention.softcap is not None:
+        wanted.add("softcap")
+    if attention.sinks:
+        wanted.add("sinks")
+    return wanted
+
+
+def honours(backend: str | None, on_gpu: bool) -> set[str]:
+    """The attention features `backend` honours here (sft_varlen's window needs a torch whose kernel takes one)."""
+    have = set(HONOURS.get(backend or "", set()))
+    if backend == VARLEN and on_gpu and not varlen_has_window():
+        have.discard("window")
+    return have
+
+
+def check_backend(arch, backend: str | None, padding_free: bool, on_gpu: bool | None = None) -> None:
+    """Refuse, before the model is built, a backend that cannot honour what the model's attention asks (a window,
+    soft-capping, sinks), and packing on layers that are not softmax attention."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    missing = _needs(arch.attention) - honours(backend, on_gpu)
+    if missing:
+        able = sorted(b for b in HONOURS if _needs(arch.attention) <= honours(b, on_gpu))
+        raise ConfigError(
+            f"`attn_implementation: {backend}` cannot honour what {arch.family}'s attention asks: "
+            f"{'; '.join(arch.attention.needs())}. It would be dropped, and the model would train on other attention "
+            f"than it runs with. Use `auto`, or one of {able}."
+        )
+    if padding_free and backend in MASKED and not arch.packed_mask:
+        raise ConfigError(
+            f"`attn_implementation: {backend}` with packing: transformers' {arch.family} builds its attention mask "
+            "without the position ids, so this mask-based backend would let packed samples attend to each other. "
+            f"Use `auto` ({VARLEN}: the samples' boundaries), or set packing: false and padding_free: false."
+        )
+    if padding_free and arch.attention.other_layers:
+        raise ConfigError(
+            f"Packing: {arch.family} has {', '.join(arch.attention.other_layers)} layers, to which sft cannot pass "
+            "the sample boundaries of a packed row (their state would flow from one sample into the next). Set "
+            "packing: false and padding_free: false."
+        )
+
+
+def resolve_attn_implementation(
+    requested: str | None, sequence_parallel: bool = False, arch=None, padding_free: bool = False
+) -> str | None:
+    """The backend for `attn_implementation` (`auto` or unset: the fastest available one that honours what the
+    model's attention asks, `arch`); logs the choice and refuses one that would drop a feature."""
+    on_gpu = torch.cuda.is_available()
+    needs = _needs(arch.attention) if arch is not None else set()
+    scored = needs - {"window"}  # soft-capping, sinks: sft_varlen's scored path (flex_attention on GPUs)
+    mask_leaks = arch is not None and padding_free and not arch.packed_mask
     if requested not in (None, "auto"):
+        chosen = requested
         if requested == VARLEN:
-            if torch.cuda.is_available() and _varlen_attn() is None:
+            if on_gpu and _varlen_attn() is None:
                 raise ConfigError(
                     f"`attn_implementation: {VARLEN}` on a GPU needs torch.nn.attention.varlen (torch >= 2.9). "
                     "Use `auto` to pick the best available backend."
                 )
             register_varlen()
-        return requested
-    if torch.cuda.is_available():
+    elif on_gpu:
         major, _ = torch.cuda.get_device_capability()
-        if importlib.util.find_spec("flash_attn") is not None and major >= 8:
+        if importlib.util.find_spec("flash_attn") is not None and major >= 8 and not scored:
             chosen, why = "flash_attention_2", "flash-attn is installed"
-        elif _varlen_attn() is not None:
+        elif _varlen_attn() is not None and (varlen_has_window() or "window" not in needs):
             register_varlen()
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
+            if scored:
+                why = f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask"
         else:
-            chosen, why = "sdpa", "no varlen kernel in this torch and no flash-attn"
-    elif sequence_parallel:
+            chosen, why = "sdpa", "no varlen kernel (with a window, where the model has one) and no flash-attn"
+    elif sequence_parallel or scored or mask_leaks:
         register_varlen()
-        chosen, why = VARLEN, "no GPU, sequence parallel: exact per-sample sdpa on the gathered rows"
+        chosen, why = VARLEN, "no GPU: exact attention one sample at a time"
     else:
         chosen, why = "sdpa", "no GPU; packed sequences are kept apart by a block mask from position_ids"
-    logger.info("Attention backend: %s (%s)", chosen, why)
+    if arch is not None:
+        check_backend(arch, chosen, padding_free, on_gpu)
+    if requested in (None, "auto"):
+        logger.info("Attention backend: %s (%s)", chosen, why)
     return chosen
 
 

@@ -331,7 +331,8 @@ class TrainConfig(SFTConfig):
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
-        if self.use_liger_kernel is None:
+        if self.use_liger_kernel is None:  # `auto`: also for the model's family only where measured (sft.preflight)
+            self.auto_settings.add("use_liger_kernel")
             self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
         elif self.use_liger_kernel and not torch.cuda.is_available():
             logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")

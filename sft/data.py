@@ -355,3 +355,34 @@ def check_tokenizer(train: datasets.Dataset, tokenizer, training_args) -> None:
             "Set `chat_template_path` (a Jinja template file, or a tokenizer that has one), or use a chat "
             "model's tokenizer."
         )
+    if chat and training_args.assistant_only_loss:
+        check_assistant_mask(tokenizer, training_args)
+
+
+def check_assistant_mask(tokenizer, training_args) -> None:
+    """`assistant_only_loss` needs a chat template that marks the assistant's tokens (`{% generation %}`): the
+    tokenizer's (or `chat_template_path`'s), or the training version TRL ships of a family's original template
+    (`trl/chat_templates/*_training.jinja`, swapped in by TRL). Any other is refused here, not by TRL later."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    path = getattr(training_args, "chat_template_path", None)
+    if path and Path(path).is_file() and path.endswith((".jinja", ".j2")):
+        if not has_generation_markers(Path(path).read_text()):
+            raise DataError(
+                f"`chat_template_path: {path}` has no `{{% generation %}}` markers, so `assistant_only_loss` cannot "
+                "tell the assistant's tokens apart. Use a training template (TRL ships them as "
+                "trl/chat_templates/<family>_training.jinja), or set assistant_only_loss: false."
+            )
+        return
+    if path or has_generation_markers(tokenizer.chat_template):
+        return
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError as e:
+        raise DataError(
+            f"The chat template of {tokenizer.name_or_path!r} has no `{{% generation %}}` markers and is not one "
+            "whose training version TRL ships, so `assistant_only_loss` cannot tell the assistant's tokens apart. "
+            "Set `chat_template_path` to a template with the markers (TRL's trl/chat_templates/<family>"
+            "_training.jinja for Llama 3, Qwen2.5/3, Gemma, Phi-3, GLM-4-MoE, gpt-oss, DeepSeek-V3), or set "
+            "assistant_only_loss: false."
+        ) from e

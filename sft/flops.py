@@ -9,9 +9,10 @@ leaves attention out. sft counts what the GPU multiplies:
 - causal attention per layer, from the real sample lengths of every row (a packed row holds several samples, each
   attending only to itself): forward QK^T and AV cost 2 x len^2 x d each at full, half of that causal, so
   2 x len^2 x d forward and 6 x len^2 x d with the backward, d = attention heads x head dim. Summed over samples:
-  sum(len^2), never max_length^2.
-
-Mixture-of-experts layers are counted with every expert, not the active ones, so MFU of a MoE model is overstated.
+  sum(len^2), never max_length^2. A layer with a sliding window w counts w^2 / 2 + (len - w) x w pairs instead of
+  len^2 / 2 (`sft.architectures.Architecture.attention_pairs`).
+- mixture-of-experts layers on the active parameters: of the fused experts module (transformers' `<Family>Experts`)
+  only `num_experts_per_tok` of `num_experts` experts' weights per token (`sft.architectures.matmul_flops_per_token`).
 
 MFU = those FLOPs per second per GPU / the GPU's peak. The peak is looked up from the device name (dense bf16 spec,
 no sparsity) or given with `peak_tflops`.
@@ -47,29 +48,22 @@ def detect_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def attention_width(config) -> tuple[int, int]:
-    """(decoder layers, attention heads x head dim) from a transformers model config; (0, 0) if it names neither."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, layers = getattr(text, "num_attention_heads", None), getattr(text, "num_hidden_layers", None)
-    if not heads or not layers:
-        logger.warning("%s names no attention heads or layers: attention FLOPs are not counted in MFU", type(config))
-        return 0, 0
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return layers, heads * head_dim
+def _architecture(model: torch.nn.Module):
+    from sft import architectures
+
+    try:
+        return architectures.of(model.config)
+    except AttributeError as e:  # a config without heads or layers
+        logger.warning("%s: attention FLOPs are not counted in MFU (%s)", type(model.config).__name__, e)
+        return None
 
 
 def linear_flops_per_token(model: torch.nn.Module) -> int:
-    """Training FLOPs per token of every linear layer: 6 x weights (4 x for a frozen layer).
+    """Training FLOPs per token of the weights a token multiplies: 6 x weights (4 x for a frozen layer), the active
+    experts only (`sft.architectures.matmul_flops_per_token`)."""
+    from sft.architectures import matmul_flops_per_token
 
-    in_features x out_features, not `weight.numel()`: under ZeRO-3 a rank holds a slice of each weight and 4-bit
-    weights are packed.
-    """
-    total = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weights = module.in_features * module.out_features
-            total += (6 if module.weight.requires_grad else 4) * weights
-    return total
+    return matmul_flops_per_token(model, _architecture(model))
 
 
 def sample_lengths(inputs: dict) -> torch.Tensor:
@@ -87,7 +81,9 @@ class FlopCounter:
 
     def __init__(self, model: torch.nn.Module):
         self.per_token = linear_flops_per_token(model)
-        self.layers, self.width = attention_width(model.config)
+        self.arch = _architecture(model)
+        self.layers = self.arch.layers if self.arch else 0
+        self.width = self.arch.attention_width if self.arch else 0
         self.pending: torch.Tensor | None = None
 
     def batch_flops(self, inputs: dict) -> torch.Tensor:
@@ -96,7 +92,8 @@ class FlopCounter:
     def flops_of(self, lengths: torch.Tensor) -> torch.Tensor:
         """Training FLOPs of samples of these lengths."""
         lengths = lengths.double()
-        return self.per_token * lengths.sum() + 6 * self.layers * self.width * (lengths * lengths).sum()
+        attention = 12 * self.width * self.arch.attention_pairs(lengths) if self.arch else 0.0
+        return self.per_token * lengths.sum() + attention
 
     def add(self, inputs: dict, lengths: torch.Tensor | None = None, share: float = 1.0) -> None:
         """Count a micro-batch (or, given `lengths`, samples of those lengths), times `share`."""

@@ -115,8 +115,9 @@ def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, under_
     return Decision(True, f"{gpu} has FP8 tensor cores, hidden size {hidden_size} >= {AUTO_MIN_HIDDEN}")
 
 
-def layer_filter(recipe: str | None):
-    """torchao's size filter for `recipe`, applied to decoder-layer linears only, on the weight's full shape (ZeRO-3
+def layer_filter(recipe: str | None, decoder: tuple[str, ...] = ()):
+    """torchao's size filter for `recipe`, applied only to the linears inside the decoder layers (`decoder`: their
+    qualified-name prefixes, from `sft.architectures.decoder_prefixes`), on the weight's full shape (ZeRO-3
     partitions it: `ds_shape`). `recipe=None`: only both dims multiples of 16 (what the float8 matmul needs)."""
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
@@ -128,7 +129,7 @@ def layer_filter(recipe: str | None):
         torchao_filter = _auto_filter_for_recipe(recipe, filter_fqns=[])
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
-        if not isinstance(module, torch.nn.Linear) or ".layers." not in f".{fqn}":
+        if not isinstance(module, torch.nn.Linear) or not fqn.startswith(decoder):
             return False
         out_features, in_features = getattr(module.weight, "ds_shape", module.weight.shape)
         with torch.device("meta"):
@@ -146,7 +147,9 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> in
     from torchao.float8.float8_linear_utils import swap_linear_layers
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    keep = layer_filter(recipe if size_filter else None)
+    from sft.architectures import decoder_prefixes
+
+    keep = layer_filter(recipe if size_filter else None, decoder_prefixes(model))
     linear_class = _leaf_weight_float8_linear()
     swap_linear_layers(model, lambda m: linear_class.from_float(m, config=config), module_filter_fn=keep)
     converted = [name for name, m in model.named_modules() if isinstance(m, linear_class)]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
 
-from sft import fp8, quantization, sequence_parallel
+from sft import architectures, fp8, quantization, sequence_parallel
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.engines import deepspeed as ds_engine
@@ -45,16 +45,16 @@ def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> Pr
 def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
     padding_free = training_args.padding_free_batches
     sp = training_args.parallel.sp
-    attn_implementation = resolve_attn_implementation(model_args.attn_implementation, sequence_parallel=sp > 1)
+    remote = training_args.trust_remote_code
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=remote)
+    arch = architectures.of(config)
+    attn_implementation = resolve_attn_implementation(model_args.attn_implementation, sp > 1, arch, padding_free)
     check_packing(attn_implementation, padding_free, training_args.model_init_kwargs)
     if sp > 1:
-        config = AutoConfig.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code
-        )
         sequence_parallel.check_model(config, sp, attn_implementation)
     partitioned = ds_engine.prepare_model_build(training_args)
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
-    model = _build(model_args, training_args, attn_implementation, partitioned)
+    model = _build(model_args, training_args, attn_implementation, partitioned, config)
     if padding_free:
         model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
     if training_args.fp8:
@@ -66,28 +66,25 @@ def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTra
     return model
 
 
-def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList | None:
-    """The decoder layers (`model.model.layers` of transformers' causal LMs), or None."""
-    return getattr(getattr(model, "model", model), "layers", None)
-
-
 def compile_decoder_layers(model: PreTrainedModel) -> None:
     """`torch.compile` each decoder layer (one graph, reused by every layer), not the whole model.
 
     transformers' `torch_compile` compiles the whole model, loss and LM head included, and breaks the graph at every
     DeepSpeed hook; the decoder layers are where the elementwise work between the matmuls is.
     """
-    layers = decoder_layers(model)
+    layers = architectures.decoder_layers(model)
     if layers is None:
         raise ConfigError(
-            f"`compile_decoder_layers`: {type(model).__name__} has no `model.layers` to compile. Set it to false."
+            f"`compile_decoder_layers`: {type(model).__name__} has no decoder layers to compile. Set it to false."
         )
     for layer in layers:
         layer.compile()
     logger.info("Compiling %d decoder layers with torch.compile", len(layers))
 
 
-def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None, partitioned: bool):
+def _build(
+    model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None, partitioned: bool, config
+):
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -97,9 +94,6 @@ def _build(model_args: ModelArguments, training_args: TrainConfig, attn_implemen
     if training_args.model_init_kwargs:
         kwargs.update(training_args.model_init_kwargs)
     if model_args.from_scratch:
-        config = AutoConfig.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=kwargs["trust_remote_code"]
-        )
         # Random weights are made where they will train: on this rank's GPU (seconds for 8B, minutes on the CPU);
         # under ZeRO-3, `zero.Init` partitions them as they are made.
         device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"

@@ -89,7 +89,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # MLP activations per token (`sft.architectures`: the active experts' width for MoE)
     vocab: int
     tied: bool
 
@@ -182,33 +182,33 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = load_config(model, trust_remote_code)
-    text = config.get_text_config()
+    from sft import architectures
     from sft.engines.deepspeed import outside_zero_init
 
+    config = load_config(model, trust_remote_code)
+    arch = architectures.of(config)
     with outside_zero_init(), torch.device("meta"):
         built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     unique = {id(p): p.numel() for p in built.parameters()}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
-    decoder_layers = [m for m in built.modules() if type(m).__name__.endswith("DecoderLayer")]
+    decoder_layers = list(architectures.decoder_layers(built) or ())
     layer_params = sum(p.numel() for p in decoder_layers[0].parameters()) if decoder_layers else 0
     linear = sum(
         m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )
-    heads = text.num_attention_heads
     return ModelShape(
-        model_type=text.model_type,
+        model_type=arch.family,
         n_params=sum(unique.values()),
         largest_module_params=largest,
         decoder_layer_params=layer_params,
         linear_params=linear,
-        hidden=text.hidden_size,
-        layers=text.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        intermediate=text.intermediate_size,
-        vocab=text.vocab_size,
+        hidden=arch.hidden,
+        layers=arch.layers,
+        heads=arch.heads,
+        kv_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        intermediate=arch.mlp_width,
+        vocab=arch.vocab,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
     )
 

@@ -15,9 +15,10 @@ import dataclasses
 import logging
 import math
 
-from sft import fp8
+from sft import architectures, fp8
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
+from sft.attention import resolve_attn_implementation
 from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
@@ -87,17 +88,32 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     if resume is not None:
         target = resume.global_batch
     zero3 = ds_engine.zero_setup(training_args).stage == 3
-    fp8_on = _resolve_fp8(training_args, model_args, zero3)
+    remote = bool(getattr(model_args, "trust_remote_code", False))
+    arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
+    changes = _family_kernels(training_args, arch)
+    if changes:
+        training_args = dataclasses.replace(training_args, **changes)
+    fp8_decision = _resolve_fp8(training_args, model_args, zero3, arch)
+    fp8_on = fp8_decision.on
+    compile_on = training_args.compile_decoder_layers
+    if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
+        compile_on = fp8_on and arch.kernel("compile").on
+        changes["compile_decoder_layers"] = compile_on
+    architectures.log_kernels(arch, {
+        "Liger": architectures.Kernel(bool(training_args.use_liger_kernel), _liger_reason(training_args, arch)),
+        "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
+        "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
+    })  # fmt: skip
     micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on)
-    changes = {}
+    model_args.attn_implementation = resolve_attn_implementation(
+        model_args.attn_implementation, sp > 1, arch, training_args.padding_free_batches
+    )
     if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
         changes["fp8"] = fp8_on
     if fp8_on and sp == 1:  # float8 matmuls need the tokens of a micro-batch in multiples of 16
         multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.token_multiple(fp8_on))
         if multiple != training_args.pad_to_multiple_of:
             changes["pad_to_multiple_of"] = multiple
-    if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        changes["compile_decoder_layers"] = fp8_on
     dims = training_args.parallel
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -189,14 +205,44 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     return tuple(levels)
 
 
-def _resolve_fp8(training_args, model_args, zero3: bool) -> bool:
-    """`fp8` resolved by `sft.fp8` (`true` refused where it cannot run), the choice and its reason logged."""
+def _family_kernels(training_args, arch: architectures.Architecture) -> dict:
+    """Liger left unset: off for a family where it was not measured good (`sft.architectures.KERNELS`); a fast path
+    asked for by name on such a family is kept, with a warning."""
+    liger = arch.kernel("liger")
+    if training_args.use_liger_kernel and not liger.on:
+        if "use_liger_kernel" in training_args.auto_settings:
+            return {"use_liger_kernel": False}
+        logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
+    for name, key in (("fp8", "fp8"), ("compile", "compile_decoder_layers")):
+        kernel = arch.kernel(name)
+        if getattr(training_args, key) and key not in training_args.auto_settings and not kernel.on:
+            logger.warning("%s: true on %s, kept as asked, though %s", key, arch.family, kernel.reason)
+    return {}
+
+
+def _liger_reason(training_args, arch: architectures.Architecture) -> str:
+    if "use_liger_kernel" not in training_args.auto_settings:
+        return f"use_liger_kernel: {str(bool(training_args.use_liger_kernel)).lower()}"
+    if not arch.kernel("liger").on:
+        return arch.kernel("liger").reason
+    return arch.kernel("liger").reason if training_args.use_liger_kernel else "no CUDA GPU or liger-kernel"
+
+
+def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
+    if "compile_decoder_layers" not in training_args.auto_settings:
+        return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
+    if not fp8_on:
+        return "on only with FP8: bf16 measured no faster compiled"
+    return arch.kernel("compile").reason
+
+
+def _resolve_fp8(training_args, model_args, zero3: bool, arch: architectures.Architecture) -> fp8.Decision:
+    """`fp8` resolved by `sft.fp8` (`true` refused where it cannot run; `auto` also needs the family measured good),
+    the choice and its reason logged."""
     auto = "fp8" in training_args.auto_settings
-    hidden = 0
-    if auto and fp8.fp8_gpu() is not None:
-        remote = bool(getattr(model_args, "trust_remote_code", False))
-        hidden = memplan.load_shape(model_args.model_name_or_path, remote).hidden
-    decision = fp8.resolve(bool(training_args.fp8), auto, hidden, bool(model_args.use_peft), zero3)
+    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft), zero3)
+    if auto and decision.on and not arch.kernel("fp8").on:
+        decision = fp8.Decision(False, arch.kernel("fp8").reason)
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
@@ -204,7 +250,7 @@ def _resolve_fp8(training_args, model_args, zero3: bool) -> bool:
             logger.warning(fp8.ZERO3_SLOWER)
     else:
         logger.info("FP8: off (%s)", decision.reason)
-    return decision.on
+    return decision
 
 
 def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = False) -> tuple[int, bool, int]:

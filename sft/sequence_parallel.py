@@ -114,11 +114,12 @@ def check_model(config, sp: int, attn_implementation: str | None) -> None:
             f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
             "sequence_parallel_size: 1."
         )
-    layer_types = set(getattr(text, "layer_types", None) or ())
-    recurrent = layer_types - {"full_attention", "sliding_attention"}
+    from sft import architectures
+
+    recurrent = architectures.of(config).attention.other_layers
     if recurrent:
         raise ConfigError(
-            f"sequence parallelism: {getattr(config, 'model_type', '?')} has {sorted(recurrent)} layers, which "
+            f"sequence parallelism: {getattr(config, 'model_type', '?')} has {list(recurrent)} layers, which "
             "Ulysses cannot split along the sequence. Set sequence_parallel_size: 1."
         )
     if not splits_heads(heads, kv_heads, sp):

@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 from trl import SFTTrainer
 
+from sft import architectures, fp8, metrics, quantization, tiling
 from sft import checkpoint as ckpt
-from sft import fp8, metrics, quantization, tiling
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
-from sft.model import decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +146,7 @@ class Trainer(SFTTrainer):
         if moved:
             logger.info("QLoRA: the quantization constants of %d layers moved to this GPU", moved)
         if self.args.compile_decoder_layers and ds_engine.zero_setup(self.args).stage == 3:
-            wrapped = ds_engine.hooks_outside_compile(decoder_layers(self.model))
+            wrapped = ds_engine.hooks_outside_compile(architectures.decoder_layers(self.model))
             logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
         if self.args.parallel.sp > 1:
             train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)

@@ -86,5 +86,5 @@ def test_compiled_decoder_layers_match_eager():
     assert torch.allclose(outputs[0].logits, outputs[1].logits, atol=1e-5)
     grads = [dict(m.named_parameters())["model.layers.0.mlp.up_proj.weight"].grad for m in (eager, compiled)]
     assert torch.allclose(grads[0], grads[1], atol=1e-5) and grads[0].abs().sum() > 0
-    with pytest.raises(ConfigError, match="has no `model.layers` to compile"):
+    with pytest.raises(ConfigError, match="has no decoder layers to compile"):
         compile_decoder_layers(torch.nn.Linear(2, 2))

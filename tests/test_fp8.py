@@ -89,7 +89,11 @@ def test_layer_filter_is_torchaos_on_the_full_shape():
     config = AutoConfig.for_model(**LLAMA_SHAPES["llama-1b"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    rowwise, tensorwise = fp8.layer_filter("rowwise"), fp8.layer_filter("tensorwise")
+    from sft.architectures import decoder_prefixes
+
+    prefixes = decoder_prefixes(model)
+    assert prefixes == tuple(f"model.layers.{i}." for i in range(config.num_hidden_layers))
+    rowwise, tensorwise = fp8.layer_filter("rowwise", prefixes), fp8.layer_filter("tensorwise", prefixes)
     layer = model.model.layers[0]
     names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
     picked = {n: (rowwise(layer.get_submodule(n), f"model.layers.0.{n}"),

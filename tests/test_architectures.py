@@ -1,0 +1,235 @@
+"""The model matrix on the CPU (fp32, tiny configs of each family): what `sft.architectures` reads from a config is
+what transformers' attention layers ask for, and a packed row through the backend sft picks (and through `sft_varlen`,
+where it can honour the model) equals each sample alone through transformers' own `eager` attention, per token."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from sft import architectures
+from sft.attention import HANDLED, INERT, VARLEN, check_backend, resolve_attn_implementation
+from sft.errors import ConfigError
+
+WINDOW = 8
+BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 4, "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2}  # fmt: skip
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GROUPED = {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE}
+# family -> config overrides: every family transformers ships of the model matrix, windows shorter than the samples
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, **MOE}),
+    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
+    "gemma2": ("gemma2", {"sliding_window": WINDOW, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
+    "phi3": ("phi3", {"sliding_window": WINDOW}),
+    "olmo2": ("olmo2", {}),
+    "glm4_moe": ("glm4_moe", GROUPED),
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
+    "deepseek_v3": ("deepseek_v3", {**GROUPED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}),
+}  # fmt: skip
+LENGTHS = (13, 21, 5, 17)  # longer and shorter than the window
+
+
+def config_of(name: str):
+    model_type, extra = FAMILIES[name]
+    return AutoConfig.for_model(model_type, **{**BASE, **extra})
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One fp32 model per family (eager attention), same weights for every backend."""
+    built = {}
+    for name in FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config_of(name), attn_implementation="eager", dtype=torch.float32)
+        model.config.use_cache = False
+        for p in model.parameters():  # sinks and other zero-initialised parameters: non-trivial values
+            if p.dim() == 1 and not p.abs().sum():
+                torch.nn.init.normal_(p, std=0.5)
+        built[name] = model.eval()
+    return built
+
+
+def packed_batch(vocab: int) -> dict:
+    torch.manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, vocab, (n,)).tolist(), "seq_lengths": [n]} for n in LENGTHS]
+    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+
+
+def per_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+
+
+def test_the_features_are_what_transformers_passes(models):
+    """Per layer, the window, soft-cap and sinks `sft.architectures` reads from the config equal the arguments
+    transformers hands the attention function; no family passes an argument sft does not know (a new one in a later
+    transformers fails here instead of being ignored)."""
+    seen: dict[int, dict] = {}
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = kwargs  # recorded only: the output's values do not matter here
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register("sft_spy", spy)
+    for name, model in models.items():
+        seen.clear()
+        batch = packed_batch(model.config.vocab_size)
+        model.set_attn_implementation("sft_spy")
+        try:
+            model(**{k: v for k, v in batch.items() if k not in ("labels", "seq_lengths")})
+        finally:
+            model.set_attn_implementation("eager")
+        arch = architectures.of(model.config)
+        assert arch.known, name
+        assert len(seen) == arch.layers
+        windows = tuple(seen[i].get("sliding_window") for i in range(arch.layers))
+        assert windows == arch.attention.windows, name
+        assert {seen[i].get("softcap") for i in seen} == {arch.attention.softcap}, name
+        assert {seen[i].get("s_aux") is not None for i in seen} == {arch.attention.sinks}, name
+        names = set().union(*(kwargs.keys() for kwargs in seen.values()))
+        assert names <= HANDLED | INERT | {"softcap", "s_aux"}, (name, names - HANDLED - INERT)
+    assert architectures.of(config_of("qwen2-window")).attention.windows == (None, None, WINDOW, WINDOW)
+    assert architectures.of(config_of("gemma3")).attention.windows == (WINDOW, None, WINDOW, None)
+
+
+@pytest.mark.parametrize("backend", ["auto", VARLEN])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_row_equals_eager_one_sample_at_a_time(models, name, backend):
+    """fp32, per token within 1e-5: the packed row through the backend sft picks on this machine (`auto`) or through
+    `sft_varlen` forced, against each sample alone through eager."""
+    model = models[name]
+    arch = architectures.of(model.config)
+    batch = packed_batch(model.config.vocab_size)
+    ids = batch["input_ids"][0]
+    bounds = batch["cu_seq_lens_q"].tolist()
+    with torch.no_grad():
+        alone = [model(input_ids=ids[None, lo:hi]).logits[0] for lo, hi in itertools.pairwise(bounds)]
+    chosen = resolve_attn_implementation(backend, False, arch, padding_free=True)  # refuses what would drop a feature
+    needs_scores = arch.attention.softcap is not None or arch.attention.sinks
+    if backend == "auto":
+        assert chosen == (VARLEN if needs_scores or not arch.packed_mask else "sdpa")
+    model.set_attn_implementation(chosen)
+    try:
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "seq_lengths")}
+        with torch.no_grad():
+            packed = model(**inputs).logits[0]
+    finally:
+        model.set_attn_implementation("eager")
+    for (lo, hi), single in zip(itertools.pairwise(bounds), alone, strict=True):
+        torch.testing.assert_close(packed[lo:hi], single, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            per_token_losses(packed[lo:hi], ids[lo:hi]), per_token_losses(single, ids[lo:hi]), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_gpt_oss_mask_mixes_packed_samples(models):
+    """Why `packed_mask` is false for gpt-oss: transformers builds its mask without the position ids, so through eager
+    (or sdpa, flex) a packed row's later samples see the earlier ones. If a transformers release fixes it, this fails:
+    then gpt-oss can leave MASK_WITHOUT_POSITIONS."""
+    model = models["gpt_oss"]
+    batch = packed_batch(model.config.vocab_size)
+    ids, first = batch["input_ids"][0], LENGTHS[0]
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        second = model(input_ids=ids[None, first : first + LENGTHS[1]]).logits[0]
+    assert (packed[first : first + LENGTHS[1]] - second).abs().max() > 1e-2
+    assert {f for f, _ in FAMILIES.values() if not architectures.of(config_of_type(f)).packed_mask} == {"gpt_oss"}
+
+
+def config_of_type(model_type: str):
+    return next(config_of(n) for n, (t, _) in FAMILIES.items() if t == model_type)
+
+
+def test_a_backend_that_would_drop_a_feature_is_refused():
+    gemma2, gpt_oss, mistral = (architectures.of(config_of(n)) for n in ("gemma2", "gpt_oss", "mistral-window"))
+    with pytest.raises(ConfigError, match=r"sdpa.*soft-capping at 5.*Use `auto`, or one of \['eager', 'flash"):
+        check_backend(gemma2, "sdpa", padding_free=False)
+    with pytest.raises(ConfigError, match="attention sinks"):
+        check_backend(gpt_oss, "flash_attention_2", padding_free=True)
+    with pytest.raises(ConfigError, match="without the position ids"):
+        check_backend(gpt_oss, "eager", padding_free=True)
+    check_backend(gpt_oss, "eager", padding_free=False)  # unpacked rows: its own mask is right
+    check_backend(gemma2, "flash_attention_2", padding_free=True)  # flash-attn has soft-capping
+    check_backend(mistral, VARLEN, padding_free=True, on_gpu=False)  # the CPU path masks the window
+    assert resolve_attn_implementation("auto", True, gemma2, padding_free=True) == VARLEN  # also under Ulysses
+    next_config = AutoConfig.for_model(
+        "qwen3_next", **{**BASE, "layer_types": ["linear_attention", "full_attention"] * 2}
+    )
+    qwen3_next = architectures.of(next_config)
+    assert qwen3_next.attention.other_layers == ("linear_attention",)
+    with pytest.raises(ConfigError, match="linear_attention layers.*packing: false"):
+        check_backend(qwen3_next, "sdpa", padding_free=True)
+    check_backend(qwen3_next, "sdpa", padding_free=False)
+
+
+def test_experts_and_active_flops():
+    """The MoE layout from each family's config, and FLOPs per token on the active experts only."""
+    layouts = {n: architectures.of(config_of(n)).experts for n in ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")}
+    assert layouts["qwen3_moe"] == architectures.Experts(4, 2, 32, 4)
+    assert layouts["mixtral"] == architectures.Experts(4, 2, 96, 4)
+    assert layouts["glm4_moe"] == architectures.Experts(4, 2, 32, 3, shared=1, shared_width=32)
+    assert layouts["gpt_oss"] == architectures.Experts(4, 2, 96, 4)
+    assert architectures.of(config_of("llama")).experts is None
+    config = config_of("qwen3_moe")
+    model = AutoModelForCausalLM.from_config(config)
+    h, width, layers, vocab = 64, 32, 4, 256
+    attention = h * 4 * 16 + 2 * h * 2 * 16 + 4 * 16 * h  # q, k, v, o
+    experts_active = 2 * 3 * h * width  # gate, up, down of 2 of the 4 experts
+    router = 4 * h
+    assert architectures.matmul_flops_per_token(model, architectures.of(config)) == 6 * (
+        layers * (attention + experts_active + router) + vocab * h
+    )
+
+
+def test_windowed_attention_flops():
+    arch = architectures.of(config_of("qwen2-window"))  # 2 full layers, 2 with a window of 8
+    lengths = torch.tensor([5, 20])
+    full = (25 + 400) / 2
+    windowed = 25 / 2 + (64 / 2 + 12 * 8)
+    assert arch.attention_pairs(lengths).item() == 2 * full + 2 * windowed
+
+
+def test_decoder_layers_under_peft_and_the_generic_family():
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_config(config_of("llama"))
+    layers = architectures.decoder_layers(model)
+    assert layers is model.model.layers
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert architectures.decoder_layers(wrapped) is layers
+    assert architectures.decoder_prefixes(wrapped)[0] == "base_model.model.model.layers.0."
+    arch = architectures.of(AutoConfig.for_model("starcoder2", **BASE))
+    assert (
+        not arch.known
+        and not arch.kernel("liger").on
+        and "not in sft's architecture table" in arch.kernel("fp8").reason
+    )
+
+
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(None, 5.0, False), (8, None, True), (8, 3.0, True)])
+def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
+    """sft_varlen's GPU path for soft-capping and sinks (flex_attention over a block mask of the samples, sinks by
+    renormalising with its log-sum-exp) computes what its CPU path computes (the eager arithmetic, sample by sample):
+    run here with flex_attention uncompiled."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from sft.attention import _flex_scored, scored_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(40, heads, 16) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 13, 30, 40], dtype=torch.int32)
+    s = torch.randn(4) if sinks else None
+    expected = scored_attention(q, k, v, cu, 0.25, window, softcap, s)
+    torch.testing.assert_close(_flex_scored(q, k, v, cu, 0.25, window, softcap, s, flex=flex_attention), expected)
