@@ -201,7 +201,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     )  # fmt: skip
     assert training_args.auto_settings == {
         "per_device_train_batch_size", "activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8",
-        "compile_decoder_layers",
+        "compile_decoder_layers", "use_liger_kernel",
     }  # fmt: skip
     resolved = preflight(training_args, model_args)
     shape = plan.load_shape(str(ROOT / "recipes" / "demo" / "model"))
