@@ -1,0 +1,333 @@
+"""The model matrix on a GPU: attention exactness in bf16 and each fast path (Liger, FP8, compiled layers) per family.
+
+    python -m benchmarks.architectures --out $OUT/architectures [--families llama gemma3 ...] [--compile] [--tiny]
+
+For every family of the model matrix, at real widths (hidden >= 2048, `--layers` decoder layers, the vocabulary cut to
+32,768 so that the decoder, not the LM head, is what is compared), with random weights:
+
+1. **exactness**: four samples of 300-1500 tokens packed in one row (sliding windows set to 128 tokens, so every
+   sample is longer than its window), through the backend sft's `auto` picks, against the same samples one at a
+   time through transformers' `eager` attention: max per-token loss difference in bf16 (Llama's is bf16's own noise);
+2. **fast paths**: a few optimizer steps (AdamW, packed rows of 4096 tokens, the same data for every variant) of
+   `plain` (bf16, sft's attention, nothing else), `liger` (Liger's patches for the family, as transformers applies
+   them), `fp8` (torchao float8 on the decoder linears, `sft.fp8.convert`) and `liger_fp8`; with `--compile` also
+   each of those with compiled decoder layers. Per variant: grad norms finite, per-step loss against `plain`, tokens/s
+   after the first steps, MFU on active parameters (`sft.architectures`), peak memory.
+
+Writes `architectures.json` and `architectures.md` to `--out`. In-process: no launcher, no DeepSpeed (their cost is
+the same for every family and measured elsewhere); the kernels are the ones sft's trainer applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+VOCAB = 32768
+WINDOW = 128
+_GROUPED = {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1}
+# Published widths of each family (the smallest >= 2048 wide), windows shortened to WINDOW
+FAMILIES = {
+    "llama": ("llama", {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "head_dim": 64}),
+    "qwen2": ("qwen2", {"hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                        "num_key_value_heads": 2, "head_dim": 128}),
+    "qwen2-window": ("qwen2", {"hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                               "num_key_value_heads": 2, "head_dim": 128, "use_sliding_window": True,
+                               "sliding_window": WINDOW, "max_window_layers": 0}),
+    "qwen3": ("qwen3", {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+                        "num_key_value_heads": 8, "head_dim": 128}),
+    "qwen3_moe": ("qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                                "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32,
+                                "num_key_value_heads": 4, "head_dim": 128}),
+    "mistral-window": ("mistral", {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                                   "num_key_value_heads": 8, "head_dim": 128, "sliding_window": WINDOW}),
+    "mixtral": ("mixtral", {"hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+                            "num_experts_per_tok": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+                            "head_dim": 128}),
+    "gemma2": ("gemma2", {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+                          "num_key_value_heads": 4, "head_dim": 256, "sliding_window": WINDOW,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("gemma3_text", {"hidden_size": 2560, "intermediate_size": 10240, "num_attention_heads": 8,
+                               "num_key_value_heads": 4, "head_dim": 256, "sliding_window": WINDOW,
+                               "sliding_window_pattern": 2, "query_pre_attn_scalar": 256}),
+    "phi3": ("phi3", {"hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+                      "num_key_value_heads": 32, "sliding_window": WINDOW}),
+    "olmo2": ("olmo2", {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+                        "num_key_value_heads": 16}),
+    "glm4_moe": ("glm4_moe", {"hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                              "n_routed_experts": 64, "num_experts_per_tok": 8, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "head_dim": 128, **_GROUPED}),
+    "gpt_oss": ("gpt_oss", {"hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
+                            "num_experts_per_tok": 4, "num_attention_heads": 64, "num_key_value_heads": 8,
+                            "head_dim": 64, "sliding_window": WINDOW}),
+    "deepseek_v3": ("deepseek_v3", {"hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                                    "n_routed_experts": 64, "num_experts_per_tok": 6, "num_attention_heads": 16,
+                                    "num_key_value_heads": 16, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                                    "head_dim": 64, **_GROUPED}),
+}  # fmt: skip
+TINY = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
+        "head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16}  # fmt: skip
+SAMPLES = (300, 700, 1500, 1000)
+
+
+def config_for(name: str, layers: int, tiny: bool):
+    from transformers import AutoConfig
+
+    model_type, widths = FAMILIES[name]
+    widths = dict(widths)
+    if tiny:
+        same_heads = widths.get("num_key_value_heads") == widths["num_attention_heads"]
+        widths.update({k: v for k, v in TINY.items() if k in widths})
+        if model_type == "deepseek_v3":
+            widths["head_dim"] = 8
+        widths["num_key_value_heads"] = widths["num_attention_heads"] if same_heads else 2
+    return AutoConfig.for_model(
+        model_type, num_hidden_layers=layers, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=8192, **widths,
+    )  # fmt: skip
+
+
+def packed(lengths, device, seed: int) -> dict:
+    """One packed row of random samples, as TRL's padding-free collator makes it."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    row = torch.cat(ids)[None]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = row.clone()
+    labels[0, cu[:-1].long()] = -100  # a sample's first token is never trained from the previous sample
+    batch = {"input_ids": row, "position_ids": positions, "labels": labels, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+             "max_length_q": max(lengths), "max_length_k": max(lengths)}  # fmt: skip
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def rows(total: int, seed: int, count: int) -> list[list[int]]:
+    """`count` rows of SFT-like sample lengths filling `total` tokens each."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        lengths, left = [], total
+        while left > 0:
+            n = int(min(left, max(16, math.exp(math.log(300) + torch.randn(1, generator=gen).item()))))
+            lengths.append(n)
+            left -= n
+        out.append(lengths)
+    return out
+
+
+def build(config, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def exactness(name: str, config, device, dtype) -> dict:
+    """Packed through sft's `auto` backend vs eager one sample at a time: max per-token loss difference."""
+    from sft import architectures
+    from sft.attention import resolve_attn_implementation
+
+    model = build(config, device, dtype).eval()
+    arch = architectures.of(config)
+    backend = resolve_attn_implementation("auto", False, arch, padding_free=True)
+    lengths = SAMPLES if not device == "cpu" else tuple(n // 20 for n in SAMPLES)
+    batch = packed(lengths, device, seed=1)
+    ids, cu = batch["input_ids"][0], batch["cu_seq_lens_q"].tolist()
+
+    def losses(logits, lo, hi):
+        return torch.nn.functional.cross_entropy(logits.float()[:-1], ids[lo + 1 : hi], reduction="none")
+
+    with torch.no_grad():
+        alone = [losses(model(input_ids=ids[None, lo:hi]).logits[0], lo, hi) for lo, hi in itertools.pairwise(cu)]
+        model.set_attn_implementation(backend)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits[0]
+        together = [losses(logits[lo:hi], lo, hi) for lo, hi in itertools.pairwise(cu)]
+        # for scale: the same packed row through a backend that mixes the samples (a plain causal mask)
+        model.set_attn_implementation(
+            "sdpa" if arch.attention.softcap is None and not arch.attention.sinks else "eager"
+        )
+        mixed = model(input_ids=batch["input_ids"]).logits[0]
+        leak = [losses(mixed[lo:hi], lo, hi) for lo, hi in itertools.pairwise(cu)]
+    diff = max(float((a - b).abs().max()) for a, b in zip(alone, together, strict=True))
+    leak_diff = max(float((a - b).abs().max()) for a, b in zip(alone, leak, strict=True))
+    del model
+    return {"backend": backend, "needs": arch.attention.needs(), "max_token_loss_diff": diff,
+            "mixed_samples_max_token_loss_diff": leak_diff, "samples": list(lengths)}  # fmt: skip
+
+
+VARIANTS = {"plain": (False, False, False), "liger": (True, False, False), "fp8": (False, True, False),
+            "liger_fp8": (True, True, False)}  # fmt: skip
+COMPILED = {f"{k}_compiled": (liger, fp8, True) for k, (liger, fp8, _) in VARIANTS.items()}
+
+
+def train(name: str, config, variant: str, device, dtype, steps: int, tokens: int, peak: float) -> dict:
+    from sft import architectures, fp8
+    from sft.attention import resolve_attn_implementation
+    from sft.flops import FlopCounter
+    from sft.model import compile_decoder_layers
+
+    liger, fp8_on, compiled = {**VARIANTS, **COMPILED}[variant]
+    model = build(config, device, dtype)
+    arch = architectures.of(config)
+    model.set_attn_implementation(resolve_attn_implementation("auto", False, arch, padding_free=True))
+    out = {"variant": variant}
+    if liger:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        if arch.family not in _liger_families():
+            return {**out, "skipped": f"Liger has no patches for {arch.family}"}
+        apply_liger_kernel(model, {})
+    if fp8_on:
+        try:
+            out["fp8_layers"] = fp8.convert(model, "tensorwise")
+        except Exception as e:  # noqa: BLE001  (no layer big enough: recorded)
+            return {**out, "skipped": f"{type(e).__name__}: {e}"}
+    if compiled:
+        compile_decoder_layers(model)
+    model.train()
+    counter = FlopCounter(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device != "cpu")
+    losses, norms, times, flops = [], [], [], []
+    torch.cuda.reset_peak_memory_stats() if device != "cpu" else None
+    for step, lengths in enumerate(rows(tokens, seed=2, count=steps)):
+        batch = packed(lengths, device, seed=100 + step)
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+        norms.append(float(norm))
+        flops.append(float(counter.flops_of(torch.tensor(lengths))))
+    timed = slice(2, None) if steps > 3 else slice(0, None)
+    seconds = sum(times[timed])
+    out.update(
+        losses=losses, grad_norms=norms, finite=all(math.isfinite(x) for x in losses + norms),
+        tokens_per_second=tokens * len(times[timed]) / seconds, step_seconds=times,
+        mfu_active=sum(flops[timed]) / seconds / (peak * 1e12) if peak else None,
+        peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None,
+    )  # fmt: skip
+    del model, optimizer
+    return out
+
+
+def _liger_families() -> set[str]:
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def verdicts(runs: list[dict]) -> dict:
+    """Each variant against `plain`: finite, the largest per-step relative loss difference, speed ratio."""
+    plain = next((r for r in runs if r["variant"] == "plain" and "losses" in r), None)
+    out = {}
+    for r in runs:
+        if "losses" not in r or plain is None:
+            out[r["variant"]] = r.get("skipped") or r.get("error", "no plain run")
+            continue
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], plain["losses"], strict=True))
+        out[r["variant"]] = {"finite": r["finite"], "max_rel_loss_diff": rel,
+                             "speed_vs_plain": r["tokens_per_second"] / plain["tokens_per_second"]}  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/architectures"))
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per packed row (one row per step)")
+    parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny widths, fp32, plain variant only")
+    args = parser.parse_args()
+    from benchmarks.common import environment
+    from sft.attention import register_varlen
+    from sft.flops import detect_peak_tflops
+
+    register_varlen()
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    peak = detect_peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"environment": environment(), "layers": args.layers, "tokens_per_row": args.tokens,
+               "vocab": VOCAB, "window": WINDOW, "peak_tflops": peak, "families": {}}  # fmt: skip
+    for name in args.families:
+        config = config_for(name, args.layers, args.tiny)
+        entry = results["families"][name] = {
+            "config": {
+                k: v for k, v in config.to_dict().items() if isinstance(v, int | float | str | list | type(None))
+            }
+        }
+        if not args.skip_exactness:
+            try:
+                entry["exactness"] = exactness(name, config, device, dtype)
+            except Exception as e:  # noqa: BLE001  (one family's failure is a result, not the end of the matrix)
+                entry["exactness"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+            print(name, "exactness", {k: v for k, v in entry["exactness"].items() if k != "trace"}, flush=True)
+        runs = []
+        for variant in args.variants if not args.tiny else ["plain"]:
+            try:
+                run = train(name, config, variant, device, dtype, args.steps, args.tokens, peak)
+            except Exception as e:  # noqa: BLE001
+                run = {"variant": variant, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                       "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+            runs.append(run)
+            print(name, variant, {k: v for k, v in run.items() if k not in ("trace", "step_seconds")}, flush=True)
+            gc.collect()
+            torch.cuda.empty_cache() if device == "cuda" else None
+            torch._dynamo.reset()
+        entry["runs"] = runs
+        entry["verdicts"] = verdicts(runs)
+        (args.out / "architectures.json").write_text(json.dumps(results, indent=1))
+    (args.out / "architectures.md").write_text(table(results))
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    lines = [f"GPU: {results['environment'].get('gpu', '?')}; {results['layers']} layers, rows of "
+             f"{results['tokens_per_row']} tokens, vocab {results['vocab']}, windows {results['window']}", "",
+             "| family | backend | packed vs eager (max token loss diff) | mixed-sample diff | variant | finite | "
+             "max rel loss diff vs plain | speed vs plain | tokens/s | MFU (active) | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, entry in results["families"].items():
+        ex = entry.get("exactness", {})
+        for run in entry.get("runs", []):
+            v = entry["verdicts"].get(run["variant"])
+            if isinstance(v, dict):
+                cells = [str(v["finite"]), f"{v['max_rel_loss_diff']:.2e}", f"{v['speed_vs_plain']:.3f}",
+                         f"{run['tokens_per_second']:,.0f}",
+                         f"{run['mfu_active']:.3f}" if run.get("mfu_active") else "-",
+                         f"{run['peak_memory_gib']:.1f}" if run.get("peak_memory_gib") else "-"]  # fmt: skip
+            else:
+                cells = [str(v)[:80], "-", "-", "-", "-", "-"]
+            lines.append(f"| {name} | {ex.get('backend', ex.get('error', '-'))[:40]} | "
+                         f"{ex.get('max_token_loss_diff', float('nan')):.4f} | "
+                         f"{ex.get('mixed_samples_max_token_loss_diff', float('nan')):.4f} | {run['variant']} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
