@@ -144,7 +144,7 @@ def exactness(name: str, config, device, dtype) -> dict:
     model = build(config, device, dtype).eval()
     arch = architectures.of(config)
     backend = resolve_attn_implementation("auto", False, arch, padding_free=True)
-    lengths = SAMPLES if not device == "cpu" else tuple(n // 20 for n in SAMPLES)
+    lengths = SAMPLES if device != "cpu" else tuple(n // 20 for n in SAMPLES)
     batch = packed(lengths, device, seed=1)
     ids, cu = batch["input_ids"][0], batch["cu_seq_lens_q"].tolist()
 
