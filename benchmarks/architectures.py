@@ -163,10 +163,12 @@ def exactness(name: str, config, device, dtype) -> dict:
         )
         mixed = model(input_ids=batch["input_ids"]).logits[0]
         leak = [losses(mixed[lo:hi], lo, hi) for lo, hi in itertools.pairwise(cu)]
-    diff = max(float((a - b).abs().max()) for a, b in zip(alone, together, strict=True))
+    diffs = torch.cat([(a - b).abs() for a, b in zip(alone, together, strict=True)])
+    diff = float(diffs.max())
     leak_diff = max(float((a - b).abs().max()) for a, b in zip(alone, leak, strict=True))
     del model
     return {"backend": backend, "needs": arch.attention.needs(), "max_token_loss_diff": diff,
+            "median_token_loss_diff": float(diffs.median()), "tokens_over_0.1": int((diffs > 0.1).sum()),
             "mixed_samples_max_token_loss_diff": leak_diff, "samples": list(lengths)}  # fmt: skip
 
 

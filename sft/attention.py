@@ -166,7 +166,9 @@ def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None):
 HANDLED = frozenset({"scaling", "dropout", "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                      "max_length_k", "position_ids", "seq_idx"})  # fmt: skip
 # ... or carrying nothing the attention computes with (the model's own switches, passed down through **kwargs)
-INERT = frozenset({"use_cache", "output_router_logits", "output_attentions", "cache_position"})
+# (Liger's patched forwards pass `output_hidden_states` and `return_dict` down; measured on 1 x H100)
+INERT = frozenset({"use_cache", "output_router_logits", "output_attentions", "output_hidden_states", "return_dict",
+                   "cache_position"})  # fmt: skip
 
 
 def refused_arguments(kwargs: dict) -> list[str]:
