@@ -241,7 +241,7 @@ def varlen_attention_forward(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != heads
         )
         return out.transpose(1, 2).to(dtype), None
-    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value))
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if keep is not None:
         q, k, v = q[keep], k[keep], v[keep]
     if scored:

@@ -37,7 +37,7 @@ FAMILIES = {
     "glm4_moe": ("glm4_moe", GROUPED),
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
     "deepseek_v3": ("deepseek_v3", {**GROUPED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}),
+                                    "qk_nope_head_dim": 8, "v_head_dim": 12, "head_dim": 8, "num_key_value_heads": 4}),
 }  # fmt: skip
 LENGTHS = (13, 21, 5, 17)  # longer and shorter than the window
 
