@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -317,16 +318,9 @@ def matmul_flops_per_token(model: torch.nn.Module, arch: Architecture | None = N
             share = (arch.experts.active if arch and arch.experts else module.num_experts) / module.num_experts
             for p in module.parameters(recurse=False):
                 if p.dim() == 3:
-                    total += (6 if p.requires_grad else 4) * _numel(_shape(p)) * share
+                    total += (6 if p.requires_grad else 4) * math.prod(_shape(p)) * share
         elif type(module).__name__.endswith("Router"):
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.nn.Parameter) and len(_shape(weight)) == 2:
-                total += (6 if weight.requires_grad else 4) * _numel(_shape(weight))
+                total += (6 if weight.requires_grad else 4) * math.prod(_shape(weight))
     return round(total)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
