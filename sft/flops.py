@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+from sft import architectures
+
 logger = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; matched against torch.cuda.get_device_name() in
@@ -48,9 +50,7 @@ def detect_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def _architecture(model: torch.nn.Module):
-    from sft import architectures
-
+def _architecture(model: torch.nn.Module) -> architectures.Architecture | None:
     try:
         return architectures.of(model.config)
     except AttributeError as e:  # a config without heads or layers
@@ -61,9 +61,7 @@ def _architecture(model: torch.nn.Module):
 def linear_flops_per_token(model: torch.nn.Module) -> int:
     """Training FLOPs per token of the weights a token multiplies: 6 x weights (4 x for a frozen layer), the active
     experts only (`sft.architectures.matmul_flops_per_token`)."""
-    from sft.architectures import matmul_flops_per_token
-
-    return matmul_flops_per_token(model, _architecture(model))
+    return architectures.matmul_flops_per_token(model, _architecture(model))
 
 
 def sample_lengths(inputs: dict) -> torch.Tensor:
@@ -80,8 +78,8 @@ class FlopCounter:
     """Training FLOPs of the micro-batches of one rank, kept on the batch's device (no host sync per step)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.per_token = linear_flops_per_token(model)
         self.arch = _architecture(model)
+        self.per_token = architectures.matmul_flops_per_token(model, self.arch)
         self.layers = self.arch.layers if self.arch else 0
         self.width = self.arch.attention_width if self.arch else 0
         self.pending: torch.Tensor | None = None

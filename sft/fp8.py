@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from sft import architectures
 from sft.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise")  # torchao's scaling recipes, the measured faster first
@@ -147,9 +148,7 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> in
     from torchao.float8.float8_linear_utils import swap_linear_layers
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    from sft.architectures import decoder_prefixes
-
-    keep = layer_filter(recipe if size_filter else None, decoder_prefixes(model))
+    keep = layer_filter(recipe if size_filter else None, architectures.decoder_prefixes(model))
     linear_class = _leaf_weight_float8_linear()
     swap_linear_layers(model, lambda m: linear_class.from_float(m, config=config), module_filter_fn=keep)
     converted = [name for name, m in model.named_modules() if isinstance(m, linear_class)]

@@ -223,16 +223,15 @@ def _family_kernels(training_args, arch: architectures.Architecture) -> dict:
 def _liger_reason(training_args, arch: architectures.Architecture) -> str:
     if "use_liger_kernel" not in training_args.auto_settings:
         return f"use_liger_kernel: {str(bool(training_args.use_liger_kernel)).lower()}"
-    if not arch.kernel("liger").on:
-        return arch.kernel("liger").reason
-    return arch.kernel("liger").reason if training_args.use_liger_kernel else "no CUDA GPU or liger-kernel"
+    kernel = arch.kernel("liger")
+    return kernel.reason if training_args.use_liger_kernel or not kernel.on else "no CUDA GPU or liger-kernel"
 
 
 def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
     if "compile_decoder_layers" not in training_args.auto_settings:
         return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
     if not fp8_on:
-        return "on only with FP8: bf16 measured no faster compiled"
+        return "compile_decoder_layers: auto compiles only with FP8"
     return arch.kernel("compile").reason
 
 

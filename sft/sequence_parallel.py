@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sft import architectures
 from sft.attention import boundaries_from_positions
 from sft.errors import ConfigError
 
@@ -114,8 +115,6 @@ def check_model(config, sp: int, attn_implementation: str | None) -> None:
             f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
             "sequence_parallel_size: 1."
         )
-    from sft import architectures
-
     recurrent = architectures.of(config).attention.other_layers
     if recurrent:
         raise ConfigError(

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from sft import architectures
 from sft.errors import ConfigError
 
 
@@ -33,9 +34,7 @@ def tiles_for(max_length: int, sp: int, hidden: int) -> int:
 
 def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The `mlp` module of every decoder layer (`sft.architectures.decoder_layers`, under PEFT's wrappers too)."""
-    from sft.architectures import decoder_layers
-
-    layers = decoder_layers(model) or (model,)  # a model's layers, or one decoder layer given alone
+    layers = architectures.decoder_layers(model) or (model,)  # a model's layers, or one decoder layer given alone
     return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
 
 
