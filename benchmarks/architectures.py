@@ -14,8 +14,14 @@ For every family of the model matrix, at real widths (hidden >= 2048, `--layers`
    each of those with compiled decoder layers. Per variant: grad norms finite, per-step loss against `plain`, tokens/s
    after the first steps, MFU on active parameters (`sft.architectures`), peak memory.
 
-Writes `architectures.json` and `architectures.md` to `--out`. In-process: no launcher, no DeepSpeed (their cost is
-the same for every family and measured elsewhere); the kernels are the ones sft's trainer applies.
+Parts 1 and 2 run in-process (no launcher, no DeepSpeed: their cost is the same for every family and measured
+elsewhere); the kernels are the ones sft's trainer applies. With `--cli`, instead:
+
+3. **sft's defaults** through the real entry point (`sft/train.py` under torchrun, 1 process, ZeRO-2, packing, rows
+   of `--tokens`, `--layers` layers, pre-tokenised SFT-like data, `--steps` optimizer steps of 8 rows): exit code, the
+   `Model:` and attention lines sft logged, per-step loss and grad norm (finite, falling), tokens/s and MFU.
+
+Writes `architectures.json` (`cli.json` with `--cli`) and `architectures.md` to `--out`.
 """
 
 from __future__ import annotations
@@ -253,6 +259,61 @@ def verdicts(runs: list[dict]) -> dict:
     return out
 
 
+CLI_RECIPE = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-4, "lr_scheduler_type": "constant",
+              "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
+              "from_scratch": True, "packing": True, "global_batch_size": 8, "report": False,
+              "deepspeed": "ds_configs/zero2.json"}  # fmt: skip
+
+
+def cli_runs(args, work: Path, results: dict) -> None:
+    """Part 3: each family with sft's defaults through `sft/train.py` (see the module docstring), into
+    `results["families"]`, written to `cli.json` after each family."""
+    import yaml
+
+    from benchmarks.common import make_sft_data, model_dir, run, sft_command
+
+    data = work / "data.jsonl"
+    make_sft_data(data, 400, VOCAB, args.tokens)
+    out = results["families"]
+    for name in args.families:
+        config = config_for(name, args.layers, args.tiny).to_dict()
+        config.update(pad_token_id=1, bos_token_id=2, eos_token_id=3)  # the demo tokenizer's
+        model = model_dir(work / f"model-{name}", config)
+        recipe = {**CLI_RECIPE, "model_name_or_path": str(model), "datasets": [{"path": str(data)}],
+                  "output_dir": str(work / name), "max_steps": args.steps, "max_length": args.tokens}  # fmt: skip
+        if args.tiny:
+            recipe.update(bf16=False, dtype="float32", peak_tflops=1.0)
+        (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+        log = work / f"{name}.log"
+        rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log)
+        text = log.read_text()
+        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()] if (
+            work / name / "metrics.jsonl").exists() else []  # fmt: skip
+        steps = [r for r in lines if "loss" in r and "grad_norm" in r]
+        said = [x.split(": ", 1)[1] for x in text.splitlines() if "sft.architectures: Model:" in x
+                or "Attention backend:" in x]  # fmt: skip
+        entry = out[name] = {
+            "exit_code": rc,
+            "seconds": round(seconds, 1),
+            "said": said,
+            "losses": [r["loss"] for r in steps],
+            "grad_norms": [r["grad_norm"] for r in steps],
+        }
+        if steps:
+            timed = steps[3:] or steps
+            entry.update(
+                finite=all(math.isfinite(x) for x in entry["losses"] + entry["grad_norms"]),
+                loss_fell=entry["losses"][-1] < entry["losses"][0],
+                tokens_per_second=sum(r["tokens_per_second_per_gpu"] for r in timed) / len(timed),
+                mfu=sum(r.get("mfu", 0.0) for r in timed) / len(timed),
+                peak_memory_gib=max(r.get("peak_memory_gib", 0.0) for r in steps),
+            )  # fmt: skip
+        if rc != 0 or not steps:
+            entry["log_tail"] = text[-3000:]
+        print(name, {k: v for k, v in entry.items() if k != "log_tail"}, flush=True)
+        (args.out / "cli.json").write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/architectures"))
@@ -263,6 +324,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per packed row (one row per step)")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny widths, fp32, plain variant only")
+    parser.add_argument("--cli", action="store_true", help="part 3 only: sft's defaults through sft/train.py")
     args = parser.parse_args()
     from benchmarks.common import environment
     from sft.attention import register_varlen
@@ -273,6 +335,13 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     peak = detect_peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cli:
+        import tempfile
+
+        cli = {"environment": environment(), "layers": args.layers, "tokens_per_row": args.tokens, "steps": args.steps,
+               "families": {}}  # fmt: skip
+        cli_runs(args, Path(tempfile.mkdtemp(prefix="architectures-cli-")), cli)
+        return
     results = {"environment": environment(), "layers": args.layers, "tokens_per_row": args.tokens,
                "vocab": VOCAB, "window": WINDOW, "peak_tflops": peak, "families": {}}  # fmt: skip
     for name in args.families:
