@@ -52,7 +52,9 @@ class Resume:
         )
 
 
-def base_setting(training_args, model_args, fp8_on: bool | None = None) -> memplan.Setting:
+def base_setting(
+    training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
+) -> memplan.Setting:
     zero = ds_engine.zero_setup(training_args)
     dims = training_args.parallel
     return memplan.Setting(
@@ -66,7 +68,7 @@ def base_setting(training_args, model_args, fp8_on: bool | None = None) -> mempl
         activation_checkpointing=bool(training_args.activation_checkpointing),
         offload_checkpoints=bool(training_args.offload_checkpoints),
         tiled_mlp=bool(training_args.tiled_mlp),
-        liger=bool(training_args.use_liger_kernel),
+        liger=bool(training_args.use_liger_kernel if liger_on is None else liger_on),
         lora_r=model_args.lora_r if model_args.use_peft else 0,
         lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
         qlora=bool(model_args.use_peft and model_args.load_in_4bit),
@@ -90,9 +92,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     zero3 = ds_engine.zero_setup(training_args).stage == 3
     remote = bool(getattr(model_args, "trust_remote_code", False))
     arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
-    changes = _family_kernels(training_args, arch)
-    if changes:
-        training_args = dataclasses.replace(training_args, **changes)
+    # decided here, applied in the one rebuild at the end (a rebuild would turn every `auto` into its placeholder)
+    liger_on = _family_liger(training_args, arch)
+    changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
     fp8_decision = _resolve_fp8(training_args, model_args, zero3, arch)
     fp8_on = fp8_decision.on
     compile_on = training_args.compile_decoder_layers
@@ -100,11 +102,11 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         compile_on = fp8_on and arch.kernel("compile").on
         changes["compile_decoder_layers"] = compile_on
     architectures.log_kernels(arch, {
-        "Liger": architectures.Kernel(bool(training_args.use_liger_kernel), _liger_reason(training_args, arch)),
+        "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
         "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
         "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
     })  # fmt: skip
-    micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on)
+    micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on, liger_on)
     model_args.attn_implementation = resolve_attn_implementation(
         model_args.attn_implementation, sp > 1, arch, training_args.padding_free_batches
     )
@@ -205,19 +207,21 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     return tuple(levels)
 
 
-def _family_kernels(training_args, arch: architectures.Architecture) -> dict:
-    """Liger left unset: off for a family where it was not measured good (`sft.architectures.KERNELS`); a fast path
-    asked for by name on such a family is kept, with a warning."""
+def _family_liger(training_args, arch: architectures.Architecture) -> bool:
+    """Whether Liger is on: left unset, off for a family where it was not measured good (`sft.architectures.KERNELS`).
+    A fast path asked for by name on such a family is kept, with a warning."""
     liger = arch.kernel("liger")
-    if training_args.use_liger_kernel and not liger.on:
+    on = bool(training_args.use_liger_kernel)
+    if on and not liger.on:
         if "use_liger_kernel" in training_args.auto_settings:
-            return {"use_liger_kernel": False}
-        logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
+            on = False
+        else:
+            logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
     for name, key in (("fp8", "fp8"), ("compile", "compile_decoder_layers")):
         kernel = arch.kernel(name)
         if getattr(training_args, key) and key not in training_args.auto_settings and not kernel.on:
             logger.warning("%s: true on %s, kept as asked, though %s", key, arch.family, kernel.reason)
-    return {}
+    return on
 
 
 def _liger_reason(training_args, arch: architectures.Architecture) -> str:
@@ -252,7 +256,9 @@ def _resolve_fp8(training_args, model_args, zero3: bool, arch: architectures.Arc
     return decision
 
 
-def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = False) -> tuple[int, bool, int]:
+def _plan_memory(
+    training_args, model_args, target: int | None, fp8_on: bool = False, liger_on: bool | None = None
+) -> tuple[int, bool, int]:
     """(micro batch, memory tools, sequence-parallel size): the `auto` ones chosen by the memory plan (the smallest sp
     first, then the cheapest tools); the plan logged and checked against the GPU."""
     auto = training_args.auto_settings
@@ -279,7 +285,7 @@ def _plan_memory(training_args, model_args, target: int | None, fp8_on: bool = F
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
-    base = base_setting(training_args, model_args, fp8_on)
+    base = base_setting(training_args, model_args, fp8_on, liger_on)
     if auto:
         world = training_args.parallel.world_size
         sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)

@@ -335,3 +335,28 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
         in said[0]
     )
     assert said[0].endswith("ZeRO-3 kept as asked; for ZeRO-2: --deepspeed ds_configs/zero2.json")
+
+
+def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
+    """Found on 1 x H100: turning Liger off for a family (Qwen2 here) must not rebuild the arguments early, which made
+    every other `auto` its placeholder (micro batch 1, no FP8 decision). The plan still chooses the micro batch, and
+    sizes it without Liger. (On this CPU Liger is off anyway; the GPU's `auto` default is set by hand.)"""
+    import json
+
+    model = tmp_path / "qwen2"
+    model.mkdir()
+    config = json.loads((ROOT / "recipes" / "demo" / "model" / "config.json").read_text())
+    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    _, _, training_args, model_args = demo_args(
+        tmp_path, "--model_name_or_path", str(model), "--per_device_train_batch_size", "auto",
+        "--plan_gpu_memory_gib", "0.15",
+    )  # fmt: skip
+    training_args.use_liger_kernel = True  # what `auto` gives on a GPU with liger-kernel installed
+    assert "use_liger_kernel" in training_args.auto_settings
+    resolved = preflight(training_args, model_args)
+    assert resolved.use_liger_kernel is False
+    shape = plan.load_shape(str(model))
+    base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)
+    expected = plan.suggest(shape, base, 0.15 * plan.GiB, candidates=[base])
+    assert resolved.per_device_train_batch_size == expected.setting.micro_batch > 1
