@@ -1,6 +1,7 @@
 """eval/run.py (lm-eval's simple_evaluate) on sft's output directories, with the local task.
 
-README's `lm_eval` CLI line runs as written in test_readme.py."""
+README's `sft eval` and `lm_eval` lines run as written in the README walk (`readme_walk`), on the demo it trains;
+this module reads that evaluation instead of training and evaluating a demo of its own."""
 
 from __future__ import annotations
 
@@ -14,26 +15,12 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ROOT, cli_env, run_cli
+from tests.conftest import ROOT, cli_env
 
 
 @pytest.fixture(scope="module")
 def untrained(saved_demo_model) -> Path:
     return saved_demo_model
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """The demo, 200 steps on 2 processes, logging to wandb (offline)."""
-    work = tmp_path_factory.mktemp("demo")
-    out = work / "out"
-    result = run_cli(
-        ["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), "--max_steps", "200",
-         "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "wandb"],
-        nproc=2, tmp_path=work,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
 
 
 def evaluate(model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -50,23 +37,31 @@ def evaluate(model: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dic
     return result, json.loads(files[-1].read_text()) if files else None
 
 
-def test_eval_beats_the_untrained_model_and_logs_to_the_runs_wandb(trained, untrained):
+def test_eval_beats_the_untrained_model_and_logs_to_the_runs_wandb(readme_walk, tensorboard_wandb_run, untrained):
+    """README's demo (its `sft eval`, from the walk) against the untrained model on all of `sft_demo`; an evaluation
+    of a run that logged to wandb lands in that run; a second evaluation adds files, never replaces the first."""
     from concurrent.futures import ThreadPoolExecutor
 
+    trained = readme_walk.demo
+    files = sorted((trained / "eval").glob("results_*.json"))
+    assert files, "the README walk's `sft eval` wrote no results (see test_readme.py)"
+    results = json.loads(files[0].read_text())
+    logged = tensorboard_wandb_run.out
+    assert tensorboard_wandb_run.result.returncode == 0, tensorboard_wandb_run.result.stderr[-4000:]
     with ThreadPoolExecutor(max_workers=2) as pool:  # one process each: side by side on two cores
-        (done, results), (_, before) = pool.map(evaluate, [trained, untrained])
+        (done, _), (_, before) = pool.map(lambda job: evaluate(*job), [(logged, "--limit", "8"), (untrained,)])
     assert done.returncode == 0, done.stderr[-4000:]
     accuracy = results["results"]["sft_demo"]["exact_match,none"]
     untrained_accuracy = before["results"]["sft_demo"]["exact_match,none"]
     print(f"sft_demo exact match: trained {accuracy:.3f}, untrained {untrained_accuracy:.3f}")
     assert accuracy >= untrained_accuracy + 0.08
     assert list((trained / "eval").glob("results_*.md"))[0].read_text().count("sft_demo") == 1
-    run_id = json.loads((trained / "wandb_run.json").read_text())["id"]
+    run_id = json.loads((logged / "wandb_run.json").read_text())["id"]
     assert f"logged to wandb run {run_id}" in done.stdout
-    records = list((trained / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    records = list((logged / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert records and b"eval/sft_demo/exact_match" in records[0].read_bytes()  # offline: the run's record file
-    again, _ = evaluate(trained, "--limit", "8")  # a second evaluation adds files, never replaces the first
-    assert again.returncode == 0 and len(list((trained / "eval").glob("results_*.json"))) == 2
+    again, _ = evaluate(logged, "--limit", "8")  # a second evaluation adds files, never replaces the first
+    assert again.returncode == 0 and len(list((logged / "eval").glob("results_*.json"))) == 2
 
 
 def test_an_adapter_is_merged_then_evaluated(untrained, tmp_path):

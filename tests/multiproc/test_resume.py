@@ -29,6 +29,7 @@ from tests.conftest import (
     kill_tree,
     read_jsonl,
     run_cli,
+    run_cli_in_process,
     run_cli_side_by_side,
     start_cli,
     wait_for,
@@ -95,19 +96,71 @@ def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2,
     assert not (out / "model.safetensors").exists(), "the run finished before the kill; the test proves nothing"
 
 
+class SharedRuns:
+    """The runs several tests start from, made on first use: uninterrupted references, and runs killed while
+    writing checkpoint-8 (checkpoint-4 complete, checkpoint-8 half-written). One-process runs asked for together
+    are made two at a time (`prepare`)."""
+
+    def __init__(self, tmp_path_factory, model_dir: Path):
+        self.factory, self.model_dir = tmp_path_factory, model_dir
+        self.made: dict[tuple[str, str, int], Path] = {}
+
+    def _job(self, kind: str, stage: str, nproc: int) -> tuple[list[str], dict, Path]:
+        out = self.factory.mktemp(f"{kind}-{stage}-{nproc}") / "out"
+        env = {KILL_DURING_SAVE_ENV: "8"} if kind == "killed" else {}
+        return args_for(self.model_dir, out, stage), env, out
+
+    def _check(self, kind: str, result, out: Path) -> None:
+        if kind == "reference":
+            assert_ok(result)
+        else:
+            assert result.returncode != 0, "the run was to be killed while writing checkpoint-8"
+            assert (out / "checkpoint-4" / MARKER).exists() and not (out / "checkpoint-8" / MARKER).exists()
+
+    def prepare(self, *specs: tuple[str, str, int]) -> None:
+        """Make the missing (kind, stage, nproc) runs; those of one process two at a time."""
+        missing = [spec for spec in specs if spec not in self.made]
+        single = [spec for spec in missing if spec[2] <= 1]
+        for spec in [spec for spec in missing if spec[2] > 1]:
+            args, env, out = self._job(*spec)
+            self._check(spec[0], run_cli(args, nproc=spec[2], env=env), out)
+            self.made[spec] = out
+        jobs = [self._job(*spec) for spec in single]
+        for kind in ("reference", "killed"):  # run_cli_side_by_side takes one environment for all its jobs
+            mine = [(spec, job) for spec, job in zip(single, jobs, strict=True) if spec[0] == kind]
+            if not mine:
+                continue
+            results = run_cli_side_by_side([(job[0], spec[2]) for spec, job in mine], env=mine[0][1][1])
+            for (spec, job), result in zip(mine, results, strict=True):
+                self._check(kind, result, job[2])
+                self.made[spec] = job[2]
+
+    def get(self, kind: str, stage: str, nproc: int) -> Path:
+        self.prepare((kind, stage, nproc))
+        return self.made[kind, stage, nproc]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dir):
-    """Uninterrupted runs, made on first use: (stage, nproc) -> output dir."""
-    made: dict[tuple[str, int], Path] = {}
+def shared(tmp_path_factory, model_dir) -> SharedRuns:
+    return SharedRuns(tmp_path_factory, model_dir)
 
-    def get(stage: str, nproc: int = 2) -> Path:
-        if (stage, nproc) not in made:
-            out = tmp_path_factory.mktemp(f"ref-{stage}-{nproc}") / "out"
-            assert_ok(run_cli(args_for(model_dir, out, stage), nproc=nproc))
-            made[stage, nproc] = out
-        return made[stage, nproc]
 
-    return get
+@pytest.fixture
+def reference(shared):
+    """The uninterrupted run: (stage, nproc) -> its output directory (read only)."""
+    return lambda stage, nproc=2: shared.get("reference", stage, nproc)
+
+
+@pytest.fixture
+def killed(shared):
+    """`killed(stage, nproc, into)`: a copy at `into` of the run killed while writing checkpoint-8 (each test
+    resumes, refuses or sets aside its own copy)."""
+
+    def copy(stage: str, nproc: int, into: Path) -> Path:
+        shutil.copytree(shared.get("killed", stage, nproc), into)
+        return into
+
+    return copy
 
 
 # DataLoader workers in one case only: the run with them must equal the reference without them. Each fork of a worker
@@ -133,11 +186,8 @@ def test_sigkill_then_same_command_is_bit_exact(stage, reference, model_dir, tmp
     assert f"<th>resumed at step</th><td>{step}</td>" in (out / "report" / "index.html").read_text()
 
 
-def test_sigkill_during_checkpoint_write(reference, model_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
-    assert result.returncode != 0
-    assert (out / "checkpoint-4" / MARKER).exists() and not (out / "checkpoint-8" / MARKER).exists()
+def test_sigkill_during_checkpoint_write(reference, killed, model_dir, tmp_path):
+    out = killed("zero2", 2, tmp_path / "out")
     result = run_cli(args_for(model_dir, out, "zero2"), nproc=2)
     assert_ok(result)
     assert "Ignoring" in result.stderr and "checkpoint-8" in result.stderr  # the half-written one was skipped
@@ -147,10 +197,9 @@ def test_sigkill_during_checkpoint_write(reference, model_dir, tmp_path):
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_different_process_count(stage, before, after, reference, model_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli(args_for(model_dir, out, stage), nproc=before, env={KILL_DURING_SAVE_ENV: "8"})
-    assert result.returncode != 0 and (out / "checkpoint-4" / MARKER).exists()
+def test_different_process_count(stage, before, after, shared, reference, killed, model_dir, tmp_path):
+    shared.prepare(("reference", stage, before), ("killed", stage, before))  # with one process: side by side
+    out = killed(stage, before, tmp_path / "out")
     result = run_cli(args_for(model_dir, out, stage), nproc=after)
     assert_ok(result)
     assert f"on {after} processes (was {before}): global batch {2 * before} " in result.stderr
@@ -168,11 +217,10 @@ def test_different_process_count(stage, before, after, reference, model_dir, tmp
         assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a["step"], a["loss"], b["loss"])
 
 
-def test_global_batch_that_cannot_be_kept_is_refused(model_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli(args_for(model_dir, out, "zero2"), nproc=2, env={KILL_DURING_SAVE_ENV: "8"})
-    assert (out / "checkpoint-4" / MARKER).exists()
-    result = run_cli(args_for(model_dir, out, "zero2") + ["--per_device_train_batch_size", "3"], nproc=1)
+def test_global_batch_that_cannot_be_kept_is_refused(killed, model_dir, tmp_path):
+    """Refused before any training: in this process (one process, world size 1), no launch needed."""
+    out = killed("zero2", 2, tmp_path / "out")
+    result = run_cli_in_process(args_for(model_dir, out, "zero2") + ["--per_device_train_batch_size", "3"])
     assert result.returncode != 0 and "sft: error:" in result.stderr
     assert "global batch of 4" in result.stderr and "per_device_train_batch_size in [1, 2, 4]" in result.stderr
 
@@ -226,19 +274,16 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_exactly(
     assert_same_run(reference("zero2"), out)
 
 
-def test_stale_checkpoint_of_another_run_is_refused(model_dir, tmp_path):
-    out = tmp_path / "out"
-    run_cli(args_for(model_dir, out, "none"), env={KILL_DURING_SAVE_ENV: "8"})
-    assert (out / "checkpoint-4" / MARKER).exists()
-    result = run_cli(args_for(model_dir, out, "none") + ["--seed", "7"])
+def test_stale_checkpoint_of_another_run_is_refused(killed, model_dir, tmp_path):
+    out = killed("none", 0, tmp_path / "out")
+    result = run_cli_in_process(args_for(model_dir, out, "none") + ["--seed", "7"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "belongs to a different run (seed: checkpoint 42 vs now 7)" in result.stderr
 
 
-def test_finished_run_is_not_silently_finished_again(model_dir, tmp_path):
-    out = tmp_path / "out"
-    run_cli(args_for(model_dir, out, "none"), env={KILL_DURING_SAVE_ENV: "8"})
-    result = run_cli(args_for(model_dir, out, "none") + ["--max_steps", "4"])
+def test_finished_run_is_not_silently_finished_again(killed, model_dir, tmp_path):
+    out = killed("none", 0, tmp_path / "out")
+    result = run_cli_in_process(args_for(model_dir, out, "none") + ["--max_steps", "4"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "is at step 4 and the run asks for max_steps 4: nothing is left to train" in result.stderr
 

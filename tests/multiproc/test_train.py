@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -136,16 +135,10 @@ def test_zero2_and_zero3_agree(zero_runs):
         assert math.isclose(a, b, rel_tol=1e-3), (z2, z3)
 
 
-def test_single_process_with_tensorboard_and_wandb_offline(tmp_path):
-    recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
-    recipe["report_to"] = ["tensorboard", "wandb"]  # a list: the command line takes one value only
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    out = tmp_path / "out"
-    result = run_cli(
-        ["--config", str(tmp_path / "recipe.yaml"), "--output_dir", str(out), "--deepspeed", "none"]
-        + ["--max_steps", "6", "--logging_steps", "2", "--eval_strategy", "no", "--peak_tflops", "0.01"],
-        tmp_path=tmp_path,
-    )
+def test_single_process_with_tensorboard_and_wandb_offline(tensorboard_wandb_run):
+    """The run of the `tensorboard_wandb_run` fixture (tests/multiproc/conftest.py; test_eval.py logs an evaluation
+    into its wandb run): one process without DeepSpeed, 6 steps, logging every 2."""
+    out, result = tensorboard_wandb_run.out, tensorboard_wandb_run.result
     assert_ok(result)
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [2, 4, 6]
@@ -156,7 +149,7 @@ def test_single_process_with_tensorboard_and_wandb_offline(tmp_path):
     for key in ("tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "num_flops"):
         logged = [(e.step, e.value) for e in board.Scalars(f"train/{key}")]
         assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    runs = list((tensorboard_wandb_run.wandb_dir / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), "wandb wrote no offline run"
     record = next(runs[0].glob("*.wandb")).read_bytes()
     assert all(key in record for key in (b"train/mfu", b"train/tflops_per_gpu", b"train/tokens_per_second_per_gpu"))
