@@ -21,18 +21,60 @@ MULTIPROC_DIR = Path(__file__).resolve().parent / "multiproc"
 MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 
 
+# Two test groups at a time (pytest-xdist, `-n 2` in pyproject.toml), one group per worker at a time: a test module
+# is one group (its module fixtures are made once); the modules that share session fixtures (tests/multiproc/
+# conftest.py, made once per worker) are one group; the two-node tests are one group (one pair of namespaces).
+SHARED_SESSION = {"test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk"}
+# The longest groups first (measured, `--durations`), so that the two workers end together
+LONGEST_FIRST = ["test_resume.py", "demo-walk", "multinode", "test_sp_runs.py", "test_lora.py", "test_fp8_runs.py"]
+
+
+def group(nodeid: str) -> str:
+    """The xdist group of a test, from its node id (`tests/multiproc/test_x.py::test_y[...]`)."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/multinode/"):
+        return "multinode"
+    return SHARED_SESSION.get(path.rsplit("/", 1)[-1], path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, with `group` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tiers: every test under tests/multiproc/ runs training in launched processes and is marked `multiproc`
     (`pytest -m "not multiproc"` is the quick loop); those under tests/multinode/ run it on two network namespaces
-    as two nodes and are marked `multinode` too. The folder, not a decorator per test, decides."""
-    import pytest
-
+    as two nodes and are marked `multinode` too. The folder, not a decorator per test, decides. The longest groups
+    are put first."""
     for item in items:
         parents = Path(item.fspath).parents
         if MULTIPROC_DIR in parents or MULTINODE_DIR in parents:
             item.add_marker(pytest.mark.multiproc)
         if MULTINODE_DIR in parents:
             item.add_marker(pytest.mark.multinode)
+
+    def rank(item) -> int:
+        name = group(item.nodeid)
+        name = name if name in LONGEST_FIRST else name.rsplit("/", 1)[-1]
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a group and among the rest is kept
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for launchers given a fixed master port; tests run two at a time)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cli_env(tmp_path: Path | None = None) -> dict[str, str]:

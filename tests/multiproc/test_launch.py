@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from sft.checkpoint import MARKER
-from tests.conftest import ROOT, read_jsonl
+from tests.conftest import ROOT, free_port, read_jsonl
 from tests.test_launch_scripts import env, slurm_env
 
 # 8 optimizer steps of the demo, 2 processes x micro batch 1 x accumulation 2, ZeRO-2, a checkpoint every 4 steps
@@ -20,12 +19,6 @@ TRAIN = [
     "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4", "--per_device_train_batch_size", "1",
     "--gradient_accumulation_steps", "2", "--max_length", "256", "--deepspeed", "ds_configs/zero2.json",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(out: Path) -> list[float]:

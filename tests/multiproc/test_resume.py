@@ -26,6 +26,7 @@ from tests.conftest import (
     ROOT,
     cli_env,
     finish,
+    free_port,
     kill_tree,
     read_jsonl,
     run_cli,
@@ -290,7 +291,7 @@ def test_finished_run_is_not_silently_finished_again(killed, model_dir, tmp_path
 
 def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29743"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")]
     killed = subprocess.run(
         cmd, cwd=ROOT, env={**cli_env(), KILL_DURING_SAVE_ENV: "8"}, capture_output=True, text=True

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sft.metrics import samples_per_step
-from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
+from tests.conftest import ROOT, cli_env, free_port, read_jsonl, run_cli, run_cli_side_by_side
 from tests.multiproc.test_resume import kill_after_checkpoint
 
 STEPS = 8
@@ -161,7 +161,7 @@ def test_sp2_sigkill_then_resume_under_deepspeed_launcher_and_on_another_dp(runs
     kill_after_checkpoint(args_for(init_model, out, 2, 2), out, step=4)
     wider = tmp_path / "wider"
     shutil.copytree(out, wider)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29751"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     result = subprocess.run(
         [*cmd, str(ROOT / "sft" / "train.py"), *args_for(init_model, out, 2, 2)],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600,
