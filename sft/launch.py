@@ -9,6 +9,8 @@ environment and restarts as `torchrun --standalone --nproc_per_node N -m sft tra
   into the folder in `ERROR_FILE_ENV` (one file per rank: the agent stops the other workers as soon as one exits,
   so the first to fail must be the one that wrote) instead of printing it;
 - a run stopped on a signal with a complete checkpoint exits 75, like a single process;
+- a run that ran out of GPU memory with sft's micro batch is run again with half of it and the same global batch,
+  resuming from its newest complete checkpoint (`sft.failsafe`; one node);
 - any other failure names the rank and exit code in one line (the worker's traceback is above it) and exits 1.
 
 torchrun's OMP_NUM_THREADS default (1 per worker, when unset) is kept, without its banner.
@@ -76,6 +78,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from sft import failsafe
     from sft.checkpoint import PREEMPTED_EXIT_CODE
 
     rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
@@ -114,8 +117,18 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
         # the agent's own failure report (a ~40-line ChildFailedError) is replaced by the lines below
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         try:
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
-            return 0
+            while True:
+                try:
+                    elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+                    return 0
+                except ChildFailedError:
+                    retry = None if several_nodes else failsafe.retry_after_oom(tmp)
+                    if retry is None:
+                        raise
+                    os.environ[failsafe.RETRY_ENV] = f"{retry.micro_cap} {retry.global_batch}"
+                    print(f"sft: out of GPU memory with sft's micro batch; running again with micro batch "
+                          f"{retry.micro_cap} and the global batch of {retry.global_batch} rows kept (from the newest "
+                          "complete checkpoint, if any)", file=sys.stderr, flush=True)  # fmt: skip
         except ChildFailedError as e:
             written = sorted(Path(tmp).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
             message = written[0].read_text().strip() if written else ""
@@ -143,6 +156,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
             return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
+            os.environ.pop(failsafe.RETRY_ENV, None)
 
 
 def _take_rdzv_timeout(launcher_args: list[str]) -> tuple[int, list[str]]:

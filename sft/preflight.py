@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 
-from sft import architectures, fp8
+from sft import architectures, failsafe, fp8
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
 from sft.attention import resolve_attn_implementation
@@ -87,8 +87,11 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     target = training_args.global_batch_size
     if training_args.tokens_per_step and training_args.max_length:
         target = training_args.tokens_per_step // training_args.max_length
+    retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
     if resume is not None:
         target = resume.global_batch
+    elif retry is not None:
+        target = retry.global_batch
     zero3 = ds_engine.zero_setup(training_args).stage == 3
     remote = bool(getattr(model_args, "trust_remote_code", False))
     arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
@@ -106,7 +109,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
         "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
     })  # fmt: skip
-    micro, tools, sp = _plan_memory(training_args, model_args, target, fp8_on, liger_on)
+    micro, tools, sp, plan = _plan_memory(
+        training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
+    )
     model_args.attn_implementation = resolve_attn_implementation(
         model_args.attn_implementation, sp > 1, arch, training_args.padding_free_batches
     )
@@ -122,7 +127,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         changes["deepspeed"] = ds_engine.unresolved_config(training_args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, training_args.padding_free_batches)
-    batch = _plan_batch(training_args, micro, resume, dims.dp)
+    batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
+    if retry is not None:
+        logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
     logger.info("Parallel sizes: %s", dims.describe())
     logger.info("Batch plan: %s", batch.describe())
     auto = training_args.auto_settings
@@ -151,6 +158,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
             "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
         )
     planned = dataclasses.replace(training_args, **changes) if changes else training_args
+    failsafe.remember(planned, plan, chosen_by_sft="per_device_train_batch_size" in auto)
     world = dims.world_size
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
         logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
@@ -175,9 +183,11 @@ def zero2_advice(shape, setting: memplan.Setting, memory: float, headroom: float
     )
 
 
-def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int) -> BatchPlan:
+def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int, retry=None) -> BatchPlan:
     if resume is not None:
         return keep_global_batch(resume.global_batch, dp, micro, resume.describe())
+    if retry is not None:
+        return keep_global_batch(retry.global_batch, dp, micro, retry.describe())
     batch = plan_batch(
         dp,
         micro,
@@ -257,10 +267,16 @@ def _resolve_fp8(training_args, model_args, zero3: bool, arch: architectures.Arc
 
 
 def _plan_memory(
-    training_args, model_args, target: int | None, fp8_on: bool = False, liger_on: bool | None = None
-) -> tuple[int, bool, int]:
-    """(micro batch, memory tools, sequence-parallel size): the `auto` ones chosen by the memory plan (the smallest sp
-    first, then the cheapest tools); the plan logged and checked against the GPU."""
+    training_args,
+    model_args,
+    target: int | None,
+    fp8_on: bool = False,
+    liger_on: bool | None = None,
+    micro_cap: int | None = None,
+) -> tuple[int, bool, int, str]:
+    """(micro batch, memory tools, sequence-parallel size, the plan's figures in a sentence): the `auto` ones chosen
+    by the memory plan (the smallest sp first, then the cheapest tools; micro batches up to `micro_cap`, an
+    out-of-memory retry's); the plan logged and checked against the GPU."""
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
     tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS))
@@ -275,7 +291,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp
+        return micro, tools, sp, "There was no GPU memory to plan for."
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -283,7 +299,7 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp
+        return micro, tools, sp, "The memory plan was skipped (no max_length)."
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args, fp8_on, liger_on)
     if auto:
@@ -295,6 +311,7 @@ def _plan_memory(
             micro_choices = (micro,)
             if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
                 rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
+                rows = [m for m in rows if not micro_cap or m <= micro_cap]
                 micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
             estimate = memplan.suggest(
                 shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
@@ -346,4 +363,8 @@ def _plan_memory(
         if training_args.plan_check:
             raise ConfigError(message)
         logger.warning(message)
-    return micro, tools, sp
+    plan = (
+        f"The memory plan for {setting.describe()} estimated a peak of {estimate.peak / memplan.GiB:.2f} GiB of "
+        f"{usable / memplan.GiB:.2f} GiB usable per GPU (the `Memory plan` lines at the start)."
+    )
+    return micro, tools, sp, plan

@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
+    import torch
+
     try:
         main(argv)
     except SFTError as e:
@@ -110,6 +112,16 @@ def cli(argv: list[str] | None = None) -> int:
 
         report_error(str(e))
         return 2
+    except torch.OutOfMemoryError as e:  # a run that ran out of memory never ends as a success (sft.failsafe)
+        from sft import failsafe
+        from sft.launch import ERROR_FILE_ENV, report_error
+
+        code, message = failsafe.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))
+        if code == failsafe.OOM_EXIT_CODE:
+            logger.warning("%s", message)
+        else:
+            report_error(message)
+        return code
     return 0
 
 

@@ -6,7 +6,8 @@
 - packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
-- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it (offloaded checkpoints are transformers').
+- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it (offloaded checkpoints are transformers');
+- a step whose loss or gradient norm is not finite stops the run before it is logged or saved (`sft.failsafe`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from trl import SFTTrainer
 
-from sft import architectures, fp8, metrics, quantization, tiling
+from sft import architectures, failsafe, fp8, metrics, quantization, tiling
 from sft import checkpoint as ckpt
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
@@ -84,6 +85,7 @@ class Trainer(SFTTrainer):
             self.add_callback(callback)
         self.resumed_from: str | None = None
         self._wandb_recorded = False
+        self.guard = failsafe.StepGuard()
 
     @property
     def preempted(self) -> bool:
@@ -214,12 +216,19 @@ class Trainer(SFTTrainer):
         if getattr(self.args, "trace_data", False) and (info is None or dims.sp_rank == 0):
             self.trace.record(self.state.global_step, inputs, info)
         self.throughput.add(inputs, info, dims.sp)
+        failsafe.inject_oom(self.state.global_step, self.args.per_device_train_batch_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self.guard.add(loss)
         if info is None:
             return loss
         # What each rank backpropagates is scaled for DeepSpeed's gradient divisor (see compute_loss); the Trainer
         # logs the mean over all ranks, so the step's loss is world / divisor x that.
         return loss * (dims.world_size / self._gradient_divisor)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        """After every optimizer step: the step is checked before anything of it is logged or saved."""
+        self.guard.check(self.state.global_step, grad_norm, self.args, lambda t: self.accelerator.reduce(t, "sum"))
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         info = self._shard_info

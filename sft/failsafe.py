@@ -1,0 +1,179 @@
+"""Runs that go wrong end as failures, with what to do next; nothing the run made is lost or written over.
+
+- **Non-finite steps.** After every optimizer step, before anything of it is logged or saved, the step's loss (each
+  rank's micro-batches) and gradient norm (global) are checked; if any is NaN or infinite on any rank, every rank
+  stops at that step with one paragraph: the figures, the newest complete checkpoint (from before the step, intact),
+  the usual causes. No final model is written, so a run that diverged never ends as a success (DeepSpeed in bf16 or
+  fp32 has no loss scaler that would skip such a step, and transformers' `logging_nan_inf_filter` only hides the loss).
+- **Out of memory.** A CUDA out-of-memory error in a run whose micro batch sft chose (`per_device_train_batch_size:
+  auto`) ends the worker with `OOM_EXIT_CODE` and a note of its batch; `sft train` (`sft.launch`) then runs the same
+  command again with the micro batch halved and the global batch kept (twice the accumulation: the same samples in
+  every optimizer step), which resumes from the newest complete checkpoint, or starts over if there is none; down to
+  micro batch 1, then it stops with the levers that are left. Under torchrun or the deepspeed launcher the error says
+  which flags the rerun needs. A micro batch set by hand is never changed: the error gives the plan's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sft.errors import SFTError
+
+
+class NonFiniteStep(SFTError):
+    """A training step whose loss or gradient norm was not finite."""
+
+
+class StepGuard:
+    """Collects each micro-batch's loss of the current optimizer step (`add`), then `check`s the step."""
+
+    def __init__(self):
+        self._worst: float | None = None  # the first non-finite loss of this step on this rank, else None
+
+    def add(self, loss: torch.Tensor) -> None:
+        if self._worst is None:
+            value = float(loss.detach().float().sum())
+            if not math.isfinite(value):
+                self._worst = value
+
+    def check(self, step: int, grad_norm, args, reduce) -> None:
+        """Raise `NonFiniteStep` on every rank if this step's loss on any rank, or its gradient norm, is not finite.
+        `reduce(tensor)` sums a tensor over the ranks (one scalar all-reduce per optimizer step)."""
+        norm = float(grad_norm) if grad_norm is not None else 0.0
+        local = self._worst
+        self._worst = None
+        bad = torch.tensor(float(local is not None or not math.isfinite(norm)), device=args.device)
+        ranks = int(reduce(bad).item())
+        if not ranks:
+            return
+        loss = f"a loss of {local} on this rank" if local is not None else "a finite loss on this rank"
+        raise NonFiniteStep(
+            f"step {step} was not finite ({loss}, gradient norm {norm}; {ranks} of {args.world_size} rank(s) saw it): "
+            f"the run stopped there. {_newest_checkpoint(args.output_dir)} No final model was written. Usual "
+            f"causes: a learning rate too high for this model and batch (now {args.learning_rate:g}); a fast path "
+            "that is not exact for this model (the `Model:` line at the start names the FP8, Liger and compile "
+            "decisions: turn the one you set by hand off); bf16 overflow in a model that needs fp32 somewhere. "
+            "Change the setting, then rerun the same command: it resumes from that checkpoint (or use a new "
+            "output_dir to start over)."
+        )
+
+
+def _newest_checkpoint(output_dir: str) -> str:
+    from sft import checkpoint as ckpt
+
+    complete = [c for c in ckpt.checkpoints(output_dir) if ckpt.is_complete(c)]
+    if not complete:
+        return "No checkpoint was complete before it."
+    return f"The newest complete checkpoint, {Path(complete[-1]).name}, is from before it and intact."
+
+
+OOM_EXIT_CODE = 76  # a worker that ran out of memory with sft's micro batch, and left its note for the retry
+RETRY_ENV = (
+    "SFT_OOM_RETRY"  # set by `sft train` for the run after an out-of-memory: "<micro batch cap> <global batch>"
+)
+OOM_TEST_ENV = "SFT_TEST_OOM_ABOVE_MICRO_BATCH"  # tests: a CUDA out-of-memory error for micro batches above N, step>=2
+LEVERS = (
+    "activation_checkpointing: true, offload_checkpoints: true or tiled_mlp: true for activations; ZeRO-3 "
+    "(ds_configs/zero3.json) or its CPU offload (ds_configs/zero3_offload.json) for the model states; a shorter "
+    "max_length; LoRA; more GPUs"
+)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """What `sft train` passes to the run after an out-of-memory: the largest micro batch it may use, and the global
+    batch to keep."""
+
+    micro_cap: int
+    global_batch: int
+
+    @classmethod
+    def from_env(cls) -> Retry | None:
+        value = os.environ.get(RETRY_ENV)
+        if not value:
+            return None
+        cap, global_batch = (int(v) for v in value.split())
+        return cls(cap, global_batch)
+
+    def describe(self) -> str:
+        return (
+            f"the run before it ran out of memory, so sft train runs it with a micro batch of at most "
+            f"{self.micro_cap} and its global batch of {self.global_batch} rows"
+        )
+
+
+@dataclass
+class Batch:
+    """The batch geometry the run trains with, for the out-of-memory message and note."""
+
+    micro: int
+    accumulation: int
+    global_batch: int
+    chosen_by_sft: bool  # per_device_train_batch_size: auto
+    plan: str  # the memory plan's figures for this setting, or why there are none
+
+
+_batch: Batch | None = None
+
+
+def remember(training_args, plan: str, chosen_by_sft: bool) -> None:
+    """Called once the batch is planned (`sft.preflight`), with the planned arguments."""
+    global _batch
+    dims = training_args.parallel
+    micro, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
+    _batch = Batch(micro, accumulation, dims.dp * micro * accumulation, chosen_by_sft, plan)
+
+
+def inject_oom(step: int, micro: int) -> None:
+    """Tests (`OOM_TEST_ENV`): the error CUDA raises, for micro batches above the limit from step 2 on."""
+    limit = os.environ.get(OOM_TEST_ENV)
+    if limit and micro > int(limit) and step >= 2:
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate 2.00 GiB ({OOM_TEST_ENV}={limit}: micro batch {micro})"
+        )
+
+
+def out_of_memory(error: BaseException, error_dir: str | None, rank: int) -> tuple[int, str]:
+    """(exit code, message) for an out-of-memory error. With sft's micro batch above 1 under `sft train`
+    (`error_dir`), a note for the retry is written there and the code is `OOM_EXIT_CODE`."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    batch = _batch
+    if batch is None:  # before the batch was planned: loading the model, say
+        return 1, f"out of memory before training started ({first}). Levers: {LEVERS}."
+    where = f"micro batch {batch.micro} x accumulation {batch.accumulation} (global batch {batch.global_batch})"
+    if not batch.chosen_by_sft:
+        return 2, (
+            f"out of memory at {where}, per_device_train_batch_size set by hand ({first}). {batch.plan} Set "
+            f"per_device_train_batch_size: auto to let sft choose (sft train then retries smaller by itself), a "
+            f"smaller micro batch with the same global_batch_size, or: {LEVERS}."
+        )
+    if batch.micro == 1:
+        return 2, (
+            f"out of memory at {where}, the smallest micro batch ({first}). {batch.plan} What is left: {LEVERS}."
+        )
+    half = batch.micro // 2
+    if error_dir is not None:
+        note = {"micro": batch.micro, "retry_micro": half, "global_batch": batch.global_batch}
+        (Path(error_dir) / f"oom-rank{rank}.json").write_text(json.dumps(note))
+        return OOM_EXIT_CODE, f"out of memory at {where} ({first}); sft train retries with micro batch {half}."
+    return 2, (
+        f"out of memory at {where}, sft's choice ({first}). {batch.plan} `sft train` retries with half the micro "
+        f"batch by itself; under this launcher run the same command again with --per_device_train_batch_size {half} "
+        f"--global_batch_size {batch.global_batch} (it resumes from the newest complete checkpoint), or: {LEVERS}."
+    )
+
+
+def retry_after_oom(error_dir: str) -> Retry | None:
+    """The retry the workers' notes ask for (the smallest micro batch any rank asked for), or None."""
+    notes = [json.loads(p.read_text()) for p in Path(error_dir).glob("oom-rank*.json")]
+    if not notes:
+        return None
+    for p in Path(error_dir).glob("oom-rank*.json"):
+        p.unlink()
+    return Retry(min(n["retry_micro"] for n in notes), notes[0]["global_batch"])

@@ -1,0 +1,110 @@
+"""Runs that go wrong end as failures (`sft.failsafe`), through the real launcher on 2 gloo processes."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import safetensors.torch
+import torch
+
+from sft.checkpoint import MARKER
+from sft.failsafe import OOM_TEST_ENV
+from sft.metrics import samples_per_step
+from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
+
+# A learning rate of 1,000 (warmed up over 6 steps) drives the demo model's gradients to NaN within a few steps
+DIVERGES = [
+    "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "12", "--save_steps", "2", "--logging_steps", "1",
+    "--eval_strategy", "no", "--learning_rate", "1e3", "--warmup_steps", "6", "--max_length", "256",
+    "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+]  # fmt: skip
+
+
+def test_a_non_finite_step_stops_the_run_and_keeps_the_checkpoint_before_it(tmp_path):
+    """ZeRO-2 on 2 processes under `sft train`: the step whose gradient norm is NaN is neither logged nor saved,
+    every rank stops there, the command exits 2 with one paragraph last, no final model is written, and the newest
+    complete checkpoint (named in the message) is from before that step with finite weights."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", *DIVERGES, "--output_dir", str(out)],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and lines[-1].startswith("sft: error: step ")
+    stopped = int(re.match(r"sft: error: step (\d+) was not finite", lines[-1]).group(1))
+    assert re.search(r"gradient norm (nan|inf); 2 of 2 rank\(s\) saw it\)", lines[-1]), lines[-1]
+    assert "No final model was written" in lines[-1]
+    assert not (out / "model.safetensors").exists()
+    logged = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert stopped >= 2 and logged == list(range(1, stopped))  # the bad step is not in the log
+    complete = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / MARKER).exists())
+    assert complete and max(complete) < stopped and not (out / f"checkpoint-{stopped}").exists()
+    assert f"The newest complete checkpoint, checkpoint-{max(complete)}, is from before it and intact" in lines[-1]
+    weights = safetensors.torch.load_file(out / f"checkpoint-{max(complete)}" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# The demo at a global batch of 8 rows; `per_device_train_batch_size: auto` planned for an 80 GiB GPU takes 4 rows
+# per process on 2 processes. SFT_TEST_OOM_ABOVE_MICRO_BATCH=1 raises CUDA's out-of-memory error in every micro
+# batch above 1 row from step 3 on (checkpoint-2 is complete by then).
+PLANNED = [
+    "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "8", "--save_steps", "2", "--logging_steps", "1",
+    "--eval_strategy", "no", "--max_length", "256", "--global_batch_size", "8", "--plan_gpu_memory_gib", "80",
+    "--trace_data", "true",
+]  # fmt: skip
+OOM = {OOM_TEST_ENV: "1"}
+
+
+def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the_same_samples(tmp_path):
+    """`sft train` runs the command again with micro batch 4 -> 2 -> 1 (accumulation 1 -> 2 -> 4), each time from
+    checkpoint-2, and the run trains the samples of a run with micro batch 1 from the start, step for step."""
+    out, small = tmp_path / "retried", tmp_path / "small"
+    sft_train = [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*sft_train, *PLANNED, "--per_device_train_batch_size", "auto", "--output_dir", str(out)],
+        cwd=ROOT, env={**cli_env(), **OOM}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    log = result.stderr
+    assert "data-parallel size 2 x micro batch 4 x accumulation 1 = global batch 8" in log
+    for micro in (2, 1):
+        assert f"running again with micro batch {micro} and the global batch of 8 rows kept" in log
+        assert f"micro batch {micro} x accumulation {4 // micro} = global batch 8" in log
+    assert log.count("Resuming from") == 2 and log.count(f"Resuming from {out}/checkpoint-2: step 2") == 2
+    reference = run_cli([*PLANNED, "--per_device_train_batch_size", "1", "--output_dir", str(small)], nproc=2)
+    assert reference.returncode == 0, reference.stderr[-5000:]
+    a, b = (
+        [r for r in read_jsonl(d / "metrics.jsonl") if "loss" in r] for d in (small, out)
+    )  # fmt: skip
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["num_tokens"] for r in a] == [r["num_tokens"] for r in b]
+    assert samples_per_step(small) == samples_per_step(out)
+    for x, y in zip(a, b, strict=True):  # the same samples, summed in another order within each step
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["step"], x["loss"], y["loss"])
+        assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-4), (x["step"], x["grad_norm"], y["grad_norm"])
+    wa, wb = (safetensors.torch.load_file(d / "model.safetensors") for d in (small, out))
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+
+
+def test_out_of_memory_elsewhere_says_what_to_change(tmp_path):
+    """One process without a launcher (no retry there): with sft's micro batch the error names the flags of the
+    rerun; with a micro batch set by hand, it is not changed and the error gives the plan's figures. Both exit 2."""
+    plain = [*PLANNED, "--deepspeed", "none", "--global_batch_size", "4"]
+    auto, by_hand = ([*plain, "--per_device_train_batch_size", m, "--output_dir", str(tmp_path / m)] for m in "a4")
+    auto[auto.index("a")] = "auto"
+    results = run_cli_side_by_side([(auto, 0), (by_hand, 0)], env=OOM)
+    for result in results:
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert last.startswith("sft: error: out of memory at micro batch 4 x accumulation 1 (global batch 4)")
+        assert "The memory plan for" in last and "GiB usable per GPU" in last and "ZeRO-3" in last
+    auto_error, by_hand_error = (r.stderr.strip().splitlines()[-1] for r in results)
+    assert "sft's choice" in auto_error
+    assert "--per_device_train_batch_size 2 --global_batch_size 4 (it resumes from the newest" in auto_error
+    assert "set by hand" in by_hand_error and "per_device_train_batch_size: auto" in by_hand_error
+    for micro in "a4":
+        assert not (tmp_path / micro / "model.safetensors").exists()
