@@ -235,6 +235,7 @@ class Setting:
     offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
     tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
     fp8: bool = False  # the decoder's linear layers in torchao float8 (`sft.fp8`)
+    accumulation: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
 
     @property
     def tokens(self) -> int:
@@ -488,6 +489,11 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         buckets = 2 * b * shape.hidden**2  # reduce_bucket_size "auto" = hidden^2, double-buffered (overlap_comm)
         during = max(partition + (b * v_h if full else 0), head_grad + tile)
         backward["gradient partition / LM head gradient"] = during + buckets
+        if s.accumulation > 1 and partition:
+            # held from the first optimizer step on when micro-batches accumulate (measured on 1 x H100, Llama-3.2-3B
+            # widths: every step after the first peaks 2P bytes higher, FP8 on or off; benchmarks/results/
+            # plan_defaults; the calibration and validation runs had no accumulation)
+            backward["16-bit gradients accumulated across micro-batches"] = partition
     else:
         backward["gradients (16-bit) + loss tile"] = b * p + tile
     if s.qlora:

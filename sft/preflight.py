@@ -64,6 +64,7 @@ def base_setting(
         offload_optimizer=zero.offload_optimizer,
         offload_params=zero.offload_params,
         micro_batch=training_args.per_device_train_batch_size,
+        accumulation=training_args.gradient_accumulation_steps,
         seq_len=training_args.max_length or 0,
         activation_checkpointing=bool(training_args.activation_checkpointing),
         offload_checkpoints=bool(training_args.offload_checkpoints),
@@ -302,6 +303,11 @@ def _plan_memory(
         return micro, tools, sp, "The memory plan was skipped (no max_length)."
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args, fp8_on, liger_on)
+    dp = training_args.parallel.dp
+    if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
+        fixed = "per_device_train_batch_size" not in auto
+        accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
+        base = dataclasses.replace(base, accumulation=max(accumulation, 1))
     if auto:
         world = training_args.parallel.world_size
         sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)

@@ -360,3 +360,28 @@ def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)
     expected = plan.suggest(shape, base, 0.15 * plan.GiB, candidates=[base])
     assert resolved.per_device_train_batch_size == expected.setting.micro_batch > 1
+
+
+def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_takes_micro_batch_1(tmp_path):
+    """Measured on 1 x H100 80 GB (benchmarks/results/plan_defaults): Llama-3.2-3B widths, ZeRO-2, Liger, FP8 on or
+    off, rows of 4,096, a global batch of 32 rows. The plan chose micro batch 2 (68.37 GiB); from the second step on
+    the run held 2P more bytes and ran out of memory asking for 5.98 GiB on top of 66.68 (68.06 with FP8 off); micro
+    batch 1 peaked at 65.90 GiB. With accumulation the plan holds that buffer and chooses micro batch 1; without
+    (one micro-batch per step, as in its calibration runs) the estimate is unchanged."""
+    from benchmarks.common import LLAMA_SHAPES
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPES["llama-3b"]))
+    shape = plan.load_shape(str(tmp_path))
+    base = plan.Setting(gpus=1, zero_stage=2, seq_len=4096, liger=True, fp8=True)
+    memory = 79.18 * plan.GiB  # what torch reports for an H100 80GB HBM3
+    two = dataclasses.replace(base, micro_batch=2)
+    accumulating = dataclasses.replace(two, accumulation=16)
+    held = plan.estimate(shape, accumulating).items["16-bit gradients accumulated across micro-batches"]
+    assert held == 2 * shape.n_params  # 5.98 GiB, the allocation that failed
+    gib = plan.estimate(shape, accumulating).peak / plan.GiB, plan.estimate(shape, two).peak / plan.GiB
+    assert gib[0] > 66.68 + 5.98 > gib[1]
+    levels = [plan.Tools(False, False, False)]
+    accumulates = dataclasses.replace(base, accumulation=16)
+    chosen = plan.suggest(shape, accumulates, memory, 0.1, (1, 2, 4), [accumulates], levels)
+    assert chosen.setting.micro_batch == 1 and 65.8 < chosen.peak / plan.GiB < 65.9  # measured 65.90
+    assert plan.suggest(shape, base, memory, 0.1, (1, 2, 4), [base], levels).setting.micro_batch == 2
