@@ -2,9 +2,10 @@
 
 - **Non-finite steps.** After every optimizer step, before anything of it is logged or saved, the step's loss (each
   rank's micro-batches) and gradient norm (global) are checked; if any is NaN or infinite on any rank, every rank
-  stops at that step with one paragraph: the figures, the newest complete checkpoint (from before the step, intact),
-  the usual causes. No final model is written, so a run that diverged never ends as a success (DeepSpeed in bf16 or
-  fp32 has no loss scaler that would skip such a step, and transformers' `logging_nan_inf_filter` only hides the loss).
+  stops at that step (exit code `NONFINITE_EXIT_CODE`) with one paragraph: the figures, the newest complete
+  checkpoint (from before the step, intact), the usual causes. No final model is written, so a run that diverged
+  never ends as a success (DeepSpeed in bf16 or fp32 has no loss scaler that would skip such a step, and
+  transformers' `logging_nan_inf_filter` only hides the loss).
 - **Out of memory.** A CUDA out-of-memory error in a run whose micro batch sft chose (`per_device_train_batch_size:
   auto`) ends the worker with `OOM_EXIT_CODE` and a note of its batch; `sft train` (`sft.launch`) then runs the same
   command again with the micro batch halved and the global batch kept (twice the accumulation: the same samples in
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from sft.errors import SFTError
+
+NONFINITE_EXIT_CODE = 3  # not 2 (a configuration error): the run started, then went wrong
 
 
 class NonFiniteStep(SFTError):

@@ -5,6 +5,7 @@ environment and restarts as `torchrun --standalone --nproc_per_node N -m sft tra
 `torchrun sft/train.py`). What this adds is the end of a failed run:
 
 - a configuration error (exit code 2 in the workers) is printed once, as the last line, and the command exits 2
+  (3 for a step that was not finite, `sft.failsafe`)
   instead of torchrun's 1 after its ~40-line ChildFailedError report: the workers write their one-paragraph error
   into the folder in `ERROR_FILE_ENV` (one file per rank: the agent stops the other workers as soon as one exits,
   so the first to fail must be the one that wrote) instead of printing it;
@@ -135,7 +136,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
             codes = {failure.exitcode for failure in e.failures.values()}
             if message:
                 print(f"sft: error: {message}", file=sys.stderr, flush=True)
-                return 2
+                return failsafe.NONFINITE_EXIT_CODE if failsafe.NONFINITE_EXIT_CODE in codes else 2
             if codes == {PREEMPTED_EXIT_CODE}:
                 print("sft: stopped on a signal with a complete checkpoint; run the same command to continue.",
                       file=sys.stderr, flush=True)  # fmt: skip

@@ -105,15 +105,21 @@ def main(argv: list[str] | None = None) -> None:
 def cli(argv: list[str] | None = None) -> int:
     import torch
 
+    from sft import failsafe
+
     try:
         main(argv)
+    except failsafe.NonFiniteStep as e:
+        from sft.launch import report_error
+
+        report_error(str(e))
+        return failsafe.NONFINITE_EXIT_CODE
     except SFTError as e:
         from sft.launch import report_error
 
         report_error(str(e))
         return 2
     except torch.OutOfMemoryError as e:  # a run that ran out of memory never ends as a success (sft.failsafe)
-        from sft import failsafe
         from sft.launch import ERROR_FILE_ENV, report_error
 
         code, message = failsafe.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))

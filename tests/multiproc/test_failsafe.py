@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from sft.checkpoint import MARKER
-from sft.failsafe import OOM_TEST_ENV
+from sft.failsafe import NONFINITE_EXIT_CODE, OOM_TEST_ENV
 from sft.metrics import samples_per_step
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
 
@@ -25,15 +25,16 @@ DIVERGES = [
 
 def test_a_non_finite_step_stops_the_run_and_keeps_the_checkpoint_before_it(tmp_path):
     """ZeRO-2 on 2 processes under `sft train`: the step whose gradient norm is NaN is neither logged nor saved,
-    every rank stops there, the command exits 2 with one paragraph last, no final model is written, and the newest
-    complete checkpoint (named in the message) is from before that step with finite weights."""
+    every rank stops there, the command exits 3 (not 2, a configuration error) with one paragraph last, no final
+    model is written, and the newest complete checkpoint (named in the message) is from before that step with finite
+    weights."""
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", *DIVERGES, "--output_dir", str(out)],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     lines = (result.stdout + result.stderr).strip().splitlines()
-    assert result.returncode == 2, result.stderr[-4000:]
+    assert result.returncode == NONFINITE_EXIT_CODE == 3, result.stderr[-4000:]
     assert "Traceback" not in result.stderr and lines[-1].startswith("sft: error: step ")
     stopped = int(re.match(r"sft: error: step (\d+) was not finite", lines[-1]).group(1))
     assert re.search(r"gradient norm (nan|inf); 2 of 2 rank\(s\) saw it\)", lines[-1]), lines[-1]
