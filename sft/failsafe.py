@@ -34,28 +34,27 @@ class NonFiniteStep(SFTError):
 
 
 class StepGuard:
-    """Collects each micro-batch's loss of the current optimizer step (`add`), then `check`s the step."""
+    """Collects each micro-batch's loss of the current optimizer step (`add`, no device sync), then `check`s the
+    step once."""
 
     def __init__(self):
-        self._worst: float | None = None  # the first non-finite loss of this step on this rank, else None
+        self._bad: torch.Tensor | None = None  # whether a loss of this step on this rank was not finite
 
     def add(self, loss: torch.Tensor) -> None:
-        if self._worst is None:
-            value = float(loss.detach().float().sum())
-            if not math.isfinite(value):
-                self._worst = value
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad = bad if self._bad is None else self._bad | bad
 
     def check(self, step: int, grad_norm, args, reduce) -> None:
         """Raise `NonFiniteStep` on every rank if this step's loss on any rank, or its gradient norm, is not finite.
         `reduce(tensor)` sums a tensor over the ranks (one scalar all-reduce per optimizer step)."""
         norm = float(grad_norm) if grad_norm is not None else 0.0
-        local = self._worst
-        self._worst = None
-        bad = torch.tensor(float(local is not None or not math.isfinite(norm)), device=args.device)
+        local = self._bad is not None and bool(self._bad)
+        self._bad = None
+        bad = torch.tensor(float(local or not math.isfinite(norm)), device=args.device)
         ranks = int(reduce(bad).item())
         if not ranks:
             return
-        loss = f"a loss of {local} on this rank" if local is not None else "a finite loss on this rank"
+        loss = "a non-finite loss on this rank" if local else "a finite loss on this rank"
         raise NonFiniteStep(
             f"step {step} was not finite ({loss}, gradient norm {norm}; {ranks} of {args.world_size} rank(s) saw it): "
             f"the run stopped there. {_newest_checkpoint(args.output_dir)} No final model was written. Usual "
@@ -77,9 +76,7 @@ def _newest_checkpoint(output_dir: str) -> str:
 
 
 OOM_EXIT_CODE = 76  # a worker that ran out of memory with sft's micro batch, and left its note for the retry
-RETRY_ENV = (
-    "SFT_OOM_RETRY"  # set by `sft train` for the run after an out-of-memory: "<micro batch cap> <global batch>"
-)
+RETRY_ENV = "SFT_OOM_RETRY"  # from `sft train` after an out-of-memory: "<micro batch cap> <global batch>"
 OOM_TEST_ENV = "SFT_TEST_OOM_ABOVE_MICRO_BATCH"  # tests: a CUDA out-of-memory error for micro batches above N, step>=2
 LEVERS = (
     "activation_checkpointing: true, offload_checkpoints: true or tiled_mlp: true for activations; ZeRO-3 "
@@ -174,9 +171,10 @@ def out_of_memory(error: BaseException, error_dir: str | None, rank: int) -> tup
 
 def retry_after_oom(error_dir: str) -> Retry | None:
     """The retry the workers' notes ask for (the smallest micro batch any rank asked for), or None."""
-    notes = [json.loads(p.read_text()) for p in Path(error_dir).glob("oom-rank*.json")]
+    files = list(Path(error_dir).glob("oom-rank*.json"))
+    notes = [json.loads(p.read_text()) for p in files]
+    for p in files:
+        p.unlink()
     if not notes:
         return None
-    for p in Path(error_dir).glob("oom-rank*.json"):
-        p.unlink()
     return Retry(min(n["retry_micro"] for n in notes), notes[0]["global_batch"])
