@@ -170,6 +170,9 @@ class TrainConfig(SFTConfig):
         report (`bool`, *optional*, defaults to `True`):
             At the end of training, write `<output_dir>/report/` (`sft.report`: one PNG per curve and an HTML page
             with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several overlaid.
+        max_nonfinite_steps (`int`, *optional*, defaults to `1`):
+            Stop the run at the Nth optimizer step whose loss or gradient norm is NaN or infinite (`sft.failsafe`);
+            the ones before it are skipped, not applied to the weights. 1: stop at the first.
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
             `<output_dir>/data_trace/rank<R>.jsonl`, to audit how the data is sharded and ordered.
@@ -188,6 +191,10 @@ class TrainConfig(SFTConfig):
     report: bool = field(
         default=True,
         metadata={"help": "Write <output_dir>/report/ (curves as PNG + one HTML page) when training ends."},
+    )
+    max_nonfinite_steps: int = field(
+        default=1,
+        metadata={"help": "Stop at the Nth step whose loss or grad norm is not finite (those before are skipped)."},
     )
     trace_data: bool = field(
         default=False,
@@ -299,6 +306,11 @@ class TrainConfig(SFTConfig):
                 kwargs = self.activation_checkpointing_kwargs or {}
                 self.activation_checkpointing_kwargs = {**kwargs, "offload": True}
             # without a GPU the checkpoints are in host memory already (and pinned memory needs a GPU)
+        if isinstance(self.max_nonfinite_steps, bool) or self.max_nonfinite_steps < 1:
+            raise ConfigError(
+                f"`max_nonfinite_steps` is {self.max_nonfinite_steps!r}: it is the count of non-finite steps at which "
+                "the run stops (1: at the first one), so it must be an integer of at least 1."
+            )
         if self.tiled_mlp and not self.max_length:
             raise ConfigError("`tiled_mlp: true` sizes tiles by `max_length`: set max_length, or tiled_mlp: false.")
         for name in (
@@ -452,6 +464,7 @@ HELP_GROUPS = {
     },
     "logging and evaluation": {
         "logging_steps": "log every N steps (metrics.jsonl, tensorboard, wandb)",
+        "max_nonfinite_steps": "stop at the Nth step whose loss or gradient norm is NaN/inf (1); earlier ones skipped",
         "report": "curves as PNGs + an HTML page in <output_dir>/report/ at the end (true)",
         "report_to": "none, tensorboard, wandb (WANDB_MODE=offline without network)",
         "eval_strategy": "no, steps or epoch",

@@ -10,7 +10,8 @@ data's token lengths, `sft.datastats`: a histogram). Resume points (the
 `resumed_from_step` lines) are marked on every plot. Each plot is a quantity against the optimizer step, every run
 on the same axes; the loss plot has the tokens trained on a second axis. `plotted.json` beside the PNGs holds the
 values each plot shows. The page's header has each run's settings
-and its totals (steps, tokens, FLOPs, wall time). At the end of training the main process writes the report into the
+and its totals (steps, tokens, FLOPs, wall time; the resumes, out-of-memory retries, skipped non-finite steps and
+why a run stopped, from `sft.failsafe`'s lines). At the end of training the main process writes the report into the
 run directory (`report: false` turns it off).
 """
 
@@ -85,6 +86,17 @@ class Run:
             totals["eval loss"] = f"{evals[-1]:.4g}"
         if self.resumes:
             totals["resumed at step"] = ", ".join(str(s) for s in self.resumes)
+        retries = [r for r in self.lines if "out_of_memory_retry" in r]  # sft.failsafe's events
+        if retries:
+            totals["out-of-memory retries"] = ", ".join(
+                f"from step {r['step']} at micro batch {r['out_of_memory_retry']['micro_batch']}" for r in retries
+            )
+        skipped = [str(r["step"]) for r in self.lines if "nonfinite_skipped" in r]
+        if skipped:
+            totals["non-finite steps skipped"] = ", ".join(skipped)
+        stopped = self.manifest.get("stopped")
+        if stopped and self.manifest.get("finished_step") is None:
+            totals["stopped"] = f"at step {stopped['step']}: {stopped['reason']} ({stopped['time']})"
         return totals
 
     def settings(self) -> dict[str, str]:

@@ -7,7 +7,7 @@
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
 - the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it (offloaded checkpoints are transformers');
-- a step whose loss or gradient norm is not finite stops the run before it is logged or saved (`sft.failsafe`).
+- a step whose loss or gradient norm is not finite is not applied, and stops the run (`sft.failsafe`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class Trainer(SFTTrainer):
             self.add_callback(callback)
         self.resumed_from: str | None = None
         self._wandb_recorded = False
-        self.guard = failsafe.StepGuard()
+        self.guard = failsafe.StepGuard(self.args)
+        self.zero_loss = failsafe.ZeroLoss()
 
     @property
     def preempted(self) -> bool:
@@ -114,6 +115,7 @@ class Trainer(SFTTrainer):
             self.metrics_log.keep_until(step)
             if resume_from_checkpoint:
                 self.metrics_log.mark_resume(step)
+        failsafe.retried(self.args, step)  # after an out-of-memory error, `sft train` runs this again
         self.trace.keep_until(step)
         self.preemption.install()
         if self.is_deepspeed_enabled:
@@ -216,7 +218,7 @@ class Trainer(SFTTrainer):
         if getattr(self.args, "trace_data", False) and (info is None or dims.sp_rank == 0):
             self.trace.record(self.state.global_step, inputs, info)
         self.throughput.add(inputs, info, dims.sp)
-        failsafe.inject_oom(self.state.global_step, self.args.per_device_train_batch_size)
+        failsafe.at_step(self.state.global_step, self.args.per_device_train_batch_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.guard.add(loss)
         if info is None:
@@ -225,10 +227,14 @@ class Trainer(SFTTrainer):
         # logs the mean over all ranks, so the step's loss is world / divisor x that.
         return loss * (dims.world_size / self._gradient_divisor)
 
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
-        """After every optimizer step: the step is checked before anything of it is logged or saved."""
-        self.guard.check(self.state.global_step, grad_norm, self.args, lambda t: self.accelerator.reduce(t, "sum"))
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+    def _get_grad_norm(self, model, grad_norm=None):
+        """After the backward of each optimizer step, before `optimizer.step()`: a step that is not finite is not
+        applied (`sft.failsafe`): its gradients are dropped here (DeepSpeed has skipped it already)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        reduce = lambda t: self.accelerator.reduce(t, "sum")  # noqa: E731
+        if self.guard.check(self.state.global_step + 1, grad_norm, reduce) and not self.is_deepspeed_enabled:
+            model.zero_grad(set_to_none=True)  # torch's optimizers step no parameter without a gradient
+        return grad_norm
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         info = self._shard_info
@@ -263,6 +269,7 @@ class Trainer(SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here (the loss was just all-gathered)
             self.throughput.log(logs, self.state.global_step, self._total_train_tokens, self.args.device)
+            self.zero_loss.log(self.state.global_step, logs["loss"])
         super().log(logs, start_time)
         if not self._wandb_recorded:
             self._wandb_recorded = metrics.record_wandb_run(self.args)

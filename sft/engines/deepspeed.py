@@ -145,6 +145,13 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
     value = zero.get("overlap_comm") if isinstance(zero, dict) else None
     where = deepspeed if isinstance(deepspeed, str) else "the DeepSpeed config"
     _refuse_deepcompile(config, where)
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    if isinstance(bf16, dict) and bf16.get("check_grad_overflow") is False:
+        raise ConfigError(
+            f"`deepspeed`: bf16.check_grad_overflow: false in {where} lets DeepSpeed apply a step whose gradients "
+            "are NaN or infinite to the weights; sft skips such steps and stops at max_nonfinite_steps "
+            "(sft.failsafe), which needs DeepSpeed's check. Remove the key (true is DeepSpeed's default)."
+        )
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     _check_zero_values(zero if isinstance(zero, dict) else {}, where)
     breaks = sp > 1 and stage in (1, 2)  # the overlapped reduction under sequence parallelism: wrong gradients

@@ -2,51 +2,98 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import safetensors.torch
 import torch
 
-from sft.checkpoint import MARKER
+from sft import report
+from sft.checkpoint import MARKER, RUN_MANIFEST
 from sft.failsafe import NONFINITE_EXIT_CODE, OOM_TEST_ENV
 from sft.metrics import samples_per_step
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
 
-# A learning rate of 1,000 (warmed up over 6 steps) drives the demo model's gradients to NaN within a few steps
+# A learning rate of 1,000 (warmed up over 6 steps) drives the demo model's gradients to NaN within a few steps; a
+# checkpoint at every step, all kept, to compare the weights before and after a skipped step
 DIVERGES = [
-    "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "12", "--save_steps", "2", "--logging_steps", "1",
-    "--eval_strategy", "no", "--learning_rate", "1e3", "--warmup_steps", "6", "--max_length", "256",
-    "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+    "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "12", "--save_steps", "1", "--logging_steps", "1",
+    "--save_total_limit", "20", "--eval_strategy", "no", "--learning_rate", "1e3", "--warmup_steps", "6",
+    "--max_length", "256", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+    "--max_nonfinite_steps", "2", "--report", "false",
 ]  # fmt: skip
 
 
-def test_a_non_finite_step_stops_the_run_and_keeps_the_checkpoint_before_it(tmp_path):
-    """ZeRO-2 on 2 processes under `sft train`: the step whose gradient norm is NaN is neither logged nor saved,
-    every rank stops there, the command exits 3 (not 2, a configuration error) with one paragraph last, no final
-    model is written, and the newest complete checkpoint (named in the message) is from before that step with finite
-    weights."""
+def _stopped(result, out: Path) -> tuple[int, list[int]]:
+    """Checks shared by both stops; returns (the step it stopped at, the skipped steps)."""
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == NONFINITE_EXIT_CODE == 3, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and lines[-1].startswith("sft: error: step ")
+    stopped = int(re.match(r"sft: error: step (\d+) was not finite", lines[-1]).group(1))
+    assert "the run stopped there, the step not applied" in lines[-1] and "No final model was written" in lines[-1]
+    assert not (out / "model.safetensors").exists()
+    records = read_jsonl(out / "metrics.jsonl")
+    skipped = [r["step"] for r in records if "nonfinite_skipped" in r]
+    assert len(skipped) == 1 and skipped[0] < stopped  # max_nonfinite_steps 2: one skipped, stopped at the second
+    assert f"Skipped before it: steps {skipped[0]}." in lines[-1]
+    assert f"step {skipped[0]} was not finite" in result.stderr
+    assert "skipped, not applied to the weights" in result.stderr
+    assert records[-1]["stopped"] == "non-finite" and records[-1]["step"] == stopped
+    logged = [r["step"] for r in records if "loss" in r]
+    assert stopped >= 2 and logged == list(range(1, stopped))  # the stopping step is not in the log
+    manifest = json.loads((out / RUN_MANIFEST).read_text())
+    assert manifest["stopped"]["step"] == stopped and manifest["stopped"]["reason"] == "non-finite"
+    assert manifest["stopped"]["message"] == lines[-1].removeprefix("sft: error: ")
+    assert manifest["finished_step"] is None
+    complete = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / MARKER).exists())
+    assert complete == list(range(1, stopped)) and not (out / f"checkpoint-{stopped}").exists()
+    assert f"The newest complete checkpoint, checkpoint-{max(complete)}, is from before it and intact" in lines[-1]
+    weights = safetensors.torch.load_file(out / f"checkpoint-{max(complete)}" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    # the skipped step left the weights as they were: the checkpoint after it holds the bytes of the one before
+    before, after = (out / f"checkpoint-{s}" / "model.safetensors" for s in (skipped[0] - 1, skipped[0]))
+    assert before.read_bytes() == after.read_bytes()
+    return stopped, skipped
+
+
+def test_a_non_finite_step_is_skipped_then_stops_the_run_and_keeps_the_checkpoints(tmp_path):
+    """ZeRO-2 on 2 processes under `sft train`, max_nonfinite_steps 2: the first step whose gradient norm is not
+    finite is skipped (DeepSpeed's overflow check: the weights after it are those before it), the second stops every
+    rank there, unlogged and unsaved; the command exits 3 (not 2, a configuration error) with one paragraph last; the
+    stop is in metrics.jsonl and sft_run.json; no final model is written; the complete checkpoints are from before."""
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", *DIVERGES, "--output_dir", str(out)],
         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    lines = (result.stdout + result.stderr).strip().splitlines()
-    assert result.returncode == NONFINITE_EXIT_CODE == 3, result.stderr[-4000:]
-    assert "Traceback" not in result.stderr and lines[-1].startswith("sft: error: step ")
-    stopped = int(re.match(r"sft: error: step (\d+) was not finite", lines[-1]).group(1))
-    assert re.search(r"gradient norm (nan|inf); 2 of 2 rank\(s\) saw it\)", lines[-1]), lines[-1]
-    assert "No final model was written" in lines[-1]
-    assert not (out / "model.safetensors").exists()
-    logged = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert stopped >= 2 and logged == list(range(1, stopped))  # the bad step is not in the log
-    complete = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / MARKER).exists())
-    assert complete and max(complete) < stopped and not (out / f"checkpoint-{stopped}").exists()
-    assert f"The newest complete checkpoint, checkpoint-{max(complete)}, is from before it and intact" in lines[-1]
-    weights = safetensors.torch.load_file(out / f"checkpoint-{max(complete)}" / "model.safetensors")
-    assert all(torch.isfinite(w).all() for w in weights.values())
+    stopped, skipped = _stopped(result, out)
+    page = report.write([out]).read_text()  # `sft report` on the stopped run
+    assert f"<th>non-finite steps skipped</th><td>{skipped[0]}</td>" in page
+    assert f"<th>stopped</th><td>at step {stopped}: non-finite (" in page
+    assert re.search(r"gradient norm (nan|inf); 2 of 2 rank\(s\) saw it\)", result.stderr.strip().splitlines()[-1])
+
+
+def test_without_deepspeed_a_skipped_step_is_not_applied_and_a_rerun_changes_no_checkpoint(tmp_path):
+    """One process with `--deepspeed none`: sft itself drops the skipped step's gradients before the optimizer step.
+    Run again (max_nonfinite_steps 1), the same command resumes from the newest checkpoint, stops at the same step
+    with the same paragraph, and every file of the checkpoints it found is byte for byte as it was."""
+    out = tmp_path / "out"
+    args = [*DIVERGES, "--deepspeed", "none", "--output_dir", str(out)]
+    first = run_cli(args, nproc=0)
+    stopped, skipped = _stopped(first, out)
+    files = {p: p.read_bytes() for p in sorted(out.glob("checkpoint-*/**/*")) if p.is_file()}
+    again = run_cli([*args, "--max_nonfinite_steps", "1"], nproc=0)
+    assert again.returncode == NONFINITE_EXIT_CODE, again.stderr[-3000:]
+    assert f"Resuming from {out}/checkpoint-{stopped - 1}: step {stopped - 1}" in again.stderr
+    assert again.stderr.strip().splitlines()[-1] == first.stderr.strip().splitlines()[-1].replace(
+        f" Skipped before it: steps {skipped[0]}.", ""
+    )  # the skipped step is before the checkpoint it resumed from
+    assert {p: p.read_bytes() for p in files} == files
+    assert sorted(p for p in out.glob("checkpoint-*/**/*") if p.is_file()) == list(files)
 
 
 # The demo at a global batch of 8 rows; `per_device_train_batch_size: auto` planned for an 80 GiB GPU takes 4 rows
@@ -76,6 +123,13 @@ def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the
         assert f"running again with micro batch {micro} and the global batch of 8 rows kept" in log
         assert f"micro batch {micro} x accumulation {4 // micro} = global batch 8" in log
     assert log.count("Resuming from") == 2 and log.count(f"Resuming from {out}/checkpoint-2: step 2") == 2
+    retries = [r["out_of_memory_retry"] for r in read_jsonl(out / "metrics.jsonl") if "out_of_memory_retry" in r]
+    expected = [{"micro_batch": m, "accumulation": 4 // m, "global_batch": 8} for m in (2, 1)]
+    assert retries == expected  # in metrics.jsonl (at the step each retry started from) and in sft_run.json
+    manifest = json.loads((out / RUN_MANIFEST).read_text())
+    assert manifest["out_of_memory_retries"] == [{"step": 2, **e} for e in expected] and manifest["finished_step"] == 8
+    page = (out / "report" / "index.html").read_text()  # written at the end of the run
+    assert "<th>out-of-memory retries</th><td>from step 2 at micro batch 2, from step 2 at micro batch 1</td>" in page
     reference = run_cli([*PLANNED, "--per_device_train_batch_size", "1", "--output_dir", str(small)], nproc=2)
     assert reference.returncode == 0, reference.stderr[-5000:]
     a, b = (
@@ -107,5 +161,9 @@ def test_out_of_memory_elsewhere_says_what_to_change(tmp_path):
     assert "sft's choice" in auto_error
     assert "--per_device_train_batch_size 2 --global_batch_size 4 (it resumes from the newest" in auto_error
     assert "set by hand" in by_hand_error and "per_device_train_batch_size: auto" in by_hand_error
-    for micro in "a4":
+    for micro, result in zip("a4", results, strict=True):
         assert not (tmp_path / micro / "model.safetensors").exists()
+        stopped = json.loads((tmp_path / micro / RUN_MANIFEST).read_text())["stopped"]
+        assert stopped["reason"] == "out of memory" and stopped["step"] == 3  # the step it ran out of memory in
+        assert stopped["message"] == result.stderr.strip().splitlines()[-1].removeprefix("sft: error: ")
+        assert read_jsonl(tmp_path / micro / "metrics.jsonl")[-1]["stopped"] == "out of memory"
