@@ -5,10 +5,10 @@ out-of-memory retry did (`sft.failsafe`); JSON + markdown out.
 
 Each case is one `sft train --nproc-per-node 1` run of the real CLI with the defaults a user gets (`auto` micro batch
 and memory tools, FP8, Liger and compiled layers as the plan decides for the GPU), packing, rows of 4,096 tokens, a
-global batch of 32 rows, pre-tokenised SFT-like data, no checkpoints (a 3B ZeRO-2 checkpoint is 45 GB; a retry
-starts over). Per case: exit code, what the plan
-chose and estimated (`Memory plan ... fits: X GiB of Y GiB usable`), the retries after an out-of-memory error, and
-per step `peak_memory_gib` (`torch.cuda.max_memory_allocated`) and `peak_reserved_gib` (the allocator's reserve).
+global batch of 32 rows, pre-tokenised SFT-like data (LoRA: random base weights saved first), no checkpoints (a 3B
+ZeRO-2 checkpoint is 45 GB; a retry starts over). Per case: exit code, what the plan chose and estimated (`Memory
+plan ... fits: X GiB of Y GiB usable`), the retries after an out-of-memory error, and per step `peak_memory_gib`
+(`torch.cuda.max_memory_allocated`) and `peak_reserved_gib` (the allocator's reserve).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CASES = {
     "3b-zero3": ("llama-3b", None, "zero3", {}),
     "8b-8l-zero2": ("llama-8b", 8, "zero2", {}),
     "8b-zero2-lora": ("llama-8b", None, "zero2", {"use_peft": True, "lora_target_modules": "all-linear"}),
+    "3b-zero3-fp8off": ("llama-3b", None, "zero3", {"fp8": False}),
 }
 LINE = re.compile(r"Batch plan|Memory plan|fits:|auto settings|out of (GPU )?memory|Micro batch|Resuming|Model:|rror")
 
@@ -44,12 +45,22 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     if layers:
         config["num_hidden_layers"] = layers
     model = model_dir(work / name / "model", config)
+    lora = overrides.get("use_peft", False)
+    if lora and not (model / "model.safetensors.index.json").exists():  # LoRA needs base weights on disk: random
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("cuda"):
+            base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.bfloat16)
+        base.save_pretrained(model)
+        del base
+        torch.cuda.empty_cache()
     data = work / "data.jsonl"
     if not data.exists():
         make_sft_data(data, 3000, 32000, 4096)
     out = work / name / "out"
     recipe = {
-        "model_name_or_path": str(model), "from_scratch": True, "dtype": "bfloat16", "bf16": True,
+        "model_name_or_path": str(model), "from_scratch": not lora, "dtype": "bfloat16", "bf16": True,
         "datasets": [{"path": str(data)}], "packing": True, "max_length": 4096, "global_batch_size": 32,
         "max_steps": steps, "logging_steps": 1, "save_strategy": "no", "eval_strategy": "no",
         "report": False, "report_to": "none", "learning_rate": 1e-5, "seed": 0, "output_dir": str(out),
