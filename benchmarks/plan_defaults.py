@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,7 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none", "cases": {}}
     for name in args.cases:
         results["cases"][name] = run_case(name, work, args.steps)
+        shutil.rmtree(work / name, ignore_errors=True)  # the models and saves: 64 GB of disk fill up otherwise
         print(name, json.dumps({k: v for k, v in results["cases"][name].items() if k != "log_tail"}), flush=True)
         (args.out / "plan_defaults.json").write_text(json.dumps(results, indent=1) + "\n")
         (args.out / "plan_defaults.md").write_text(markdown(results))
