@@ -208,6 +208,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(autouse=True)
+def no_deepspeed_config_left():
+    """transformers keeps the DeepSpeed config of the last training arguments made in a process (a weak reference,
+    alive as long as they are): after a test that parsed a ZeRO-3 config in-process, the next test's
+    `from_config` would build its model inside `deepspeed.zero.Init`. Dropped after every test."""
+    yield
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
 @pytest.fixture
 def demo_args():
     return list(DEMO)
