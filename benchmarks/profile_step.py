@@ -3,6 +3,7 @@
     python -m benchmarks.profile_step --out $OUT                      # every variant below (1 GPU)
     python -m benchmarks.profile_step --only sft sft_nods --out $OUT  # a subset
     python -m benchmarks.profile_step --tiny --out /tmp/p             # CPU smoke test: demo-sized model
+    python -m benchmarks.profile_step --shape qwen3_moe --layers 4 --out $OUT   # issue #38: MoE against plain TRL
 
 Each variant is the real CLI (`sft/train.py` under torchrun, one process) on the random-initialised Llama-3.2-1B shape
 with `benchmarks/throughput.py`'s data, recipe and global batch. Steps `--warmup`+1 .. `--profile-step`-1 give
@@ -15,6 +16,12 @@ Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each
 - `sft_overlap`, `sft_no_overlap`: ZeRO-2 with `overlap_comm` true / false.
 - `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
   DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
+
+With `--shape qwen3_moe` (Qwen3-30B-A3B's widths: 128 experts, 8 active, expert width 768, hidden 2048; `--layers`
+decoder layers; the vocabulary cut to 32,768 as in benchmarks/architectures.py) the global batch is 16 rows and the
+variants are MoE_VARIANTS: `trl` is what plain TRL runs (transformers' defaults: its experts implementation,
+packing on sft's varlen attention, no Liger, no FP8, no compile, no DeepSpeed, bf16 weights, micro batch 4 x 4
+accumulation), `sft` sft's defaults, and one change each from `sft` to find which of sft's choices costs what.
 
 benchmarks/results/profile_step_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json
 still had `overlap_comm: true`, so its `sft` row is what `sft_overlap` is now; that run is why zero2.json now says
@@ -44,6 +51,16 @@ VARIANTS = {
     "sft_no_overlap": {"deepspeed": {"zero_optimization": {"overlap_comm": False}}},
     "sft_nods": {"deepspeed": None, "dtype": "float32"},
 }
+GLOBAL_MOE = 16  # rows of 4096 per optimizer step for the MoE shape: plain TRL's micro batch 4 x 4 accumulation
+MOE_VARIANTS = {
+    "trl": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
+            "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE},
+    "sft": {"deepspeed": "ds_configs/zero2.json"},
+    "sft_nods": {"deepspeed": None},
+    "sft_micro4": {"deepspeed": "ds_configs/zero2.json", "per_device_train_batch_size": 4},
+    "sft_no_liger": {"deepspeed": "ds_configs/zero2.json", "use_liger_kernel": False},
+    "sft_nods_micro4": {"deepspeed": None, "per_device_train_batch_size": 4},
+}  # fmt: skip
 CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("attention", r"flash|fmha|attn"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_|wgmma"),
@@ -72,10 +89,24 @@ def ds_config(work: Path, spec) -> str | None:
     return str(path)
 
 
+def shape_config(args) -> dict | None:
+    """The model's config.json values: Llama-3.2-1B's, or Qwen3-30B-A3B's widths at `--layers` layers (tiny with
+    `--tiny`); None: the demo's."""
+    if args.shape == "llama-1b":
+        return None if args.tiny else LLAMA_SHAPES["llama-1b"]
+    from benchmarks.architectures import config_for
+
+    config = config_for(args.shape, args.layers, args.tiny).to_dict()
+    config.update(dtype="bfloat16" if not args.tiny else "float32")
+    return config
+
+
 def recipe(name: str, args, work: Path, data: Path) -> Path:
-    variant = dict(VARIANTS[name])
-    model = model_dir(work / "model-1b", None if args.tiny else LLAMA_SHAPES["llama-1b"])
+    variant = dict((MOE_VARIANTS if args.shape != "llama-1b" else VARIANTS)[name])
+    model = model_dir(work / f"model-{args.shape}", shape_config(args))
     r = {**COMMON, **SETTINGS["sft"], "model_name_or_path": str(model)}
+    if args.shape != "llama-1b":
+        r["global_batch_size"] = GLOBAL_MOE
     r.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.profile_step + 1)
     deepspeed = ds_config(work, variant.pop("deepspeed"))
     if deepspeed:
@@ -190,9 +221,11 @@ def summarize(prof, wall: float) -> dict:
     }
 
 
-def report(runs: list[dict], out: Path, env: dict) -> None:
-    lines = [f"# One-step profiles, Llama-3.2-1B shape, 1 x {env['gpu']}", "",
-             f"Date {time.strftime('%Y-%m-%d')}; seq 4096; global batch {GLOBAL_BATCH} packed rows; versions: "
+def report(runs: list[dict], out: Path, env: dict, args) -> None:
+    shape = "Llama-3.2-1B shape" if args.shape == "llama-1b" else f"{args.shape} shape, {args.layers} layers"
+    batch = GLOBAL_BATCH if args.shape == "llama-1b" else GLOBAL_MOE
+    lines = [f"# One-step profiles, {shape}, 1 x {env['gpu']}", "",
+             f"Date {time.strftime('%Y-%m-%d')}; seq 4096; global batch {batch} packed rows; versions: "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), "",
              "| variant | exit | tokens/s/GPU | MFU | peak GiB | step wall s | GPU busy | " + " | ".join(
                  label for label, _ in CLASSES) + " | other |",
@@ -220,7 +253,9 @@ def report(runs: list[dict], out: Path, env: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS))
+    parser.add_argument("--only", nargs="*", choices=sorted({*VARIANTS, *MOE_VARIANTS}))
+    parser.add_argument("--shape", choices=["llama-1b", "qwen3_moe"], default="llama-1b")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the MoE shape")
     parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
     parser.add_argument("--profile-step", type=int, default=9, help="The optimizer step to profile (1-based)")
     parser.add_argument("--records", type=int, default=6000)
@@ -237,11 +272,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="profile-"))
     (work / "logs").mkdir()
     data = work / "data.jsonl"
-    make_sft_data(
-        data, args.records, 104 if args.tiny else LLAMA_SHAPES["llama-1b"]["vocab_size"], 512 if args.tiny else 4096
-    )
+    vocab = (shape_config(args) or {}).get("vocab_size", 104)
+    make_sft_data(data, args.records, vocab, 512 if args.tiny else 4096)
     runs = []
-    for name in args.only or VARIANTS:
+    for name in args.only or (MOE_VARIANTS if args.shape != "llama-1b" else VARIANTS):
         result = profile(name, args, work, data)
         runs.append(result)
         with open(args.out / "runs.jsonl", "a") as f:
@@ -249,7 +283,7 @@ def main() -> None:
         print(f"{name}: exit {result['exit_code']}, {result['wall_s']} s, "
               f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU", flush=True)  # fmt: skip
     shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
-    report(runs, args.out, environment())
+    report(runs, args.out, environment(), args)
 
 
 if __name__ == "__main__":
