@@ -67,7 +67,7 @@ CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("optimizer", r"multi_tensor|adam|fused_adamw"),
     ("nccl", r"nccl"),
     ("memcpy/memset", r"memcpy|memset|Memcpy|Memset"),
-    ("copy/cast", r"copy|cast|Cat|to_copy"),
+    ("copy/cast", r"copy|(?<!no)cast|Cat|to_copy"),  # not "gpu_kernel_impl_nocast" (any elementwise kernel)
     ("triton (Liger, TRL fused head)", r"^_|triton|liger|kernel_[0-9]"),
     ("reduction", r"reduce|Reduce|sum|norm"),
     ("elementwise", r"elementwise|vectorized|unrolled|Elementwise"),
