@@ -60,6 +60,8 @@ MOE_VARIANTS = {
     "sft_micro4": {"deepspeed": "ds_configs/zero2.json", "per_device_train_batch_size": 4},
     "sft_no_liger": {"deepspeed": "ds_configs/zero2.json", "use_liger_kernel": False},
     "sft_nods_micro4": {"deepspeed": None, "per_device_train_batch_size": 4},
+    # without DeepSpeed but with its precision: fp32 weights and optimizer, bf16 autocast (transformers' loop)
+    "sft_nods_fp32": {"deepspeed": None, "dtype": "float32"},
 }  # fmt: skip
 CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("attention", r"flash|fmha|attn"),
