@@ -92,6 +92,8 @@ class ModelShape:
     intermediate: int  # MLP activations per token (`sft.architectures`: the active experts' width for MoE)
     vocab: int
     tied: bool
+    # mixture of experts (`sft.architectures.Experts`): (experts, active per token, MoE layers); None: dense
+    experts: tuple[int, int, int] | None = None
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
@@ -210,6 +212,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         intermediate=arch.mlp_width,
         vocab=arch.vocab,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
+        experts=(arch.experts.count, arch.experts.active, arch.experts.moe_layers) if arch.experts else None,
     )
 
 
@@ -311,7 +314,9 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     # output and down_proj's input. Both: each norm's output is kept by the projections that read it.
     norms = 2 * (2 * b * h + 4) if s.liger else 2 * (4 * h + 2 * b * h)
     # Tiled, the MLP keeps only its input (the norm's output, counted above) and recomputes the rest per tile
-    layer = attention + norms + (0 if s.tiled_mlp else mlp_bytes_per_token(shape, s))
+    layer = (
+        attention + norms + (0 if s.tiled_mlp else mlp_bytes_per_token(shape, s) + routing_bytes_per_token(shape, s))
+    )
     if s.lora_r and s.lora_dropout > 0:  # PEFT's dropout makes a copy of each adapted layer's input
         layer += b * (5 * h + hq + i)
     return layer
@@ -319,6 +324,19 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     return (3 if s.liger else 4) * s.dtype_bytes * shape.intermediate
+
+
+def routing_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """What a mixture-of-experts layer keeps per token besides its experts' intermediates (which `intermediate`, the
+    active experts' width, counts like a dense MLP's), averaged over the decoder's layers. transformers' grouped
+    experts keep the token's input copied once per active expert and the active experts' outputs (two [tokens x k,
+    hidden] tensors), the router's fp32 probabilities over all experts, and the int64 indices of the dispatch:
+    counted with autograd's saved-tensor hooks on Qwen3-MoE (tests/test_plan.py)."""
+    if not shape.experts:
+        return 0.0
+    count, k, moe_layers = shape.experts
+    per_layer = 2 * k * shape.hidden * s.dtype_bytes + 4 * count + 34 * k
+    return per_layer * moe_layers / shape.layers
 
 
 def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
@@ -469,6 +487,8 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     backward: dict[str, float] = {"activations": s.tokens * activation_bytes_per_token(shape, s)}
     if s.tiled_mlp:  # one tile of about `hidden` tokens: its intermediates and their gradients
         backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
+    elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
+        backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
     per_node = s.gpus_per_node or s.gpus
     # On the host while training: ZeRO's offloaded states (DeepSpeed's figure; without offload that figure is the
     # model built in host memory at start, which sft does not do) and the offloaded checkpoints

@@ -385,3 +385,40 @@ def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_t
     chosen = plan.suggest(shape, accumulates, memory, 0.1, (1, 2, 4), [accumulates], levels)
     assert chosen.setting.micro_batch == 1 and 65.8 < chosen.peak / plan.GiB < 65.9  # measured 65.90
     assert plan.suggest(shape, base, memory, 0.1, (1, 2, 4), [base], levels).setting.micro_batch == 2
+
+
+@pytest.mark.parametrize("hidden,experts,active", [(512, 128, 8), (256, 64, 4)])
+def test_a_moe_layer_keeps_what_the_plan_counts(tmp_path, hidden, experts, active):
+    """A Qwen3-MoE MLP with transformers' grouped experts (bf16, on CPU): the bytes autograd saves per token are the
+    plan's dense MLP term on the active experts' width plus its routing term (the input copied once per active expert,
+    the active experts' outputs, the router's fp32 probabilities, the dispatch indices), byte for byte."""
+    config = {"model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": 1024, "moe_intermediate_size": 96,
+              "num_experts": experts, "num_experts_per_tok": active, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 1, "vocab_size": 512}  # fmt: skip
+    shape = plan.load_shape(write_config(tmp_path, "moe", config))
+    assert shape.experts == (experts, active, 1) and shape.intermediate == active * 96
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**config), dtype=torch.bfloat16, experts_implementation="grouped_mm"
+    )
+    mlp, tokens = model.model.layers[0].mlp, 1024
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    shared = {p.untyped_storage().data_ptr() for p in (x, *mlp.parameters())}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    setting = plan.Setting(liger=False)
+    counted = plan.mlp_bytes_per_token(shape, setting) + plan.routing_bytes_per_token(shape, setting)
+    # byte for byte, but for the int32 count of tokens per expert (4 bytes per expert, not per token)
+    assert sum(saved.values()) == counted * tokens + 4 * experts
+    dense = dataclasses.replace(shape, experts=None)
+    assert plan.routing_bytes_per_token(dense, setting) == 0
+    assert plan.layer_bytes_per_token(shape, setting) - plan.layer_bytes_per_token(dense, setting) == counted - (
+        plan.mlp_bytes_per_token(shape, setting)
+    )
