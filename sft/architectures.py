@@ -80,6 +80,8 @@ class Experts:
     moe_layers: int
     shared: int = 0
     shared_width: int = 0
+    router_aux: float = 0.0  # the config's `router_aux_loss_coef` (0: none)
+    routes: bool = False  # the model can return its router logits (`output_router_logits`): TRL's load-balancing loss
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class Architecture:
         moe = e.active * e.width + e.shared * e.shared_width
         return round((moe * e.moe_layers + self.intermediate * (self.layers - e.moe_layers)) / self.layers)
 
-    def describe(self) -> str:
+    def describe(self, router_aux_loss_coef: float | None = None) -> str:
+        """The family and what it needs; `router_aux_loss_coef` is TRL's training argument (None: the config's)."""
         parts = [self.family if self.known else f"{self.family} (generic path)"]
         parts += self.attention.needs() or ["plain causal attention"]
         if self.attention.other_layers:
@@ -149,6 +152,11 @@ class Architecture:
             e = self.experts
             parts.append(f"{e.count} experts, {e.active} active, width {e.width} on {e.moe_layers} of {self.layers} "
                          f"layers" + (f", {e.shared} shared" if e.shared else ""))  # fmt: skip
+            coef = e.router_aux if router_aux_loss_coef is None else router_aux_loss_coef
+            if coef and e.routes:  # TRL's SFTTrainer adds coef x the model's aux_loss and logs it
+                parts.append(f"router load-balancing loss x{coef:g} trained (aux_loss in the logs)")
+            else:
+                parts.append("no router load-balancing loss (router_aux_loss_coef 0)")
         return "; ".join(parts)
 
 
@@ -223,7 +231,9 @@ def _experts(text) -> Experts | None:
     shared_width = getattr(text, "shared_expert_intermediate_size", None) or (width if shared else 0)
     if getattr(text, "shared_expert_intermediate_size", None):
         shared = max(shared, 1)
-    return Experts(count, text.num_experts_per_tok, width, moe_layers, shared, shared_width)
+    router_aux = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    routes = hasattr(text, "output_router_logits")
+    return Experts(count, text.num_experts_per_tok, width, moe_layers, shared, shared_width, router_aux, routes)
 
 
 def of(config) -> Architecture:
@@ -262,10 +272,11 @@ MASK_WITHOUT_POSITIONS = {"gpt_oss"}
 SINK_FAMILIES = {"gpt_oss"}
 
 
-def log_kernels(arch: Architecture, decisions: dict[str, Kernel]) -> None:
-    """One line: the family, what its attention needs, and each fast path with the reason it is on or off."""
+def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_loss_coef: float | None = None) -> None:
+    """One line: the family, what its attention needs (and a MoE's router loss), and each fast path with the reason
+    it is on or off."""
     kernels = "; ".join(f"{name} {'on' if k.on else 'off'} ({k.reason})" for name, k in decisions.items())
-    logger.info("Model: %s. %s", arch.describe(), kernels)
+    logger.info("Model: %s. %s", arch.describe(router_aux_loss_coef), kernels)
 
 
 # --- the module structure of a built model ---

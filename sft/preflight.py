@@ -109,7 +109,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
         "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
         "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
-    })  # fmt: skip
+    }, training_args.router_aux_loss_coef)  # fmt: skip
     micro, tools, sp, plan = _plan_memory(
         training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
     )

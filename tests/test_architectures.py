@@ -177,10 +177,11 @@ def test_a_backend_that_would_drop_a_feature_is_refused():
 def test_experts_and_active_flops():
     """The MoE layout from each family's config, and FLOPs per token on the active experts only."""
     layouts = {n: architectures.of(config_of(n)).experts for n in ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")}
-    assert layouts["qwen3_moe"] == architectures.Experts(4, 2, 32, 4)
-    assert layouts["mixtral"] == architectures.Experts(4, 2, 96, 4)
-    assert layouts["glm4_moe"] == architectures.Experts(4, 2, 32, 3, shared=1, shared_width=32)
-    assert layouts["gpt_oss"] == architectures.Experts(4, 2, 96, 4)
+    # the router's load-balancing coefficient as each config declares it (GLM-4-MoE declares none)
+    assert layouts["qwen3_moe"] == architectures.Experts(4, 2, 32, 4, router_aux=0.001, routes=True)
+    assert layouts["mixtral"] == architectures.Experts(4, 2, 96, 4, router_aux=0.001, routes=True)
+    assert layouts["glm4_moe"] == architectures.Experts(4, 2, 32, 3, shared=1, shared_width=32, routes=True)
+    assert layouts["gpt_oss"] == architectures.Experts(4, 2, 96, 4, router_aux=0.001, routes=True)
     assert architectures.of(config_of("llama")).experts is None
     config = config_of("qwen3_moe")
     model = AutoModelForCausalLM.from_config(config)

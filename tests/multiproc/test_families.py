@@ -57,6 +57,10 @@ def test_a_family_trains_under_zero3_and_reloads(runs, name):
     assert f"Model: {family}" in log and "Liger off" in log  # the one line: features and fast paths, with reasons
     if name == "gemma3":
         assert "a sliding window of 16 tokens on 2 of 4 layers" in log
+    if name == "qwen3_moe":  # the config's router_aux_loss_coef (transformers' default 0.001), trained and logged
+        assert "router load-balancing loss x0.001 trained (aux_loss in the logs)" in log
+        aux = [r["aux_loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+        assert len(aux) == STEPS // 4 and all(math.isfinite(a) and a > 0 for a in aux), aux
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == family
     tokenizer = AutoTokenizer.from_pretrained(out)
