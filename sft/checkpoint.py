@@ -34,6 +34,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from sft import expert_parallel
 from sft.batch import BatchPlan
 from sft.errors import ConfigError
 
@@ -209,7 +210,7 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "chat_template": tokenizer.chat_template,
         },
         "world_size": dims.world_size,
-        "parallel": {"dp": dims.dp, "sp": dims.sp},
+        "parallel": {"dp": dims.dp, "sp": dims.sp, "ep": dims.ep, "autoep": expert_parallel.on(training_args)},
         "fp8": training_args.fp8_recipe if training_args.fp8 else False,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,

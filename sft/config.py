@@ -167,6 +167,10 @@ class TrainConfig(SFTConfig):
             Processes that share the tokens of one packed row (Ulysses sequence parallelism on DeepSpeed, see
             `sft.sequence_parallel`); the data-parallel size is the world size / this. `auto`: the smallest size whose
             memory plan fits (1 without a GPU to plan for).
+        expert_parallel_size (`int`, *optional*, defaults to `1`):
+            Data-parallel processes that split each mixture-of-experts layer's experts (DeepSpeed AutoEP, see
+            `sft.expert_parallel`): each keeps count / this of the experts and tokens travel to theirs by all-to-all.
+            Must divide the data-parallel size; for the families AutoEP has a preset for, under ZeRO-0/1/2.
         report (`bool`, *optional*, defaults to `True`):
             At the end of training, write `<output_dir>/report/` (`sft.report`: one PNG per curve and an HTML page
             with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several overlaid.
@@ -187,6 +191,10 @@ class TrainConfig(SFTConfig):
     sequence_parallel_size: str = field(
         default="1",
         metadata={"help": "Processes sharing one row's tokens (Ulysses SP on DeepSpeed), or `auto` (the plan's)."},
+    )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Processes that split each MoE layer's experts (DeepSpeed AutoEP); divides data parallel."},
     )
     report: bool = field(
         default=True,
@@ -289,6 +297,12 @@ class TrainConfig(SFTConfig):
                 f"`sequence_parallel_size` must be a whole number >= 1 or `auto`, got {self.sequence_parallel_size!r}."
             )
         self.sequence_parallel_size = int(sp)
+        ep = self.expert_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(
+                f"`expert_parallel_size` must be a whole number >= 1 (1: no expert parallelism), got "
+                f"{self.expert_parallel_size!r}."
+            )
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
         for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8", "compile_decoder_layers"):
@@ -354,9 +368,10 @@ class TrainConfig(SFTConfig):
             # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
             self.use_cpu = True
             logs.quiet_accelerator_detection()
-        launch = ParallelDims.from_env(self.sequence_parallel_size)  # sp must divide the launch's world size
+        # sp must divide the launch's world size, ep its data-parallel size
+        launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
         self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
-            self.deepspeed, launch.world_size, launch.sp
+            self.deepspeed, launch.world_size, launch.sp, launch.ep
         )
         super().__post_init__()
         ds_engine.check_agrees(self)
@@ -440,6 +455,7 @@ HELP_GROUPS = {
         "per_device_train_batch_size": "rows per GPU per forward pass; auto: the largest that fits",
         "activation_checkpointing": "true, false, or auto: only if the memory plan needs it",
         "sequence_parallel_size": "GPUs sharing each row (long context); auto: the smallest that fits",
+        "expert_parallel_size": "GPUs splitting each MoE layer's experts (DeepSpeed AutoEP)",
         "plan_gpu_memory_gib": None,
         "max_gpu_memory_gib": "cap each process's GPU memory (rehearse a smaller GPU)",
     },

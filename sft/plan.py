@@ -94,6 +94,7 @@ class ModelShape:
     tied: bool
     # mixture of experts (`sft.architectures.Experts`): (experts, active per token, MoE layers); None: dense
     experts: tuple[int, int, int] | None = None
+    expert_params: int = 0  # the routed experts' weights (what expert parallelism splits)
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
@@ -198,6 +199,8 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     linear = sum(
         m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )
+    # the routed experts: the parameters of each MoE block's `experts` module (shared experts are apart)
+    routed = sum(p.numel() for name, p in built.named_parameters() if name.rsplit(".", 2)[-2:-1] == ["experts"])
     return ModelShape(
         model_type=arch.family,
         n_params=sum(unique.values()),
@@ -213,6 +216,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         vocab=arch.vocab,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         experts=(arch.experts.count, arch.experts.active, arch.experts.moe_layers) if arch.experts else None,
+        expert_params=routed if arch.experts else 0,
     )
 
 
@@ -235,6 +239,7 @@ class Setting:
     qlora_nested: bool = False  # `use_bnb_nested_quant`: the quantization constants quantised again (8-bit)
     dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
     sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
+    ep: int = 1  # expert parallelism (AutoEP): each GPU holds 1/ep of the routed experts
     offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
     tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
     fp8: bool = False  # the decoder's linear layers in torchao float8 (`sft.fp8`)
@@ -254,6 +259,7 @@ class Setting:
         method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
         ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
         sp = f", sequence-parallel {self.sp}" if self.sp > 1 else ""
+        sp += f", experts split {self.ep} ways" if self.ep > 1 else ""
         tools = "".join(
             f", {name}"
             for name, on in (("offloaded to CPU", self.offload_checkpoints), ("tiled MLP", self.tiled_mlp))
@@ -372,12 +378,26 @@ def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
 
 
 def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
+    """(GPU bytes per GPU, host bytes per node) of weights, gradients and optimizer states. Under expert parallelism
+    (AutoEP, ZeRO-0/1/2) the routed experts are apart: each GPU holds 1/ep of them, with their 16-bit weights and
+    gradients whole and their fp32 master weights and Adam moments partitioned (ZeRO-1/2) over the gpus/ep ranks that
+    hold the same experts, as DeepSpeed's expert-data-parallel groups do."""
+    split = shape.expert_params if s.ep > 1 and not s.lora_r else 0
+    gpu, cpu = _zero_states(shape, s, trainable(shape, s) - split)
+    if split:
+        local, group = split / s.ep, max(s.gpus // s.ep, 1)
+        gpu += 4 * local + {1: 12 / group, 2: 16 / group}.get(s.zero_stage, 12) * local
+        cpu += 4 * local * (s.gpus_per_node or s.gpus) * 1.5  # the weights loaded on the host, as for the others
+    return gpu, cpu
+
+
+def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]:
+    """DeepSpeed's equations for `p` trainable parameters (plus LoRA's frozen base)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     per_node = s.gpus_per_node or s.gpus
     nodes = max(s.gpus // per_node, 1)
-    p = trainable(shape, s)
     frozen = frozen_weight_bytes(shape, s)
     if s.zero_stage == 3:
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 
-from sft import architectures, failsafe, fp8
+from sft import architectures, expert_parallel, failsafe, fp8
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
 from sft.attention import resolve_attn_implementation
@@ -39,11 +39,15 @@ class Resume:
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
     global_batch: int
+    ep: int = 1  # expert-parallel size (fingerprints before it: 1)
+    autoep: bool = False  # the MoE layers were AutoEP's (`sft.expert_parallel`)
 
     @classmethod
     def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
         keys = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
-        return cls(checkpoint, *(fingerprint[k] for k in keys))
+        parallel = fingerprint.get("parallel", {})
+        ep = parallel.get("ep", 1)
+        return cls(checkpoint, *(fingerprint[k] for k in keys), ep, parallel.get("autoep", ep > 1))
 
     def describe(self) -> str:
         return (
@@ -76,6 +80,7 @@ def base_setting(
         qlora_nested=bool(model_args.use_peft and model_args.load_in_4bit and model_args.use_bnb_nested_quant),
         dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
         sp=dims.sp,
+        ep=dims.ep,
         fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
     )
 
@@ -96,6 +101,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     zero3 = ds_engine.zero_setup(training_args).stage == 3
     remote = bool(getattr(model_args, "trust_remote_code", False))
     arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
+    zero, dims = ds_engine.zero_setup(training_args), training_args.parallel
+    offload = zero.offload_optimizer or zero.offload_params
+    expert_parallel.check(dims.ep, dims.sp, zero.stage, offload, arch.family, arch.is_moe, bool(model_args.use_peft))
     # decided here, applied in the one rebuild at the end (a rebuild would turn every `auto` into its placeholder)
     liger_on = _family_liger(training_args, arch)
     changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
@@ -141,15 +149,22 @@ def preflight(training_args, model_args, resume: Resume | None = None):
             changes[key] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
-    if resume is not None and resume.world_size != dims.world_size:
+    if resume is not None:
+        expert_parallel.check_resume(resume.autoep, dims.ep, resume.checkpoint)
+        if resume.autoep and dims.ep == 1 and not expert_parallel.on(training_args):
+            changes["deepspeed"] = expert_parallel.keep_layout(changes.get("deepspeed", training_args.deepspeed))
+            logger.info("The checkpoint's experts are in AutoEP's layers: AutoEP stays on, every expert on each GPU")
+    if resume is not None and (resume.world_size, resume.ep) != (dims.world_size, dims.ep):
         universal = bool(training_args.deepspeed)
         if universal:
             changes["deepspeed"] = ds_engine.universal_load_config(changes.get("deepspeed", training_args.deepspeed))
         logger.warning(
-            "Resuming %s on %d processes (was %d): global batch %d = %s%s",
+            "Resuming %s on %d processes%s (was %d%s): global batch %d = %s%s",
             resume.checkpoint,
             dims.world_size,
+            f", experts split {dims.ep} ways" if dims.ep > 1 else "",
             resume.world_size,
+            f", experts split {resume.ep} ways" if resume.ep > 1 else "",
             batch.global_batch_size,
             f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
             ", loading the ZeRO state as a universal checkpoint" if universal else "",

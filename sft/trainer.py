@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from trl import SFTTrainer
 
-from sft import architectures, failsafe, fp8, metrics, quantization, tiling
+from sft import architectures, expert_parallel, failsafe, fp8, metrics, quantization, tiling
 from sft import checkpoint as ckpt
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
@@ -87,6 +87,10 @@ class Trainer(SFTTrainer):
         self._wandb_recorded = False
         self.guard = failsafe.StepGuard(self.args)
         self.zero_loss = failsafe.ZeroLoss()
+        self._hf_shapes = None  # expert parallelism: the layout the model is saved in (AutoEP replaces its layers)
+        if expert_parallel.on(self.args):
+            expert_parallel.compatible_output_registry()
+            self._hf_shapes = expert_parallel.hf_shapes(self.model)
 
     @property
     def preempted(self) -> bool:
@@ -188,6 +192,19 @@ class Trainer(SFTTrainer):
     def evaluate(self, *args, **kwargs):
         with self.throughput.paused():
             return super().evaluate(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.expert_parallel`)
+            expert_parallel.group_experts(optimizer, self.model, self.args.parallel.ep)
+        return optimizer
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Under expert parallelism the model (and each checkpoint's copy) is saved in Hugging Face's layout, its
+        experts gathered from the expert ranks (`sft.expert_parallel.hf_state_dict`, collective)."""
+        if self._hf_shapes is None or not expert_parallel.layers(self.model):
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir, state_dict=expert_parallel.hf_state_dict(self.model, self._hf_shapes))
 
     def _save_checkpoint(self, model, trial):
         step = self.state.global_step

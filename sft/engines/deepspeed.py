@@ -124,9 +124,12 @@ def read_config(deepspeed: str | dict) -> dict:
     return copy.deepcopy(deepspeed) if isinstance(deepspeed, dict) else json.loads(Path(deepspeed).read_text())
 
 
-def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) -> tuple[str | dict | None, dict]:
-    """The `deepspeed` training argument checked and resolved for a run of `processes` processes and sequence-parallel
-    size `sp`; returns (config for transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
+def prepare_config(
+    deepspeed: str | dict | None, processes: int, sp: int = 1, ep: int = 1
+) -> tuple[str | dict | None, dict]:
+    """The `deepspeed` training argument checked and resolved for a run of `processes` processes, sequence-parallel
+    size `sp` and expert-parallel size `ep` (AutoEP's section written by `sft.expert_parallel`); returns (config for
+    transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
 
     `zero_optimization.overlap_comm: "auto"`: on with several processes (the gradient reduction overlaps the
     backward), off with one, where there is nothing to communicate and DeepSpeed's overlap path only adds stream
@@ -161,6 +164,10 @@ def prepare_config(deepspeed: str | dict | None, processes: int, sp: int = 1) ->
             f"DeepSpeed's overlapped ZeRO-{stage} gradient reduction gives wrong gradients under sequence parallelism "
             '(measured on GPUs, benchmarks/results/sp_gradients). Set it to "auto" or false.'
         )
+    if ep > 1 or config.get("expert_parallel") is not None:
+        from sft import expert_parallel
+
+        deepspeed = expert_parallel.prepare_config(config, ep, where)
     if value is None or isinstance(value, bool):
         return deepspeed, {}
     if value != "auto":
