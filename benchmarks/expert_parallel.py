@@ -49,8 +49,8 @@ def shape(args) -> dict:
 
 def recipe(work: Path, name: str, model: Path, data: Path, args, **extra) -> Path:
     r = {**COMMON, "model_name_or_path": str(model), "datasets": [{"path": str(data)}], "global_batch_size": GLOBAL,
-         "output_dir": str(work / name), "max_steps": STEPS[args.part], "report": False, "dataloader_num_workers": 0,
-         "deepspeed": str(ROOT / "ds_configs" / "zero2.json")}  # fmt: skip
+         "packing": True, "output_dir": str(work / name), "max_steps": STEPS[args.part], "report": False,
+         "dataloader_num_workers": 0, "deepspeed": str(ROOT / "ds_configs" / "zero2.json")}  # fmt: skip
     if args.part == "resume":
         r.update(save_strategy="steps", save_steps=4, save_total_limit=1)
     if args.tiny:
