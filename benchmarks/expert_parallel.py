@@ -34,7 +34,7 @@ from benchmarks.common import ROOT, environment, make_sft_data, model_dir, read_
 from benchmarks.throughput import COMMON
 
 GLOBAL = 16  # packed rows of 4096 per optimizer step
-STEPS = {"speed": 20, "resume": 8}
+STEPS = {"speed": 20, "resume": 8, "determinism": 8}
 WARMUP = 5  # logged steps left out of the averages
 PLAN = re.compile(r"peak per GPU \(([^)]*)\)\s+([\d.]+) GiB")
 
@@ -51,7 +51,7 @@ def recipe(work: Path, name: str, model: Path, data: Path, args, **extra) -> Pat
     r = {**COMMON, "model_name_or_path": str(model), "datasets": [{"path": str(data)}], "global_batch_size": GLOBAL,
          "packing": True, "output_dir": str(work / name), "max_steps": STEPS[args.part], "report": False,
          "dataloader_num_workers": 0, "deepspeed": str(ROOT / "ds_configs" / "zero2.json")}  # fmt: skip
-    if args.part == "resume":
+    if args.part != "speed":
         r.update(save_strategy="steps", save_steps=4, save_total_limit=1)
     if args.tiny:
         r.update(bf16=False, dtype="float32", max_length=512, peak_tflops=1.0, global_batch_size=4)
@@ -62,12 +62,14 @@ def recipe(work: Path, name: str, model: Path, data: Path, args, **extra) -> Pat
 
 
 def train(work: Path, name: str, path: Path, nproc: int, env: dict | None = None) -> dict:
+    """One `sft train` run of recipe `path` (its output_dir: `work / path.stem`); `name` names its log."""
     cmd = [sys.executable, "-m", "sft", "train", "--nproc-per-node", str(nproc), "--config", str(path)]
     log = work / "logs" / f"{name}.log"
     rc, seconds = run(cmd, log, env)
     text = log.read_text()
     plans = PLAN.findall(text)
-    steps = [r for r in read_jsonl(work / name / "metrics.jsonl") if "loss" in r] if (work / name).exists() else []
+    metrics = work / path.stem / "metrics.jsonl"
+    steps = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
     planned = float(plans[-1][1]) if plans else None
     return {"name": name, "exit_code": rc, "wall_s": round(seconds, 1), "steps": steps, "planned_peak_gib": planned,
             "log_tail": text[-2500:] if rc else ""}  # fmt: skip
@@ -156,6 +158,51 @@ def resume(work: Path, model: Path, data: Path, args) -> tuple[dict, str]:
     return result, "\n".join(md)
 
 
+def same_weights(a: Path, b: Path) -> bool:
+    import safetensors.torch
+    import torch
+
+    if not (a / "model.safetensors").exists() or not (b / "model.safetensors").exists():
+        return False
+    x, y = (safetensors.torch.load_file(p / "model.safetensors") for p in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def determinism(work: Path, model: Path, data: Path, args) -> tuple[dict, str]:
+    """Two identical ep=2 runs with sft's defaults, then with transformers' `full_determinism` (deterministic torch
+    algorithms): are they bit-identical? With full_determinism, also killed while writing checkpoint-8 and run
+    again, against the uninterrupted run."""
+    from sft.checkpoint import KILL_DURING_SAVE_ENV
+
+    runs = {}
+    for name, extra in (("default-a", {}), ("default-b", {}), ("determ-a", {"full_determinism": True})):
+        runs[name] = train(work, name, recipe(work, name, model, data, args, expert_parallel_size=2, **extra), 2)
+        shutil.rmtree(work / name / "checkpoint-8", ignore_errors=True)
+    killed = recipe(work, "determ-b", model, data, args, expert_parallel_size=2, full_determinism=True)
+    runs["determ-b-killed"] = train(work, "determ-b-killed", killed, 2, {KILL_DURING_SAVE_ENV: "8"})
+    runs["determ-b"] = train(work, "determ-b", killed, 2)
+    keys = ("loss", "grad_norm", "aux_loss", "learning_rate", "num_tokens")
+
+    def same(a: str, b: str, upto: int | None = None) -> dict:
+        x, y = runs[a]["steps"][:upto], runs[b]["steps"][:upto]
+        return {k: bool(x) and [r[k] for r in x] == [r[k] for r in y] for k in keys}
+
+    result = {
+        "runs": [summary(r) for r in runs.values()],
+        "default_run_to_run": same("default-a", "default-b"),
+        "full_determinism_run_to_run_before_the_kill": same("determ-a", "determ-b-killed", 7),
+        "full_determinism_killed_and_rerun_vs_uninterrupted": same("determ-a", "determ-b"),
+        "full_determinism_final_weights_bit_identical": same_weights(work / "determ-a", work / "determ-b"),
+        "per_step": {n: [{k: r.get(k) for k in keys} for r in runs[n]["steps"]] for n in runs},
+    }
+    md = [f"{k}: {v}" for k, v in result.items() if k not in ("runs", "per_step")]
+    for s in result["runs"]:
+        md.append(
+            f"{s['name']}: exit {s['exit_code']}, {s['wall_s']} s, {s.get('tokens_per_second_per_gpu', 0):,.0f} tok/s"
+        )
+    return result, "\n".join(md)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -171,7 +218,7 @@ def main() -> None:
     model = model_dir(work / "model", config)
     data = work / "data.jsonl"
     make_sft_data(data, args.records, config["vocab_size"], 512 if args.tiny else 4096)
-    result, md = (speed if args.part == "speed" else resume)(work, model, data, args)
+    result, md = {"speed": speed, "resume": resume, "determinism": determinism}[args.part](work, model, data, args)
     result.update(environment=environment(), layers=args.layers, tiny=args.tiny)
     (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{args.part}.md").write_text(md + "\n")

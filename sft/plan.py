@@ -467,6 +467,11 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
     p = trainable(shape, s)
     full = not s.lora_r
+    # Expert parallelism (ZeRO-0/1/2): a GPU holds 1/ep of the routed experts, whose optimizer states and gradient
+    # partition are split over the n/ep GPUs holding the same experts; the other parameters as without it
+    e = shape.expert_params if s.ep > 1 and full else 0
+    held = p - e + e / s.ep  # parameters a GPU holds whole in 16 bits
+    part = (p - e) / n + e / s.ep / max(n // s.ep, 1)  # its partition of the optimizer states and gradients
     states_gpu, host = model_states(shape, s)
     frozen = frozen_weight_bytes(shape, s)
     items: dict[str, float] = {}
@@ -484,22 +489,22 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
         states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
     elif s.zero_stage == 2:
-        items["weights (16-bit)"] = b * p + frozen
-        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
-        on_gpu = 0 if s.offload_optimizer else p / n
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * part
+        on_gpu = 0 if s.offload_optimizer else part
         step["gradient partition (16-bit)"] = b * on_gpu
         step["fp32 gradient partition (step)"] = 4 * on_gpu
         step["flattened gradient copy (step)"] = b * on_gpu
         states_own = sum(items.values()) + (b + 4) * on_gpu
     elif s.zero_stage == 1:
-        items["weights (16-bit)"] = b * p + frozen
-        items["optimizer: fp32 master + Adam moments"] = 12 * p / n
-        step["gradients 16-bit + fp32 partition (step)"] = b * p + 4 * p / n
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * part
+        step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
         states_own = sum(items.values()) + sum(step.values())
     else:
-        items["weights (16-bit)"] = b * p + frozen
-        items["optimizer: fp32 master + Adam moments"] = 12 * p
-        step["gradients 16-bit + fp32 (step)"] = b * p + 4 * p
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * held
+        step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
         states_own = sum(items.values()) + sum(step.values())
     static = sum(items.values())
 
@@ -525,7 +530,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
             backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
     elif s.zero_stage == 2:
-        partition = 0 if s.offload_optimizer else b * p / n
+        partition = 0 if s.offload_optimizer else b * part
         buckets = 2 * b * shape.hidden**2  # reduce_bucket_size "auto" = hidden^2, double-buffered (overlap_comm)
         during = max(partition + (b * v_h if full else 0), head_grad + tile)
         backward["gradient partition / LM head gradient"] = during + buckets
@@ -535,7 +540,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
             # plan_defaults; the calibration and validation runs had no accumulation)
             backward["16-bit gradients accumulated across micro-batches"] = partition
     else:
-        backward["gradients (16-bit) + loss tile"] = b * p + tile
+        backward["gradients (16-bit) + loss tile"] = b * held + tile
     if s.qlora:
         largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
         backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
