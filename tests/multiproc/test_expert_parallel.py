@@ -82,14 +82,18 @@ def test_experts_split_over_two_ranks_train_as_every_expert_on_each(runs):
         assert a["num_tokens"] == b["num_tokens"] and a["learning_rate"] == b["learning_rate"]
         assert math.isfinite(b["aux_loss"]) and b["aux_loss"] > 0  # the router's load-balancing loss, under AutoEP too
     assert two[-1]["loss"] < two[0]["loss"] - 0.1
-    # the saved model is in Hugging Face's layout (experts gathered from both ranks) and equals ep=1's
+    # the saved model is in Hugging Face's layout (experts gathered from both ranks: transformers writes its fused
+    # experts back as the hub's one tensor per expert) and equals ep=1's
     a, b = weights(root / "ep1"), weights(root / "ep2")
-    assert a.keys() == b.keys() and any(".experts.gate_up_proj" in k for k in b)
+    assert a.keys() == b.keys() and {f"model.layers.3.mlp.experts.{e}.down_proj.weight" for e in range(4)} <= set(b)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert weights(root / "ep2" / "checkpoint-8").keys() == b.keys()  # each checkpoint's model too
     model = AutoModelForCausalLM.from_pretrained(root / "ep2")
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 96, 64)
-    assert torch.equal(model.model.layers[3].mlp.experts.down_proj, b["model.layers.3.mlp.experts.down_proj"])
+    for e in range(4):  # the experts of the second rank (2, 3) too, each where ep=1 has it
+        assert torch.equal(
+            model.model.layers[3].mlp.experts.down_proj[e], b[f"model.layers.3.mlp.experts.{e}.down_proj.weight"]
+        )
     # the ZeRO checkpoint holds AutoEP's expert files, and the fingerprint says so
     files = {p.name for p in (root / "ep2" / "checkpoint-8" / "global_step8").iterdir()}
     assert {f"layer_{i}_expert_{e}_mp_rank_00_model_states.pt" for i in range(4) for e in range(4)} <= files
