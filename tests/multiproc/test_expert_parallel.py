@@ -126,3 +126,29 @@ def test_resumed_on_one_process_keeps_the_schedule_tokens_and_samples(runs):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
     a, b = weights(root / "ep2"), weights(root / "one")
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_mixtral_experts_split_over_two_ranks_train_as_every_expert_on_each(tmp_path):
+    """AutoEP's Mixtral preset (no shared experts, its own router): 4 steps, ep=2 against ep=1."""
+    model = tmp_path / "mixtral"
+    shutil.copytree(ROOT / "recipes" / "demo" / "model", model)
+    config = {k: v for k, v in MODEL.items() if k not in ("num_experts", "moe_intermediate_size")}
+    config.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4, num_hidden_layers=2,
+                  intermediate_size=48)  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    for ep in (1, 2):
+        result = run_cli(
+            DEMO + ["--model_name_or_path", str(model), "--output_dir", str(tmp_path / f"ep{ep}")]
+            + ["--deepspeed", "ds_configs/zero2.json", "--max_steps", "4", "--logging_steps", "1", "--save_strategy",
+               "no", "--eval_strategy", "no", "--report", "false", "--expert_parallel_size", str(ep)],
+            nproc=2,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-5000:]
+    one, two = steps(tmp_path / "ep1"), steps(tmp_path / "ep2")
+    assert len(two) == 4 and "Model: mixtral" in result.stderr and "experts split over 2" in result.stderr
+    for a, b in zip(one, two, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and math.isclose(
+            a["grad_norm"], b["grad_norm"], rel_tol=1e-4
+        )
+    a, b = weights(tmp_path / "ep1"), weights(tmp_path / "ep2")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
