@@ -26,7 +26,10 @@ MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 # conftest.py, made once per worker) are one group; the two-node tests are one group (one pair of namespaces).
 SHARED_SESSION = {"test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk"}
 # The longest groups first (measured, `--durations`), so that the two workers end together
-LONGEST_FIRST = ["test_resume.py", "demo-walk", "multinode", "test_sp_runs.py", "test_lora.py", "test_fp8_runs.py"]
+LONGEST_FIRST = [
+    "test_resume.py", "demo-walk", "multinode", "test_sp_runs.py", "test_lora.py", "test_fp8_runs.py",
+    "test_expert_parallel_runs.py",
+]  # fmt: skip
 
 
 def group(nodeid: str) -> str:
