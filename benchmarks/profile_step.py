@@ -14,6 +14,7 @@ time the GPU waited for the host. Output: runs.jsonl (one record per variant) an
 Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each):
 - `sft`: ds_configs/zero2.json as it is.
 - `sft_overlap`, `sft_no_overlap`: ZeRO-2 with `overlap_comm` true / false.
+- `sft_autoep1` (MoE shape): DeepSpeed AutoEP's MoE layer at expert-parallel size 1 (`sft.expert_parallel`).
 - `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
   DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
 
@@ -62,6 +63,8 @@ MOE_VARIANTS = {
     "sft_nods_micro4": {"deepspeed": None, "per_device_train_batch_size": 4},
     # without DeepSpeed but with its precision: fp32 weights and optimizer, bf16 autocast (transformers' loop)
     "sft_nods_fp32": {"deepspeed": None, "dtype": "float32"},
+    # DeepSpeed AutoEP's MoE layer (its router, grouped experts and combine) at size 1 instead of transformers' own
+    "sft_autoep1": {"deepspeed": {"expert_parallel": {"enabled": True, "autoep_size": 1}}},
 }  # fmt: skip
 CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("attention", r"flash|fmha|attn"),
