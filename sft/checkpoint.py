@@ -305,23 +305,27 @@ def claim_output_dir(output_dir: str) -> None:
     write_json_synced(out / RUN_MANIFEST, {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "finished_step": None})
 
 
+def update_manifest(output_dir: str | Path, **entries) -> None:
+    """Set `entries` in the run manifest (sft_run.json), the rest kept: its one read-modify-write (main process)."""
+    out = Path(output_dir)
+    manifest = read_manifest(out) or {}
+    manifest.update(entries)
+    write_json_synced(out / RUN_MANIFEST, manifest)
+
+
 def record_settings(output_dir: str, fingerprint: dict) -> None:
     """The run's fingerprint (its settings: model, data, batch, packing, parallel sizes) in the run manifest, for
     `sft report`'s header."""
-    out = Path(output_dir)
-    manifest = read_manifest(out) or {}
-    manifest["fingerprint"] = fingerprint
-    write_json_synced(out / RUN_MANIFEST, manifest)
+    update_manifest(output_dir, fingerprint=fingerprint)
 
 
 def mark_finished(output_dir: str, step: int, max_steps: int, num_train_epochs: float, before: set[str]) -> None:
     """Record the finished step, the targets it was run with and the final model's files (those new since `before`)."""
     out = Path(output_dir)
-    manifest = read_manifest(out) or {}
-    files = sorted(set(manifest.get("files", [])) | {p.name for p in out.iterdir()} - before - SFT_ARTIFACTS)
+    earlier = (read_manifest(out) or {}).get("files", [])
+    files = sorted(set(earlier) | {p.name for p in out.iterdir()} - before - SFT_ARTIFACTS)
     files = [f for f in files if not CHECKPOINT_RE.match(f)]
-    manifest.update(finished_step=step, max_steps=max_steps, num_train_epochs=num_train_epochs, files=files)
-    write_json_synced(out / RUN_MANIFEST, manifest)
+    update_manifest(out, finished_step=step, max_steps=max_steps, num_train_epochs=num_train_epochs, files=files)
 
 
 def _refuse_finished_run(out: Path, training_args, complete: list[Path]) -> None:

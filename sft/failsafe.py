@@ -118,12 +118,9 @@ def record(args, line: dict) -> None:
     """One event line in metrics.jsonl (main process), beside the training logs (`sft.report` shows them)."""
     if args.process_index != 0:
         return
-    from sft.metrics import METRICS_FILE
+    from sft.metrics import append
 
-    path = Path(args.output_dir) / METRICS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({**line, "time": time.time()}) + "\n")
+    append(args.output_dir, {**line, "time": time.time()})
 
 
 def stop(args, step: int, reason: str, message: str) -> None:
@@ -133,11 +130,8 @@ def stop(args, step: int, reason: str, message: str) -> None:
         return
     from sft import checkpoint as ckpt
 
-    out = Path(args.output_dir)
-    manifest = ckpt.read_manifest(out) or {}
     when = time.strftime("%Y-%m-%d %H:%M:%S")
-    manifest["stopped"] = {"step": step, "reason": reason, "message": message, "time": when}
-    ckpt.write_json_synced(out / ckpt.RUN_MANIFEST, manifest)
+    ckpt.update_manifest(args.output_dir, stopped={"step": step, "reason": reason, "message": message, "time": when})
 
 
 def _newest_checkpoint(output_dir: str) -> str:
@@ -217,10 +211,8 @@ def retried(args, step: int) -> None:
     record(args, {"step": step, "out_of_memory_retry": event})
     from sft import checkpoint as ckpt
 
-    out = Path(args.output_dir)
-    manifest = ckpt.read_manifest(out) or {}
-    manifest.setdefault("out_of_memory_retries", []).append({"step": step, **event})
-    ckpt.write_json_synced(out / ckpt.RUN_MANIFEST, manifest)
+    retries = (ckpt.read_manifest(Path(args.output_dir)) or {}).get("out_of_memory_retries", [])
+    ckpt.update_manifest(args.output_dir, out_of_memory_retries=[*retries, {"step": step, **event}])
 
 
 def at_step(step: int, micro: int) -> None:

@@ -35,6 +35,15 @@ DATA_TRACE_DIR = "data_trace"
 WANDB_RUN_FILE = "wandb_run.json"
 
 
+def append(output_dir: str | Path, record: dict) -> None:
+    """One JSON line appended to `<output_dir>/metrics.jsonl`: the one writer of the file (training logs, the resume
+    marker, the fail-safe's events). Callers write from the main process only."""
+    path = Path(output_dir) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 class MetricsLog(TrainerCallback):
     """Append every log event of the main process to `<output_dir>/metrics.jsonl`, one JSON object a line.
 
@@ -46,6 +55,7 @@ class MetricsLog(TrainerCallback):
     """
 
     def __init__(self, output_dir: str):
+        self.output_dir = output_dir
         self.path = Path(output_dir) / METRICS_FILE
 
     def keep_until(self, step: int) -> None:
@@ -62,18 +72,12 @@ class MetricsLog(TrainerCallback):
 
     def mark_resume(self, step: int) -> None:
         """One line saying training resumed from `step` (`sft.report` marks it on every plot)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), "resumed_from_step": step}) + "\n")
+        append(self.output_dir, {"step": step, "time": time.time(), "resumed_from_step": step})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": state.global_step, "epoch": state.epoch, "time": time.time()}
-        record.update(logs)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append(self.output_dir, {"step": state.global_step, "epoch": state.epoch, "time": time.time(), **logs})
 
 
 class Throughput(TrainerCallback):
