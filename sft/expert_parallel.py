@@ -28,13 +28,10 @@ knows AutoEP's expert placement (`deepspeed.checkpoint.autoep_universal`), as fo
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from sft.architectures import is_routed_expert
 from sft.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 def preset_for(family: str) -> str | None:
@@ -179,7 +176,7 @@ def group_experts(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ep: 
     (`_remap_client_optimizer_after_module_replacement`), which is this one, and ZeRO reduces and partitions it over
     the expert-data-parallel group ("The model has moe layers, but None of the param groups are marked as MoE"
     otherwise). Returns the number of expert weights moved."""
-    experts = {id(p) for name, p in model.named_parameters() if name.rsplit(".", 2)[-2:-1] == ["experts"]}
+    experts = {id(p) for name, p in model.named_parameters() if is_routed_expert(name)}
     moved = []
     for group in optimizer.param_groups:
         own = [p for p in group["params"] if id(p) in experts]

@@ -199,8 +199,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     linear = sum(
         m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )
-    # the routed experts: the parameters of each MoE block's `experts` module (shared experts are apart)
-    routed = sum(p.numel() for name, p in built.named_parameters() if name.rsplit(".", 2)[-2:-1] == ["experts"])
+    routed = sum(p.numel() for name, p in built.named_parameters() if architectures.is_routed_expert(name))
     return ModelShape(
         model_type=arch.family,
         n_params=sum(unique.values()),

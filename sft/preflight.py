@@ -98,10 +98,10 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         target = resume.global_batch
     elif retry is not None:
         target = retry.global_batch
-    zero3 = ds_engine.zero_setup(training_args).stage == 3
+    zero, dims = ds_engine.zero_setup(training_args), training_args.parallel
+    zero3 = zero.stage == 3
     remote = bool(getattr(model_args, "trust_remote_code", False))
     arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
-    zero, dims = ds_engine.zero_setup(training_args), training_args.parallel
     offload = zero.offload_optimizer or zero.offload_params
     expert_parallel.check(dims.ep, dims.sp, zero.stage, offload, arch.family, arch.is_moe, bool(model_args.use_peft))
     # decided here, applied in the one rebuild at the end (a rebuild would turn every `auto` into its placeholder)
