@@ -121,3 +121,17 @@ def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplo
         dynamo.warning("torch._dynamo hit config.recompile_limit (8)")
         logging.getLogger("liger_kernel.backends.registry").warning("Backend impl 'x' could not be imported")
     assert [r.getMessage() for r in caplog.records] == ["torch._dynamo hit config.recompile_limit (8)"]
+
+
+def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
+    """lm-eval's `auto` searches the GPU's memory; on a CPU it would only cost time. A missing model is refused before
+    lm-eval is imported (exit 2, one line)."""
+    from sft import evaluation
+
+    assert evaluation.batch_size("auto", "cpu") == evaluation.CPU_BATCH_SIZE == 16
+    assert evaluation.batch_size("auto", "cuda") == "auto" and evaluation.batch_size("4", "cpu") == "4"
+    assert evaluation.main(["--model", str(tmp_path / "none"), "--tasks", "sft_demo"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"eval/run.py: error: --model {tmp_path / 'none'}: no such directory. Give a training output_dir or a merged "
+        "model."
+    )
