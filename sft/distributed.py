@@ -22,6 +22,25 @@ import torch.distributed as dist
 
 from sft.errors import ConfigError
 
+# What a launcher gives each process; a process started without one (`python sft/train.py`, `sft train` without
+# `--nproc-per-node`) gets the values of a one-process launch, as accelerate gives a lone process
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def lone_process_environment() -> dict[str, str]:
+    """Set the variables of a one-process launch (rank 0 of 1, a free port on 127.0.0.1) when no launcher set any;
+    returns what was set. Without them DeepSpeed's `init_distributed` takes the process for an MPI job and fails
+    without mpi4py. A process that has some of them but not all is a launcher's, and is left as it is."""
+    if any(name in os.environ for name in LAUNCH_VARIABLES):
+        return {}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port)}  # fmt: skip
+    os.environ.update(values)
+    return values
+
 
 def init_process_group(timeout_s: int | None = None) -> None:
     """Start the default process group of a torchrun/deepspeed launch (no-op for a single process).

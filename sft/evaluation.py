@@ -58,8 +58,8 @@ def pick_backend(backend: str) -> str:
     return "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
 
 
-# `--batch-size auto` on a CPU: lm-eval's auto runs the model at decreasing batch sizes until one fits the memory, which
-# on a CPU is time spent for nothing (the demo's sft_demo: 46 s with auto, 24 s with 16, 30 s with 1; 2 cores)
+# `--batch-size auto` on a CPU: lm-eval's auto runs the model at decreasing batch sizes until one fits the memory,
+# which on a CPU is time spent for nothing (the demo's sft_demo: 46 s with auto, 24 s with 16, 30 s with 1; 2 cores)
 CPU_BATCH_SIZE = 16
 
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="Weights dtype for the backend (auto, bfloat16, float32)")
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if there is a GPU, else cpu)")
     parser.add_argument(
-        "--batch-size", default="auto", help=f"An integer or auto (lm-eval's search on a GPU; {CPU_BATCH_SIZE} on a CPU)"
+        "--batch-size", default="auto", help=f"An integer or auto (a search on GPUs, {CPU_BATCH_SIZE} on a CPU)"
     )
     parser.add_argument("--num-fewshot", type=int, default=None)
     parser.add_argument("--limit", type=float, default=None, help="Examples per task (or a fraction)")

@@ -135,7 +135,7 @@ def run(argv: list[str] | None = None) -> None:
     """The process entry point: train, then leave with the exit code (see `sft.distributed.leave`). With launcher
     flags (`--nproc-per-node N`, `sft.launch`), start that many worker processes that each run this instead."""
     from sft import launch
-    from sft.distributed import leave
+    from sft.distributed import leave, lone_process_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # the launcher's own errors: its flags, or this node cannot take part (sft.nodes)
@@ -148,6 +148,7 @@ def run(argv: list[str] | None = None) -> None:
     except SFTError as e:
         print(f"sft: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    lone_process_environment()  # no launcher: the variables of a one-process launch (DeepSpeed needs them)
     try:
         code = cli(argv)
     except SystemExit as e:  # a preempted run's exit code

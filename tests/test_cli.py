@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,24 @@ def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
         f"eval/run.py: error: --model {tmp_path / 'none'}: no such directory. Give a training output_dir or a merged "
         "model."
     )
+
+
+def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
+    """`python sft/train.py` and `sft train` without `--nproc-per-node`: rank 0 of 1 on a free local port (DeepSpeed
+    would otherwise look for MPI); a launcher's variables, even some of them, are never changed."""
+    import socket
+
+    from sft.distributed import LAUNCH_VARIABLES, lone_process_environment
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    values = lone_process_environment()
+    expected = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert {k: v for k, v in values.items() if k != "MASTER_PORT"} == expected
+    with socket.socket() as s:  # the port is free to take
+        s.bind(("127.0.0.1", int(values["MASTER_PORT"])))
+    assert all(os.environ[k] == v for k, v in values.items())
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert lone_process_environment() == {} and "RANK" not in os.environ

@@ -1,11 +1,12 @@
 """Runs that several test modules start from, made once per session on first use (each costs minutes on two cores;
 issue #36): README's walk, whose demo is also the trained model `test_eval.py` evaluates, and a short one-process
-run that logs to tensorboard and wandb (offline), whose wandb run `test_eval.py` logs an evaluation into. Tests read
-them; a test that changes one works on a copy."""
+run (`sft train` without a launcher) that logs to tensorboard and wandb (offline), whose wandb run `test_eval.py` logs
+an evaluation into. Tests read them; a test that changes one works on a copy."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_env
 from tests.multiproc import readme
 
 
@@ -61,15 +62,17 @@ class Logged:
 
 @pytest.fixture(scope="session")
 def tensorboard_wandb_run(tmp_path_factory) -> Logged:
-    """The demo on one process without DeepSpeed, 6 steps, logging every 2 to tensorboard and wandb (offline)."""
+    """The demo as one process started by `sft train` without `--nproc-per-node` (no launcher: sft gives the process
+    the variables of a one-process launch), under the demo's ZeRO-2 config, 6 steps, logging every 2 to tensorboard
+    and wandb (offline)."""
     work = tmp_path_factory.mktemp("logged")
     recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
     recipe["report_to"] = ["tensorboard", "wandb"]  # a list: the command line takes one value only
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     out = work / "out"
-    result = run_cli(
-        ["--config", str(work / "recipe.yaml"), "--output_dir", str(out), "--deepspeed", "none"]
+    result = subprocess.run(
+        [sys.executable, "-m", "sft", "train", "--config", str(work / "recipe.yaml"), "--output_dir", str(out)]
         + ["--max_steps", "6", "--logging_steps", "2", "--eval_strategy", "no", "--peak_tflops", "0.01"],
-        tmp_path=work,
-    )
+        cwd=ROOT, env=cli_env(work), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     return Logged(out, work, result)

@@ -86,6 +86,12 @@ def assert_same_run(reference: Path, resumed: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def launched(nproc: int) -> int:
+    """The `run_cli` launch of a run on `nproc` processes: one process runs as `python sft/train.py`, without a
+    launcher (so the runs on one process below, ZeRO-2 and ZeRO-3, prove that a lone process trains and resumes)."""
+    return nproc if nproc > 1 else 0
+
+
 def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2, env: dict | None = None) -> None:
     """Start the CLI and SIGKILL the launcher and every worker once checkpoint-<step> is complete."""
     proc = start_cli(args, nproc=nproc, env=env)
@@ -131,7 +137,7 @@ class SharedRuns:
             mine = [(spec, job) for spec, job in zip(single, jobs, strict=True) if spec[0] == kind]
             if not mine:
                 continue
-            results = run_cli_side_by_side([(job[0], spec[2]) for spec, job in mine], env=mine[0][1][1])
+            results = run_cli_side_by_side([(job[0], launched(spec[2])) for spec, job in mine], env=mine[0][1][1])
             for (spec, job), result in zip(mine, results, strict=True):
                 self._check(kind, result, job[2])
                 self.made[spec] = job[2]
@@ -201,7 +207,7 @@ def test_sigkill_during_checkpoint_write(reference, killed, model_dir, tmp_path)
 def test_different_process_count(stage, before, after, shared, reference, killed, model_dir, tmp_path):
     shared.prepare(("reference", stage, before), ("killed", stage, before))  # with one process: side by side
     out = killed(stage, before, tmp_path / "out")
-    result = run_cli(args_for(model_dir, out, stage), nproc=after)
+    result = run_cli(args_for(model_dir, out, stage), nproc=launched(after))
     assert_ok(result)
     assert f"on {after} processes (was {before}): global batch {2 * before} " in result.stderr
     if stage == "zero2":  # ds_configs/zero2.json leaves overlap_comm to sft: on with several processes only

@@ -137,9 +137,11 @@ def test_zero2_and_zero3_agree(zero_runs):
 
 def test_single_process_with_tensorboard_and_wandb_offline(tensorboard_wandb_run):
     """The run of the `tensorboard_wandb_run` fixture (tests/multiproc/conftest.py; test_eval.py logs an evaluation
-    into its wandb run): one process without DeepSpeed, 6 steps, logging every 2."""
+    into its wandb run): one process that `sft train` started without a launcher, ZeRO-2, 6 steps, logging every 2."""
     out, result = tensorboard_wandb_run.out, tensorboard_wandb_run.result
     assert_ok(result)
+    assert "Parallel sizes: 1 process: data-parallel 1" in result.stderr
+    assert "Starting the DeepSpeed engine (ZeRO-2)" in result.stderr and "mpi4py" not in result.stderr
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [2, 4, 6]
     events = list((out / "runs").rglob("events.out.tfevents.*"))
