@@ -110,6 +110,18 @@ class Architecture:
     def is_moe(self) -> bool:
         return self.experts is not None
 
+    def identity(self) -> dict:
+        """What makes weights and optimizer states belong to this model (the checkpoint fingerprint's `architecture`):
+        the family and every width and count that shapes a tensor."""
+        e = self.experts
+        return {
+            "family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+            "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
+            "vocab": self.vocab,
+            "experts": None if e is None else {"count": e.count, "active": e.active, "width": e.width,
+                                               "moe_layers": e.moe_layers, "shared": e.shared},
+        }  # fmt: skip
+
     def kernel(self, name: str) -> Kernel:
         """Whether fast path `name` (`liger`, `fp8`, `compile`) is known good for this family, and why (not)."""
         if name in self.kernels:

@@ -140,15 +140,22 @@ def damage(checkpoint: str | Path) -> str | None:
         shards = ckpt / tag
         if not shards.is_dir():
             return f"`latest` names {tag!r}, which is not in the checkpoint"
+        names = [f.name for f in shards.iterdir()]
+        ranks = {}
         for kind in ("optim_states", "model_states"):
-            ranks = sorted(
-                int(m.group(1))
-                for f in shards.iterdir()
-                if (m := re.search(rf"zero_pp_rank_(\d+)_mp_rank_00_{kind}", f.name))
+            ranks[kind] = sorted(
+                int(m.group(1)) for name in names if (m := re.search(rf"zero_pp_rank_(\d+)_mp_rank_00_{kind}", name))
             )
-            if ranks and ranks != list(range(world)):
-                gone = sorted(set(range(world)) - set(ranks))
-                return f"{tag}/ lacks the {kind.replace('_', ' ')} of rank(s) {gone} ({len(ranks)} of {world} present)"
+            if ranks[kind] and ranks[kind] != list(range(world)):
+                gone = sorted(set(range(world)) - set(ranks[kind]))
+                return (f"{tag}/ lacks the {kind.replace('_', ' ')} of rank(s) {gone} ({len(ranks[kind])} of {world} "
+                        "present)")  # fmt: skip
+        # DeepSpeed reads the model and engine state first: one file under ZeRO-0/1/2, one per rank under ZeRO-3
+        # (which also always writes each rank's optimizer shard)
+        if not ranks["model_states"] and "mp_rank_00_model_states.pt" not in names:
+            return f"{tag}/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine state)"
+        if ranks["model_states"] and not ranks["optim_states"]:
+            return f"{tag}/ has no optimizer shard (zero_pp_rank_<rank>_mp_rank_00_optim_states.pt) of any rank"
     for path in sorted(ckpt.rglob("*")):
         if path.is_file() and path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".json"):
             problem = _file_damage(path)
@@ -191,9 +198,17 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "split": script_args.dataset_train_split,
         }
     ]
+    from sft import architectures
+    from sft import plan as memplan
+
+    config = memplan.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     dims = training_args.parallel
     return {
         "model": model_args.model_name_or_path,
+        "architecture": architectures.of(config).identity(),
+        "lora": json.loads(json.dumps({n: getattr(model_args, n, None) for n in LORA_FIELDS}))
+        if model_args.use_peft
+        else None,  # as the checkpoint's JSON will hold it (lists, not tuples)
         "from_scratch": model_args.from_scratch,
         "seed": training_args.seed,
         "data": {"sources": sources, "train_records": n_train, "test_split_size": data_args.test_split_size},
@@ -226,17 +241,32 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
     }
 
 
+# TRL's ModelConfig fields that shape or quantise what a LoRA/QLoRA checkpoint holds
+LORA_FIELDS = (
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora",
+    "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+)  # fmt: skip
 # Fingerprint keys added later, with the value a checkpoint written before them implies
 ADDED_KEYS = {"fp8": False}
+# ... and those a checkpoint written before them says nothing about (compared only when the checkpoint has them)
+UNKNOWN_BEFORE = {"architecture", "lora"}
+
+
+def _differences(key: str, saved, current) -> list[str]:
+    """`key: checkpoint X vs now Y` for a differing entry; for two mappings, one such line per differing field."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        fields = [f for f in sorted(set(saved) | set(current)) if saved.get(f) != current.get(f)]
+        return [line for f in fields for line in _differences(f"{key}.{f}", saved.get(f), current.get(f))]
+    return [f"{key}: checkpoint {saved!r} vs now {current!r}"]
 
 
 def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
     """Refuse a checkpoint of another run; warn when only library versions differ."""
     saved = {**ADDED_KEYS, **saved}
     differ = [k for k in sorted(set(saved) | set(current)) if k not in GEOMETRY_KEYS | {VERSION_KEY}]
-    differ = [k for k in differ if saved.get(k) != current.get(k)]
+    differ = [k for k in differ if saved.get(k) != current.get(k) and (k in saved or k not in UNKNOWN_BEFORE)]
     if differ:
-        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in differ)
+        details = "; ".join(line for k in differ for line in _differences(k, saved.get(k), current.get(k)))
         raise ConfigError(
             f"{where} belongs to a different run ({details}). Resuming it would not continue the same training: use "
             "a new --output_dir, restore the original settings, or pass --resume_from_checkpoint none with a new "

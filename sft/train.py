@@ -44,19 +44,20 @@ def main(argv: list[str] | None = None) -> None:
     training_args = preflight(training_args, model_args, resume)  # batch, memory and resume plan, before any work
     if memplan.cap_gpu_memory(training_args.max_gpu_memory_gib):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
-    training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
-    if training_args.process_index == 0:
-        ckpt.claim_output_dir(training_args.output_dir)
-        ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
     check_tokenizer(train_dataset, tokenizer, training_args)
     fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
     check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
-    if training_args.process_index == 0:
-        ckpt.record_settings(training_args.output_dir, fingerprint)
-    if resume_from:
+    if resume_from:  # a checkpoint of another run (or model) is refused before anything in output_dir changes
         ckpt.compare_fingerprints(saved, fingerprint, resume_from)
+    training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
+    if training_args.process_index == 0:
+        ckpt.claim_output_dir(training_args.output_dir)
+        ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
+        ckpt.record_settings(training_args.output_dir, fingerprint)
+    training_args.distributed_state.wait_for_everyone()
+    if resume_from:
         ds_engine.convert_for_resume(training_args, resume_from)
     # tokenised by TRL's own steps on every rank (their main-process-first barriers must match), which the trainer
     # below then finds in the datasets cache

@@ -15,8 +15,9 @@ from sft import checkpoint as ckpt
 from sft.errors import ConfigError
 
 
-def make(out: Path, step: int, complete: bool = True, world: int = 2) -> Path:
-    """A checkpoint laid out as transformers + DeepSpeed ZeRO-2 write it for `world` processes (tiny tensors)."""
+def make(out: Path, step: int, complete: bool = True, world: int = 2, zero3: bool = False) -> Path:
+    """A checkpoint laid out as transformers + DeepSpeed ZeRO-2 (or ZeRO-3: model states per rank) write it for
+    `world` processes (tiny tensors)."""
     path = out / f"checkpoint-{step}"
     shards = path / f"global_step{step}"
     shards.mkdir(parents=True)
@@ -27,7 +28,10 @@ def make(out: Path, step: int, complete: bool = True, world: int = 2) -> Path:
     for rank in range(world):
         torch.save({"python": rank}, path / (f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"))
         torch.save({"state": torch.zeros(8)}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-    torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
+        if zero3:
+            torch.save({"module": {}}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    if not zero3:
+        torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
     (path / "latest").write_text(shards.name)
     if complete:
         (path / ckpt.MARKER).write_text("{}")
@@ -128,9 +132,11 @@ def truncate(path: Path) -> None:
         (lambda c: (c / "latest").write_text("global_step9"), "`latest` names 'global_step9', which is not in"),
         (lambda c: truncate(c / "model.safetensors"), "model.safetensors is 68 bytes where its header says 136"),
         (lambda c: (c / "scheduler.pt").write_bytes(b""), "scheduler.pt is empty"),
+        (lambda c: (c / "global_step8" / "mp_rank_00_model_states.pt").unlink(),
+         "global_step8/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine state)"),
     ],
     ids=["truncated-optimizer", "deleted-shard", "corrupt-state", "deleted-rng", "dangling-latest",
-         "truncated-weights", "empty-file"],
+         "truncated-weights", "empty-file", "deleted-model-states"],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, caplog, harm, named):
     make(tmp_path, 4)
@@ -155,3 +161,34 @@ def test_no_usable_checkpoint_is_an_error(tmp_path):
         ckpt.resolve_resume(args(tmp_path))
     with pytest.raises(ConfigError, match="is damaged: rng_state_0.pth is missing"):
         ckpt.resolve_resume(args(tmp_path / "elsewhere", str(only)))
+
+
+def test_zero3_checkpoints_need_every_ranks_model_states_and_optimizer_shards(tmp_path):
+    """ZeRO-3 writes no mp_rank_00_model_states.pt but one model-states file and one optimizer shard per rank."""
+    newest = make(tmp_path, 8, zero3=True)
+    assert ckpt.damage(newest) is None
+    (newest / "global_step8" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    assert ckpt.damage(newest) == "global_step8/ lacks the model states of rank(s) [1] (1 of 2 present)"
+    other = make(tmp_path / "other", 8, zero3=True)
+    for rank in (0, 1):
+        (other / "global_step8" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
+    assert ckpt.damage(other) == (
+        "global_step8/ has no optimizer shard (zero_pp_rank_<rank>_mp_rank_00_optim_states.pt) of any rank"
+    )
+    with pytest.raises(ConfigError, match="no checkpoint can be resumed, every complete one is damaged"):
+        ckpt.resolve_resume(args(tmp_path / "other"))
+
+
+def test_another_model_or_adapter_is_named_field_by_field_and_old_checkpoints_are_not_refused_for_it():
+    arch = {"family": "llama", "layers": 4, "hidden": 128, "vocab": 104, "experts": None}
+    saved = {"seed": 42, "fp8": False, "architecture": arch, "lora": None}
+    with pytest.raises(ConfigError) as e:
+        ckpt.compare_fingerprints(saved, {**saved, "architecture": {**arch, "layers": 3}}, "out/checkpoint-4")
+    assert "out/checkpoint-4 belongs to a different run (architecture.layers: checkpoint 4 vs now 3)" in str(e.value)
+    lora = {"lora_r": 8, "lora_target_modules": ["q_proj"]}
+    with pytest.raises(ConfigError, match=r"\(lora.lora_r: checkpoint 8 vs now 16\)"):
+        ckpt.compare_fingerprints({**saved, "lora": lora}, {**saved, "lora": {**lora, "lora_r": 16}}, "c")
+    with pytest.raises(ConfigError, match=r"\(lora: checkpoint None vs now \{'lora_r': 8"):
+        ckpt.compare_fingerprints(saved, {**saved, "lora": lora}, "c")
+    # written before sft fingerprinted the model: the model path and the rest still compare, this cannot
+    ckpt.compare_fingerprints({"seed": 42, "fp8": False}, {**saved, "lora": lora}, "c")

@@ -145,8 +145,9 @@ def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
 
     from sft.distributed import LAUNCH_VARIABLES, lone_process_environment
 
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    for name in LAUNCH_VARIABLES:  # set, then removed: monkeypatch puts back what was there (nothing) afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     values = lone_process_environment()
     expected = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     assert {k: v for k, v in values.items() if k != "MASTER_PORT"} == expected

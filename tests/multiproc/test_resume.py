@@ -288,6 +288,44 @@ def test_stale_checkpoint_of_another_run_is_refused(killed, model_dir, tmp_path)
     assert "belongs to a different run (seed: checkpoint 42 vs now 7)" in result.stderr
 
 
+def files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_checkpoint_without_deepspeeds_model_states_is_refused_and_nothing_changes(killed, model_dir, tmp_path):
+    """DeepSpeed's loader would stop at a bare AssertionError: the check knows the files it reads for the stage."""
+    out = killed("zero2", 2, tmp_path / "out")  # checkpoint-4 complete, checkpoint-8 half-written
+    (out / "checkpoint-4" / "global_step4" / "mp_rank_00_model_states.pt").unlink()
+    before = files(out)
+    result = run_cli_in_process(args_for(model_dir, out, "zero2"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"sft: error: `output_dir` {str(out)!r}: no checkpoint can be resumed, every complete one is damaged (the "
+        "oldest, checkpoint-4: global_step4/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine "
+        "state)). Move the output_dir away and start again, or restore the files."
+    )
+    assert files(out) == before
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_difference(killed, model_dir, tmp_path):
+    """The model's config.json edited between the runs (a layer fewer): refused at the start, before the weights would
+    fail to load, with the field named; nothing in output_dir changes."""
+    out = killed("none", 0, tmp_path / "out")
+    before = files(out)
+    config = model_dir / "config.json"
+    original = config.read_text()
+    try:
+        config.write_text(json.dumps({**json.loads(original), "num_hidden_layers": 3}))
+        result = run_cli_in_process(args_for(model_dir, out, "none"))
+    finally:
+        config.write_text(original)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "belongs to a different run (architecture.layers: checkpoint 4 vs now 3)" in last, last
+    assert files(out) == before
+
+
 def test_finished_run_is_not_silently_finished_again(killed, model_dir, tmp_path):
     out = killed("none", 0, tmp_path / "out")
     result = run_cli_in_process(args_for(model_dir, out, "none") + ["--max_steps", "4"])
