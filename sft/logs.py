@@ -28,6 +28,11 @@ logger = logging.getLogger("sft")
 HARMLESS_WARNINGS = (
     # torch 2.13 deprecates the `*_tensor` collectives that DeepSpeed's ZeRO-2/3 call on every step and save
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
+    # TRL 1.16's SFTTrainer deprecates `use_liger_kernel` for the Hub kernels (`use_kernels`), on every run with Liger
+    # on. The Hub kernels are downloaded from the Hugging Face Hub when the model loads, which clusters without
+    # network access cannot do; sft keeps liger-kernel (a pip package, offline), on per family where measured faster
+    # (sft.architectures). Nothing in the warning is the user's to act on.
+    (FutureWarning, r"`use_liger_kernel=True` is deprecated"),
 )
 # messages of other libraries that are harmless, with tracebacks, printed at WARNING: (logger, message start) dropped
 # by a filter on that logger (measured on the GPU machine, benchmarks/results/fp8/call4_8b_2gpu: 7,292 log lines for a
