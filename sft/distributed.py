@@ -147,6 +147,8 @@ def leave(code: int) -> None:
     is skipped.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if dist.is_initialized():  # a one-process group (accelerate's or DeepSpeed's): NCCL warns at exit without this
+            dist.destroy_process_group()
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -33,6 +33,9 @@ HARMLESS_WARNINGS = (
     # network access cannot do; sft keeps liger-kernel (a pip package, offline), on per family where measured faster
     # (sft.architectures). Nothing in the warning is the user's to act on.
     (FutureWarning, r"`use_liger_kernel=True` is deprecated"),
+    # torch's barrier, called by accelerate and DeepSpeed in a group made without `device_id` (one process without a
+    # launcher, measured on 1 x H200: benchmarks/results/one_process): it uses the current GPU, the one sft set
+    (UserWarning, r"barrier\(\): using the device under current context"),
 )
 # messages of other libraries that are harmless, with tracebacks, printed at WARNING: (logger, message start) dropped
 # by a filter on that logger (measured on the GPU machine, benchmarks/results/fp8/call4_8b_2gpu: 7,292 log lines for a

@@ -124,26 +124,32 @@ def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplo
     assert [r.getMessage() for r in caplog.records] == ["torch._dynamo hit config.recompile_limit (8)"]
 
 
-def test_trls_deprecation_of_use_liger_kernel_is_not_shown(tmp_path):
-    """TRL's SFTTrainer warns on every run with Liger on (issue #39: use the Hub kernels, which need the network);
-    the message as TRL's source writes it is filtered after `sft.logs.setup`, another FutureWarning is not."""
+def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
+    """TRL's SFTTrainer warns on every run with Liger on (issue #39: use the Hub kernels, which need the network), and
+    torch's barrier in a one-process GPU run; each message as the library's source writes it is filtered after
+    `sft.logs.setup`, another warning of the same kind is not."""
     import inspect
     import re
     import warnings
 
+    import torch.distributed.distributed_c10d
     import trl.trainer.sft_trainer
 
     from sft import logs
     from tests.test_plan import demo_args
 
-    said = re.search(r'"(`use_liger_kernel=True` is deprecated[^"]*)"', inspect.getsource(trl.trainer.sft_trainer))
-    assert said, "TRL's SFTTrainer no longer says this: drop the filter in sft.logs.HARMLESS_WARNINGS"
+    trl_says = re.search(r'"(`use_liger_kernel=True` is deprecated[^"]*)"', inspect.getsource(trl.trainer.sft_trainer))
+    c10d = inspect.getsource(torch.distributed.distributed_c10d)
+    torch_says = re.search(r'"(barrier\(\): using the device[^"]*)"', c10d)  # the first of its two literals
+    assert trl_says and torch_says, "a library no longer says this: drop its filter in sft.logs.HARMLESS_WARNINGS"
     _, _, args, _ = demo_args(tmp_path)
     with warnings.catch_warnings(record=True) as shown:
         logs.setup(args)
-        warnings.warn(said.group(1), FutureWarning, stacklevel=1)
+        warnings.warn(trl_says.group(1), FutureWarning, stacklevel=1)
+        warnings.warn(torch_says.group(1), UserWarning, stacklevel=1)
         warnings.warn("`something_else` is deprecated", FutureWarning, stacklevel=1)
-    assert [str(w.message) for w in shown] == ["`something_else` is deprecated"]
+        warnings.warn("barrier(): something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in shown] == ["`something_else` is deprecated", "barrier(): something else"]
 
 
 def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
