@@ -1,5 +1,6 @@
-"""README.md's commands as a plan (what runs, in order), and how one runs: used by the README walk, a session fixture
-(tests/multiproc/conftest.py) whose demo other tests reuse, and checked by tests/multiproc/test_readme.py.
+"""README.md's commands and those of the docs/ pages its table lists, as a plan (what runs, in order), and how one
+runs: used by the README walk, a session fixture (tests/multiproc/conftest.py) whose demo other tests reuse, and
+checked by tests/multiproc/test_readme.py.
 
 Every fenced `bash` block runs, command by command, unless its first line says what it needs that this machine
 lacks (`# needs: ...`: GPUs, several nodes, the hub). The two set-up commands at the top run without their install
@@ -41,9 +42,16 @@ def commands(body: str) -> list[str]:
     return out
 
 
+def pages() -> list[Path]:
+    """README.md, then the pages of its Documentation table (`| [docs/x.md](docs/x.md) | ... |`), in its order."""
+    table = re.findall(r"^\| \[docs/([\w.-]+\.md)\]", README.read_text(), re.M)
+    return [README, *(ROOT / "docs" / name for name in table)]
+
+
 def plan() -> list[tuple[str, str, str | None]]:
-    """(kind, what to run, expected output or None) for the whole README; kind is bash, python or skip."""
-    found = blocks(README.read_text())
+    """(kind, what to run, expected output or None) for README and its pages, in order; kind is bash, python or
+    skip."""
+    found = [block for page in pages() for block in blocks(page.read_text())]
     steps = []
     for i, (language, body) in enumerate(found):
         if language == "bash":

@@ -1,4 +1,5 @@
-"""README.md's commands, run as written, in order, on a copy of the repository (the first hour of a new user).
+"""README.md's commands and those of its docs/ pages, run as written, in order, on a copy of the repository (the first
+hour of a new user).
 
 The walk itself is a session fixture (`readme_walk`, tests/multiproc/conftest.py; what runs:
 tests/multiproc/readme.py): one demo run (README's first command, in full) serves every later command that reads
@@ -11,12 +12,15 @@ import json
 import re
 
 from tests.conftest import ROOT
-from tests.multiproc.readme import TEST_COMMAND, expected_code, plan
+from tests.multiproc.readme import README, TEST_COMMAND, expected_code, pages, plan
 
 
 def test_readme_plan_is_what_we_think():
-    """Without running anything: the set-up commands are first, the test command is CI's, every block that does
-    not run says why, and the python snippet has its expected output."""
+    """Without running anything: README fits on a screen or three (issue #39) and lists every docs/ page, whose
+    commands the walk runs too; the set-up commands are first, the test command is CI's, every block that does not
+    run says why, and the python snippet has its expected output."""
+    assert len(README.read_text().splitlines()) <= 150
+    assert sorted(p.name for p in pages()[1:]) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     steps = plan()
     run = [s for s in steps if s[0] != "skip"]
     assert run[0] == ("bash", "sft train --nproc-per-node 2 --config recipes/demo.yaml", None)
