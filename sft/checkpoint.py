@@ -137,6 +137,8 @@ def damage(checkpoint: str | Path) -> str | None:
     latest = ckpt / "latest"
     if latest.is_file():
         tag = latest.read_text().strip()
+        if not tag:
+            return "`latest` is empty (it names the folder of DeepSpeed's shards)"
         shards = ckpt / tag
         if not shards.is_dir():
             return f"`latest` names {tag!r}, which is not in the checkpoint"

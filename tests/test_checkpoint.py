@@ -134,9 +134,10 @@ def truncate(path: Path) -> None:
         (lambda c: (c / "scheduler.pt").write_bytes(b""), "scheduler.pt is empty"),
         (lambda c: (c / "global_step8" / "mp_rank_00_model_states.pt").unlink(),
          "global_step8/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine state)"),
+        (lambda c: (c / "latest").write_text("\n"), "`latest` is empty"),
     ],
     ids=["truncated-optimizer", "deleted-shard", "corrupt-state", "deleted-rng", "dangling-latest",
-         "truncated-weights", "empty-file", "deleted-model-states"],
+         "truncated-weights", "empty-file", "deleted-model-states", "empty-latest"],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, caplog, harm, named):
     make(tmp_path, 4)
