@@ -56,14 +56,10 @@ SFT_ARTIFACTS = {
     "README.md", "metrics.jsonl", "metrics.discarded.jsonl", "data_trace", "runs", INCOMPLETE_DIR, RUN_MANIFEST,
     "wandb_run.json", "eval", "merged", "report", "data_stats.json",
 }  # fmt: skip
-# Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation).
-GEOMETRY_KEYS = {
-    "world_size",
-    "parallel",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "global_batch",
-}
+# Fingerprint keys reconciled on a resume (`sft.preflight`: the global batch is kept by recomputing accumulation):
+# the batch geometry (sft.preflight.Resume reads it; whole numbers in a checkpoint sft resumes) and the parallel sizes
+GEOMETRY_FIELDS = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
+GEOMETRY_KEYS = {*GEOMETRY_FIELDS, "parallel"}
 VERSION_KEY = "versions"
 # Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
 KILL_DURING_SAVE_ENV = "SFT_TEST_KILL_DURING_SAVE"
@@ -125,8 +121,11 @@ def damage(checkpoint: str | Path) -> str | None:
         state = read_state(ckpt)
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         return f"{STATE} is not valid JSON ({e})"
-    if not state or "global_step" not in state:
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
         return f"{STATE} has no global_step"
+    fp = state.get("fingerprint")
+    if not isinstance(fp, dict) or not all(isinstance(fp.get(k), int) and fp[k] >= 1 for k in GEOMETRY_FIELDS):
+        return f"{STATE} has no fingerprint of the run's geometry ({', '.join(GEOMETRY_FIELDS)}: whole numbers)"
     if not (ckpt / "trainer_state.json").is_file():
         return "trainer_state.json is missing"
     world = int((state.get("fingerprint") or {}).get("world_size", 1))

@@ -16,6 +16,7 @@ import logging
 import math
 
 from sft import architectures, expert_parallel, failsafe, fp8
+from sft import checkpoint as ckpt
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
 from sft.attention import resolve_attn_implementation
@@ -44,10 +45,10 @@ class Resume:
 
     @classmethod
     def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
-        keys = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
         parallel = fingerprint.get("parallel", {})
         ep = parallel.get("ep", 1)
-        return cls(checkpoint, *(fingerprint[k] for k in keys), ep, parallel.get("autoep", ep > 1))
+        geometry = (fingerprint[k] for k in ckpt.GEOMETRY_FIELDS)  # present: sft.checkpoint.damage checked them
+        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1))
 
     def describe(self) -> str:
         return (

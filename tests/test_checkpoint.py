@@ -21,7 +21,9 @@ def make(out: Path, step: int, complete: bool = True, world: int = 2, zero3: boo
     path = out / f"checkpoint-{step}"
     shards = path / f"global_step{step}"
     shards.mkdir(parents=True)
-    (path / ckpt.STATE).write_text(json.dumps({"global_step": step, "fingerprint": {"world_size": world}}))
+    geometry = {"world_size": world, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                "global_batch": 2 * world}  # fmt: skip
+    (path / ckpt.STATE).write_text(json.dumps({"global_step": step, "fingerprint": geometry}))
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     save_file({"w": torch.zeros(4, 4)}, str(path / "model.safetensors"))
     torch.save({"lr": 1.0}, path / "scheduler.pt")
@@ -128,6 +130,8 @@ def truncate(path: Path) -> None:
         (lambda c: (c / "global_step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink(),
          "global_step8/ lacks the optim states of rank(s) [0] (1 of 2 present)"),
         (lambda c: (c / ckpt.STATE).write_text('{"global_step": 8,'), f"{ckpt.STATE} is not valid JSON"),
+        (lambda c: (c / ckpt.STATE).write_text('{"global_step": 8, "fingerprint": {"world_size": "2"}}'),
+         f"{ckpt.STATE} has no fingerprint of the run's geometry (world_size, per_device_train_batch_size"),
         (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_1.pth is missing"),
         (lambda c: (c / "latest").write_text("global_step9"), "`latest` names 'global_step9', which is not in"),
         (lambda c: truncate(c / "model.safetensors"), "model.safetensors is 68 bytes where its header says 136"),
@@ -136,8 +140,8 @@ def truncate(path: Path) -> None:
          "global_step8/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine state)"),
         (lambda c: (c / "latest").write_text("\n"), "`latest` is empty"),
     ],
-    ids=["truncated-optimizer", "deleted-shard", "corrupt-state", "deleted-rng", "dangling-latest",
-         "truncated-weights", "empty-file", "deleted-model-states", "empty-latest"],
+    ids=["truncated-optimizer", "deleted-shard", "corrupt-state", "state-without-geometry", "deleted-rng",
+         "dangling-latest", "truncated-weights", "empty-file", "deleted-model-states", "empty-latest"],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, caplog, harm, named):
     make(tmp_path, 4)
