@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from sft.merge import main as merge_main
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
 
 STEPS = 12
@@ -91,7 +92,15 @@ def test_qlora_trains_under_zero3_as_under_zero2(runs):
     assert (runs["qlora_zero3_ckpt"] / "adapter_model.safetensors").exists()
 
 
-def test_merge_equals_base_plus_adapter(runs, base, tmp_path):
+def merge_side_by_side(*jobs: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
+    """`merge` of each (adapter, output), two at a time (one process each; CI has two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda job: merge(*job), jobs))
+
+
+def test_merge_equals_base_plus_adapter(runs, base, tmp_path, capsys):
     result = merge(runs["zero3_ckpt"], tmp_path / "merged")
     assert result.returncode == 0, result.stderr[-3000:]
     ids = torch.randint(5, 60, (2, 48))
@@ -101,8 +110,9 @@ def test_merge_equals_base_plus_adapter(runs, base, tmp_path):
     merged = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids)
     assert (merged - with_adapter).abs().max() < 1e-5
     assert (merged - logits(AutoModelForCausalLM.from_pretrained(base), ids)).abs().max() > 1e-2  # it did change
-    again = merge(runs["zero3_ckpt"], tmp_path / "merged")
-    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    capsys.readouterr()
+    again = merge_main(["--adapter", str(runs["zero3_ckpt"]), "--output", str(tmp_path / "merged")])  # refused
+    assert again == 2 and "exists and is not empty" in capsys.readouterr().err  # in this process: nothing to load
 
 
 def test_merge_from_a_zero3_checkpoint_without_adapter_files(runs, base, tmp_path):
@@ -110,8 +120,10 @@ def test_merge_from_a_zero3_checkpoint_without_adapter_files(runs, base, tmp_pat
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(runs["zero3_ckpt"] / f"checkpoint-{STEPS}", checkpoint)
     (checkpoint / "adapter_model.safetensors").unlink()
-    assert merge(checkpoint, tmp_path / "from_shards").returncode == 0
-    assert merge(runs["zero3_ckpt"] / f"checkpoint-{STEPS}", tmp_path / "from_adapter").returncode == 0
+    results = merge_side_by_side(
+        (checkpoint, tmp_path / "from_shards"), (runs["zero3_ckpt"] / f"checkpoint-{STEPS}", tmp_path / "from_adapter")
+    )
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     ids = torch.randint(5, 60, (2, 48))
     a = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_shards"), ids)
     b = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_adapter"), ids)
