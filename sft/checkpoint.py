@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 MARKER = "sft_complete.json"
 STATE = "sft_state.json"
 INCOMPLETE_DIR = "incomplete"
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete checkpoint; run the same command again
 # sft's claim on an output_dir, written by the main process before anything else there: which run made the
 # directory, and at the end the step it finished at and the files of the final model. Without it nothing in the
 # directory is sft's (a README.md or metrics.jsonl there is the user's), unless it holds checkpoint-N folders (runs

@@ -80,7 +80,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     from sft import failsafe
-    from sft.checkpoint import PREEMPTED_EXIT_CODE
+    from sft.errors import PREEMPTED_EXIT_CODE
 
     rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
     try:

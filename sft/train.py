@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from sft.errors import ConfigError, SFTError
+from sft.errors import PREEMPTED_EXIT_CODE, ConfigError, SFTError
 
 logger = logging.getLogger("sft")
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.preempted:
         logger.warning("Stopped on a signal with a complete checkpoint; run the same command to continue.")
         trainer.end()
-        raise SystemExit(ckpt.PREEMPTED_EXIT_CODE)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
     before = set(os.listdir(training_args.output_dir))
     trainer.save_model(training_args.output_dir)
     if training_args.process_index == 0:

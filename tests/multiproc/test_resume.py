@@ -20,7 +20,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER, PREEMPTED_EXIT_CODE
+from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from sft.errors import PREEMPTED_EXIT_CODE
 from sft.metrics import samples_per_step
 from tests.conftest import (
     ROOT,
