@@ -24,7 +24,10 @@ MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 # Two test groups at a time (pytest-xdist, `-n 2` in pyproject.toml), one group per worker at a time: a test module
 # is one group (its module fixtures are made once); the modules that share session fixtures (tests/multiproc/
 # conftest.py, made once per worker) are one group; the two-node tests are one group (one pair of namespaces).
-SHARED_SESSION = {"test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk"}
+SHARED_SESSION = {
+    "test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk",
+    "test_reference_curve.py": "demo-walk",
+}  # fmt: skip
 # The longest groups first (measured, `--durations`), so that the two workers end together
 LONGEST_FIRST = [
     "test_resume.py", "demo-walk", "multinode", "test_sp_runs.py", "test_lora.py", "test_fp8_runs.py",
