@@ -529,8 +529,10 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
             backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
     elif s.zero_stage == 2:
+        from sft.engines.deepspeed import bucket_elements
+
         partition = 0 if s.offload_optimizer else b * part
-        buckets = 2 * b * shape.hidden**2  # reduce_bucket_size "auto" = hidden^2, double-buffered (overlap_comm)
+        buckets = 2 * b * bucket_elements(shape.hidden)  # reduce_bucket_size "auto", double-buffered (overlap_comm)
         during = max(partition + (b * v_h if full else 0), head_grad + tile)
         backward["gradient partition / LM head gradient"] = during + buckets
         if s.accumulation > 1 and partition:

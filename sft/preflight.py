@@ -137,6 +137,9 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         changes["deepspeed"] = ds_engine.unresolved_config(training_args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, training_args.padding_free_batches)
+    filled, buckets = ds_engine.fill_buckets(changes.get("deepspeed", training_args.deepspeed), arch.hidden)
+    if buckets:
+        changes["deepspeed"] = filled
     batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
     if retry is not None:
         logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
@@ -179,6 +182,10 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     world = dims.world_size
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
         logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+    if buckets:
+        logger.info("DeepSpeed %s: auto -> %s elements (hidden %d: hidden^2 = %s would make one collective per %d KB)",
+                    " and ".join(buckets), f"{ds_engine.BUCKET_FLOOR:,}", arch.hidden, f"{arch.hidden**2:,}",
+                    arch.hidden**2 * 4 // 1024)  # fmt: skip
     return planned
 
 

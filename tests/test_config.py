@@ -9,8 +9,9 @@ import yaml
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from sft.config import parse_args
-from sft.engines.deepspeed import prepare_config, unresolved_config
+from sft.engines.deepspeed import BUCKET_FLOOR, fill_buckets, prepare_config, unresolved_config
 from sft.errors import ConfigError
+from sft.preflight import preflight
 from tests.conftest import ROOT
 
 RECIPES = sorted(ROOT.glob("recipes/**/*.yaml"))
@@ -111,6 +112,35 @@ def test_overlap_comm_auto_is_off_on_one_process_and_on_with_several(tmp_path, m
     (tmp_path / "bad.json").write_text(json.dumps(explicit))
     with pytest.raises(ConfigError, match=r'overlap_comm in .*bad.json must be true, false or "auto", got \'yes\''):
         parse_args([*args[:-1], str(tmp_path / "bad.json")])
+
+
+def test_auto_bucket_sizes_of_a_narrow_model_get_the_floor(tmp_path, monkeypatch):
+    """`reduce_bucket_size` (and ZeRO-3's `stage3_prefetch_bucket_size`) `auto` are at least 2^20 elements: the demo's
+    width of 128 would give transformers' hidden^2 = 16,384. Wider models, explicit values and ZeRO-3's persistence
+    threshold are left to transformers and the user; the shipped files are not changed; preflight hands the values on
+    to what transformers gives DeepSpeed."""
+    monkeypatch.chdir(ROOT)
+    assert BUCKET_FLOOR == 2**20
+    config, chosen = fill_buckets("ds_configs/zero2.json", hidden=128)
+    assert chosen == {"zero_optimization.reduce_bucket_size": 2**20}
+    assert config["zero_optimization"]["reduce_bucket_size"] == 2**20
+    config, chosen = fill_buckets("ds_configs/zero3.json", hidden=128)
+    assert chosen == {f"zero_optimization.{k}": 2**20 for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size")}
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == "auto"
+    assert fill_buckets("ds_configs/zero3.json", hidden=1024) == ("ds_configs/zero3.json", {})  # hidden^2 = 2^20
+    assert fill_buckets(None, hidden=128) == (None, {})
+    explicit = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    explicit["zero_optimization"]["reduce_bucket_size"] = 5e8
+    (tmp_path / "explicit.json").write_text(json.dumps(explicit))
+    assert fill_buckets(str(tmp_path / "explicit.json"), hidden=128) == (str(tmp_path / "explicit.json"), {})
+    shipped = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    assert shipped["zero_optimization"]["reduce_bucket_size"] == "auto"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--config", "recipes/demo.yaml", "--output_dir", str(tmp_path / "out"), "--deepspeed"]
+    _, _, training_args, model_args = parse_args([*args, "ds_configs/zero3.json"])
+    planned = preflight(training_args, model_args)
+    zero = planned.hf_deepspeed_config.config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 2**20
 
 
 def test_overlap_comm_is_off_under_sequence_parallelism_on_zero_1_and_2(tmp_path, monkeypatch):

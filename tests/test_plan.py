@@ -191,7 +191,7 @@ def demo_args(tmp_path, *extra):
     return parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "out"), *extra])
 
 
-@pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 4, False), ("0.03", 1, True)])
+@pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 4, False), ("0.04", 1, True)])
 def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, checkpointing):
     """`auto` micro batch / checkpointing become what `sft.plan.suggest` picks for the demo model and that memory:
     the largest micro batch without checkpointing, or checkpointing when nothing fits without it."""
