@@ -45,6 +45,7 @@ import yaml
 
 from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, run, torchrun
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, SETTINGS
+from sft import architectures
 
 VARIANTS = {
     "sft": {"deepspeed": "ds_configs/zero2.json"},
@@ -52,11 +53,21 @@ VARIANTS = {
     "sft_no_overlap": {"deepspeed": {"zero_optimization": {"overlap_comm": False}}},
     "sft_nods": {"deepspeed": None, "dtype": "float32"},
 }
+MOE_SHAPES = ("qwen3_moe", "gpt_oss")  # Qwen3-30B-A3B's and gpt-oss-20b's widths (benchmarks/architectures.py)
+HF_EXPERTS = {"model_init_kwargs": {"experts_implementation": "grouped_mm"}}  # transformers' default, pinned
 GLOBAL_MOE = 16  # rows of 4096 per optimizer step for the MoE shape: plain TRL's micro batch 4 x 4 accumulation
 MOE_VARIANTS = {
     "trl": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
-            "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE},
+            "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE, **HF_EXPERTS},
     "sft": {"deepspeed": "ds_configs/zero2.json"},
+    # one change each of the experts implementation (`sft.experts`): sft's defaults with transformers' own, and plain
+    # TRL's settings with sft's
+    "sft_hf_experts": {"deepspeed": "ds_configs/zero2.json", **HF_EXPERTS},
+    "trl_sft_experts": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
+                        "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE,
+                        "model_init_kwargs": {"experts_implementation": "sft_grouped"}},
+    # sft's defaults with compiled decoder layers
+    "sft_compile": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": True},
     "sft_nods": {"deepspeed": None},
     "sft_micro4": {"deepspeed": "ds_configs/zero2.json", "per_device_train_batch_size": 4},
     "sft_no_liger": {"deepspeed": "ds_configs/zero2.json", "use_liger_kernel": False},
@@ -66,6 +77,7 @@ MOE_VARIANTS = {
     # DeepSpeed AutoEP's MoE layer (its router, grouped experts and combine) at size 1 instead of transformers' own
     "sft_autoep1": {"deepspeed": {"expert_parallel": {"enabled": True, "autoep_size": 1}}},
 }  # fmt: skip
+DENSE_VARIANTS = ("trl", "sft")  # the dense model of a MoE shape's active width: plain TRL's settings and sft's
 CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("attention", r"flash|fmha|attn"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_|wgmma"),
@@ -101,13 +113,31 @@ def shape_config(args) -> dict | None:
         return None if args.tiny else LLAMA_SHAPES["llama-1b"]
     from benchmarks.architectures import config_for
 
+    if args.shape.startswith("dense:"):  # Llama at the MoE's widths, its MLP as wide as the active experts
+        moe = config_for(args.shape.removeprefix("dense:"), args.layers, args.tiny)
+        dense = config_for("llama", args.layers, args.tiny).to_dict()
+        keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        dense.update({key: getattr(moe, key) for key in keys}, intermediate_size=architectures.of(moe).mlp_width)
+        dense.update(dtype="bfloat16" if not args.tiny else "float32")
+        return dense
     config = config_for(args.shape, args.layers, args.tiny).to_dict()
     config.update(dtype="bfloat16" if not args.tiny else "float32")
     return config
 
 
+def variants(args) -> dict:
+    if args.shape == "llama-1b":
+        return VARIANTS
+    if args.shape.startswith("dense:"):
+        dense = {name: dict(MOE_VARIANTS[name]) for name in DENSE_VARIANTS}
+        return {
+            name: {k: v for k, v in variant.items() if k != "model_init_kwargs"} for name, variant in dense.items()
+        }
+    return MOE_VARIANTS
+
+
 def recipe(name: str, args, work: Path, data: Path) -> Path:
-    variant = dict((MOE_VARIANTS if args.shape != "llama-1b" else VARIANTS)[name])
+    variant = dict(variants(args)[name])
     model = model_dir(work / f"model-{args.shape}", shape_config(args))
     r = {**COMMON, **SETTINGS["sft"], "model_name_or_path": str(model)}
     if args.shape != "llama-1b":
@@ -259,7 +289,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", nargs="*", choices=sorted({*VARIANTS, *MOE_VARIANTS}))
-    parser.add_argument("--shape", choices=["llama-1b", "qwen3_moe"], default="llama-1b")
+    parser.add_argument("--shape", choices=["llama-1b", *MOE_SHAPES, *(f"dense:{s}" for s in MOE_SHAPES)],
+                        default="llama-1b")  # fmt: skip
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the MoE shape")
     parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
     parser.add_argument("--profile-step", type=int, default=9, help="The optimizer step to profile (1-based)")
@@ -280,7 +311,7 @@ def main() -> None:
     vocab = (shape_config(args) or {}).get("vocab_size", 104)
     make_sft_data(data, args.records, vocab, 512 if args.tiny else 4096)
     runs = []
-    for name in args.only or (MOE_VARIANTS if args.shape != "llama-1b" else VARIANTS):
+    for name in args.only or variants(args):
         result = profile(name, args, work, data)
         runs.append(result)
         with open(args.out / "runs.jsonl", "a") as f:

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
 
-from sft import architectures, fp8, quantization, sequence_parallel
+from sft import architectures, experts, fp8, quantization, sequence_parallel
 from sft.attention import check_packing, resolve_attn_implementation
 from sft.config import ModelArguments, TrainConfig
 from sft.engines import deepspeed as ds_engine
@@ -55,6 +55,8 @@ def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTra
     partitioned = ds_engine.prepare_model_build(training_args)
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
     model = _build(model_args, training_args, attn_implementation, partitioned, config)
+    if arch.is_moe:
+        experts.apply(model, experts.decide(arch, training_args.model_init_kwargs)[0])
     if padding_free:
         model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
     if training_args.fp8:

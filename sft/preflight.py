@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 
-from sft import architectures, expert_parallel, failsafe, fp8
+from sft import architectures, expert_parallel, experts, failsafe, fp8
 from sft import checkpoint as ckpt
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
@@ -114,11 +114,15 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
         compile_on = fp8_on and arch.kernel("compile").on
         changes["compile_decoder_layers"] = compile_on
-    architectures.log_kernels(arch, {
+    kernels = {
         "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
         "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
         "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
-    }, training_args.router_aux_loss_coef)  # fmt: skip
+    }
+    if arch.is_moe:
+        name, reason = experts.decide(arch, training_args.model_init_kwargs)
+        kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
+    architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
     micro, tools, sp, plan = _plan_memory(
         training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
     )
