@@ -66,8 +66,9 @@ MOE_VARIANTS = {
     "trl_sft_experts": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
                         "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE,
                         "model_init_kwargs": {"experts_implementation": "sft_grouped"}},
-    # sft's defaults with compiled decoder layers
+    # sft's defaults with compiled decoder layers, and without
     "sft_compile": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": True},
+    "sft_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False},
     "sft_nods": {"deepspeed": None},
     "sft_micro4": {"deepspeed": "ds_configs/zero2.json", "per_device_train_batch_size": 4},
     "sft_no_liger": {"deepspeed": "ds_configs/zero2.json", "use_liger_kernel": False},

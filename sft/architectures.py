@@ -123,7 +123,8 @@ class Architecture:
         }  # fmt: skip
 
     def kernel(self, name: str) -> Kernel:
-        """Whether fast path `name` (`liger`, `fp8`, `compile`) is known good for this family, and why (not)."""
+        """Whether fast path `name` (`liger`, `fp8`, `compile` (with FP8), `compile_bf16` (compiled layers without
+        FP8), `experts` (`sft.experts`)) is known good for this family, and why (not)."""
         if name in self.kernels:
             return self.kernels[name]
         unknown = f"{self.family} is not in sft's architecture table: {GENERIC}"
@@ -178,7 +179,8 @@ RESULTS = "benchmarks/results/architectures, 1 x H100, 2 layers at the family's 
 # each family against its plain bf16 run: every Liger run finite and within 0.06% of plain's loss per step; on where
 # it was also faster. FP8 measured slower than bf16 at 2 layers for every family, Llama's too (0.49x eager, 0.63x
 # compiled), where its full-depth runs gain 1.04-1.16x (benchmarks/results/fp8): so FP8 stays on only for Llama,
-# measured at full depth, until another family is. Compiled layers follow FP8 (`compile_decoder_layers: auto`).
+# measured at full depth, until another family is. Compiled layers follow FP8 (`compile_decoder_layers: auto`), or
+# are on alone where `compile_bf16` was measured faster (a MoE's elementwise work between its grouped GEMMs).
 LLAMA_MEASURED = Kernel(True, "measured exact and faster at full depth on the Llama shapes (benchmarks/results/fp8, "
                         "throughput)")  # fmt: skip
 FP8_UNMEASURED = Kernel(False, f"slower than bf16 at 2 layers ({RESULTS}; so was Llama's, which gains only at full "
@@ -217,6 +219,11 @@ KERNELS: dict[str, dict[str, Kernel]] = {
     "qwen3_moe": {
         "fp8": Kernel(False, f"converts only the attention projections; 0.86x bf16 ({RESULTS})"),
         "experts": EXPERTS_MEASURED,
+        "compile_bf16": Kernel(
+            True,
+            "1.38x the eager layers' tokens/s at Qwen3-30B-A3B's widths, loss within 1e-5 "
+            "(benchmarks/results/moe_h100)",
+        ),
     },
     "mixtral": {},
     "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},

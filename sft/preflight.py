@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import math
 
+import torch
+
 from sft import architectures, expert_parallel, experts, failsafe, fp8
 from sft import checkpoint as ckpt
 from sft import plan as memplan
@@ -112,7 +114,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     fp8_on = fp8_decision.on
     compile_on = training_args.compile_decoder_layers
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        compile_on = fp8_on and arch.kernel("compile").on
+        compile_on = (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
         changes["compile_decoder_layers"] = compile_on
     kernels = {
         "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
@@ -269,9 +271,17 @@ def _liger_reason(training_args, arch: architectures.Architecture) -> str:
     return kernel.reason if training_args.use_liger_kernel or not kernel.on else "no CUDA GPU or liger-kernel"
 
 
+def _compile_bf16(arch: architectures.Architecture) -> bool:
+    """Compiled layers without FP8 where measured faster for the family, on a GPU (the measurement's; on the CPU
+    Inductor's compile costs more than a test-sized run)."""
+    return arch.kernel("compile_bf16").on and torch.cuda.is_available()
+
+
 def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
     if "compile_decoder_layers" not in training_args.auto_settings:
         return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
+    if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
+        return arch.kernel("compile_bf16").reason
     if not fp8_on:
         return "compile_decoder_layers: auto compiles only with FP8"
     return arch.kernel("compile").reason
