@@ -244,7 +244,7 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
 # TRL's ModelConfig fields that shape or quantise what a LoRA/QLoRA checkpoint holds
 LORA_FIELDS = (
     "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora",
-    "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+    "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "lora_target_parameters",
 )  # fmt: skip
 # Fingerprint keys added later, with the value a checkpoint written before them implies
 ADDED_KEYS = {"fp8": False}

@@ -704,6 +704,12 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             "that are never saved, so the adapter could not be used or merged. Train the base first (e.g. the demo), "
             "then point `model_name_or_path` at its output with `from_scratch: false`."
         )
+    if model_args.use_peft and model_args.lora_target_parameters and model_args.lora_dropout:
+        raise ConfigError(
+            f"`lora_target_parameters: {model_args.lora_target_parameters}` with `lora_dropout: "
+            f"{model_args.lora_dropout}`: PEFT's adapters on parameters (a MoE's experts) add B @ A to the weight "
+            "itself, so no dropout can apply to their input. Set `lora_dropout: 0`."
+        )
     quantization.check(model_args, training_args, ds_engine.zero_setup(training_args).stage)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(

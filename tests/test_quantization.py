@@ -58,3 +58,23 @@ def test_max_gpu_memory_is_what_the_plan_plans_for(tmp_path):
         preflight(training_args, model_args)
     _, _, training_args, model_args = args(tmp_path, "--max_gpu_memory_gib", "0.001", "--plan_gpu_memory_gib", "80")
     assert preflight(training_args, model_args)  # plan_gpu_memory_gib, when given, is what the plan plans for
+
+
+def test_qlora_on_a_mixture_of_experts_is_refused_and_parameter_adapters_need_no_dropout(tmp_path):
+    """bitsandbytes leaves a MoE's fused 3-D experts in 16-bit (sft.quantization.check_experts): refused before the
+    model loads, with the share of weights and what to do; PEFT's parameter adapters refuse dropout inside the model
+    build, so sft refuses it at parse time."""
+    from tests.test_architectures import config_of
+
+    config_of("qwen3_moe").save_pretrained(tmp_path / "moe")
+    moe = ("--model_name_or_path", str(tmp_path / "moe"))
+    _, _, training_args, model_args = args(tmp_path, *moe, "--load_in_4bit", "true")
+    with pytest.raises(ConfigError, match=r"`load_in_4bit: true` on qwen3_moe: bitsandbytes quantizes nn.Linear "
+                       r"layers.*4 experts per layer.*about \d+% of the weights.*remove `load_in_4bit`"):  # fmt: skip
+        preflight(training_args, model_args)
+    experts = ("--lora_target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    with pytest.raises(ConfigError, match=r"`lora_target_parameters: .*gate_up_proj.*` with `lora_dropout: 0.05`.*"
+                       r"Set `lora_dropout: 0`"):  # fmt: skip
+        args(tmp_path, *moe, *experts, "--lora_dropout", "0.05")
+    _, _, _, model_args = args(tmp_path, *moe, *experts, "--lora_dropout", "0")
+    assert model_args.lora_target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
