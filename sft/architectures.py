@@ -155,6 +155,13 @@ class Architecture:
         moe = e.active * e.width + e.shared * e.shared_width
         return round((moe * e.moe_layers + self.intermediate * (self.layers - e.moe_layers)) / self.layers)
 
+    @property
+    def mlp_kept(self) -> int:
+        """[tokens, intermediate] 16-bit tensors transformers' MLP (each active expert's) keeps for the backward: 4 for
+        SwiGLU (SiLU's input and output, up's output, down's input); gpt-oss's clamped GLU keeps 7 (counted with
+        autograd's saved-tensor hooks, tests/test_plan.py)."""
+        return MLP_KEPT.get(self.family, 4)
+
     def describe(self, router_aux_loss_coef: float | None = None) -> str:
         """The family and what it needs; `router_aux_loss_coef` is TRL's training argument (None: the config's)."""
         parts = [self.family if self.known else f"{self.family} (generic path)"]
@@ -309,6 +316,9 @@ SOFTCAP_FAMILIES = {"gemma2"}
 # transformers 5.x's gpt-oss calls create_causal_mask without position_ids: its sdpa/eager/flex masks are not packed
 MASK_WITHOUT_POSITIONS = {"gpt_oss"}
 SINK_FAMILIES = {"gpt_oss"}
+# gpt-oss's gate: the [gate, up] pairs kept by both clamps, the clamped gate, its sigmoid, up + 1, the GLU and down's
+# input
+MLP_KEPT = {"gpt_oss": 7}
 
 
 def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_loss_coef: float | None = None) -> None:

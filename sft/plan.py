@@ -95,6 +95,7 @@ class ModelShape:
     # mixture of experts (`sft.architectures.Experts`): (experts, active per token, MoE layers); None: dense
     experts: tuple[int, int, int] | None = None
     expert_params: int = 0  # the routed experts' weights (what expert parallelism splits)
+    mlp_kept: int = 4  # [tokens, intermediate] tensors the MLP keeps (`sft.architectures.Architecture.mlp_kept`)
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
@@ -216,6 +217,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         experts=(arch.experts.count, arch.experts.active, arch.experts.moe_layers) if arch.experts else None,
         expert_params=routed if arch.experts else 0,
+        mlp_kept=arch.mlp_kept,
     )
 
 
@@ -328,6 +330,8 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
 
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    if shape.mlp_kept != 4:  # a family's own gate (gpt-oss's), which Liger does not replace
+        return shape.mlp_kept * s.dtype_bytes * shape.intermediate
     return (3 if s.liger else 4) * s.dtype_bytes * shape.intermediate
 
 
