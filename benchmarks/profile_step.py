@@ -69,6 +69,11 @@ MOE_VARIANTS = {
     # sft's defaults with compiled decoder layers, and without
     "sft_compile": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": True},
     "sft_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False},
+    # sft's experts with torchao's float8 grouped GEMMs (`sft.experts.NAME_FP8`), compiled layers (the default) or not
+    "sft_fp8_experts": {"deepspeed": "ds_configs/zero2.json",
+                        "model_init_kwargs": {"experts_implementation": "sft_grouped_fp8"}},
+    "sft_fp8_experts_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False,
+                              "model_init_kwargs": {"experts_implementation": "sft_grouped_fp8"}},
     "sft_nods": {"deepspeed": None},
     "sft_micro4": {"deepspeed": "ds_configs/zero2.json", "per_device_train_batch_size": 4},
     "sft_no_liger": {"deepspeed": "ds_configs/zero2.json", "use_liger_kernel": False},

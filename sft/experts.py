@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,51 +38,95 @@ from transformers.integrations import moe as hf_moe
 logger = logging.getLogger(__name__)
 
 NAME = "sft_grouped"
+NAME_FP8 = "sft_grouped_fp8"  # its grouped GEMMs in torchao's float8 (rowwise scales; CUDA)
+
+
+class Layout(NamedTuple):
+    """Where each (token, choice) slot sits in the experts' rows. Rows are grouped by expert (`offsets`: each group's
+    end); with `align` > 1 every group is padded with zero rows to a multiple of `align` (float8 grouped GEMMs need
+    16) and the last group runs to the end of a fixed number of rows (no size that only the GPU knows)."""
+
+    row_token: torch.Tensor  # per row: its token, or `tokens` (a zero row) for padding
+    slot_row: torch.Tensor  # per slot t * k + j: its row
+    row_slot: torch.Tensor  # per row: its slot, or `slots` (a zero weight) for padding
+    row_expert: torch.Tensor  # per row: its expert (for per-expert biases)
+    offsets: torch.Tensor  # int32, per expert: the end of its rows
+
+
+def layout(top_k_index: torch.Tensor, num_experts: int, align: int = 1) -> Layout:
+    tokens, k = top_k_index.shape
+    slots = tokens * k
+    device = top_k_index.device
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    # each expert's end: a search in the sorted ids (no histogram: deterministic, and no wait for the host)
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=device), right=True)
+    if align == 1:
+        rows, sorted_row, offsets = slots, torch.arange(slots, device=device), ends
+    else:
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        padded = (counts + align - 1) // align * align
+        padded_ends = torch.cumsum(padded, 0)
+        rows = (slots + align - 1) // align * align + align * num_experts
+        sorted_row = torch.arange(slots, device=device) + (padded_ends - padded - ends + counts)[sorted_ids]
+        offsets = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)])
+    row_token = torch.full((rows,), tokens, dtype=perm.dtype, device=device)
+    row_token[sorted_row] = perm // k
+    row_slot = torch.full((rows,), slots, dtype=perm.dtype, device=device)
+    row_slot[sorted_row] = perm
+    slot_row = torch.empty_like(perm)
+    slot_row[perm] = sorted_row
+    row_expert = torch.searchsorted(offsets, torch.arange(rows, device=device), right=True).clamp_(max=num_experts - 1)
+    return Layout(row_token, slot_row, row_slot, row_expert, offsets.to(torch.int32))
+
+
+def _with_zero_row(x: torch.Tensor, needed: bool) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]) if needed else x
 
 
 class _Dispatch(torch.autograd.Function):
-    """Rows of `x` in expert order: row s is token `token[s]`. Backward: a token's gradient is the sum of its k rows,
-    found by the inverse permutation (`inverse[t * k + j]` is the row of the token's j-th choice)."""
+    """The experts' rows: row r is token `row_token[r]` (a zero row for padding). Backward: a token's gradient is the
+    sum of its k rows, found by `slot_row` (slot t * k + j is the token's j-th choice): gathers, no scatter-add."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x: torch.Tensor, row_token: torch.Tensor, slot_row: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot_row)
         ctx.k = k
-        return x.index_select(0, token)
+        return _with_zero_row(x, row_token.numel() > slot_row.numel()).index_select(0, row_token)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        rows = grad.index_select(0, inverse)
+        (slot_row,) = ctx.saved_tensors
+        rows = grad.index_select(0, slot_row)
         return rows.view(-1, ctx.k, grad.size(-1)).sum(dim=1), None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """out[t] = sum_j weights[t, j] x y[inverse[t * k + j]]: the expert outputs `y` (expert order) back in token order,
-    weighted and summed in one batched product. The backward recomputes the gather instead of keeping it."""
+    """out[t] = sum_j weights[t, j] x y[slot_row[t * k + j]]: the expert outputs back in token order, weighted and
+    summed in one batched product. The backward recomputes the gather instead of keeping it."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, token: torch.Tensor, perm):
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, row_token, slot_row, row_slot) -> torch.Tensor:
         tokens, k = weights.shape
         dtype = torch.promote_types(y.dtype, weights.dtype)  # as transformers' product: fp32 weights give fp32 sums
-        gathered = y.index_select(0, inverse).view(tokens, k, y.size(-1)).to(dtype)
+        gathered = y.index_select(0, slot_row).view(tokens, k, y.size(-1)).to(dtype)
         out = torch.bmm(weights.to(dtype).unsqueeze(1), gathered).squeeze(1)
-        ctx.save_for_backward(y, weights, inverse, token, perm)
+        ctx.save_for_backward(y, weights, row_token, slot_row, row_slot)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, weights, inverse, token, perm = ctx.saved_tensors
+        y, weights, row_token, slot_row, row_slot = ctx.saved_tensors
         tokens, k = weights.shape
         grad = grad.contiguous()
         grad_weights = None
         if ctx.needs_input_grad[1]:
-            gathered = y.index_select(0, inverse).view(tokens, k, y.size(-1)).to(grad.dtype)
+            gathered = y.index_select(0, slot_row).view(tokens, k, y.size(-1)).to(grad.dtype)
             grad_weights = torch.bmm(gathered, grad.unsqueeze(-1)).squeeze(-1).to(weights.dtype)
         grad_y = None
         if ctx.needs_input_grad[0]:
-            scale = weights.reshape(-1).index_select(0, perm).to(grad.dtype)
-            grad_y = (grad.index_select(0, token) * scale.unsqueeze(-1)).to(y.dtype)
+            padded = row_token.numel() > slot_row.numel()
+            scale = _with_zero_row(weights.reshape(-1, 1), padded).index_select(0, row_slot).to(grad.dtype)
+            grad_y = (_with_zero_row(grad, padded).index_select(0, row_token) * scale).to(y.dtype)
         return grad_y, grad_weights, None, None, None
 
 
@@ -102,36 +147,44 @@ def _gate(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return module._apply_gate(gate_up)
 
 
+def _linear(rows, weight, offsets, bias, transposed: bool, fp8: bool) -> torch.Tensor:
+    """One grouped GEMM: transformers' (its kernels and layouts), or torchao's float8 rowwise-scaled one for experts
+    stored (experts, out, in), whose transpose is the column-major operand it takes."""
+    if not fp8:
+        return hf_moe._grouped_linear(rows, weight, offsets, bias=bias, is_transposed=transposed)
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        rows, weight.transpose(-2, -1), offsets, out_dtype=rows.dtype, pad_token_groups_for_grouped_mm=False
+    )
+
+
 def experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """Drop-in for transformers' `grouped_mm_experts_forward` (same arguments, same result)."""
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    fp8: bool = False, align: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """Drop-in for transformers' `grouped_mm_experts_forward` (same arguments, same result); `fp8`: the grouped GEMMs
+    in float8 (`NAME_FP8`, groups aligned to 16 rows); `align` alone pads the groups (for tests of that layout)."""
+    fp8 = fp8 and not (self.is_transposed or self.has_bias)  # torchao's operand layout; no per-row bias
     if self._is_expert_parallel or self.has_post_expert_norm:  # transformers' own path for what it alone handles
         return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     k = top_k_index.size(-1)
-    expert_ids = top_k_index.reshape(-1)
-    sorted_ids, perm = torch.sort(expert_ids, stable=True)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    token = perm // k
-    # each expert's end row: a search in the sorted ids (no histogram: deterministic, and no wait for the host)
-    offsets = torch.searchsorted(sorted_ids, torch.arange(self.num_experts, device=perm.device), right=True,
-                                 out_int32=True)  # fmt: skip
-
-    rows = _Dispatch.apply(hidden_states, token, inverse, k)
+    where = layout(top_k_index, self.num_experts, 16 if fp8 else align)
+    rows = _Dispatch.apply(hidden_states, where.row_token, where.slot_row, k)
     first = self.gate_up_proj if self.has_gate else self.up_proj
     bias = None
     if self.has_bias:
-        bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).index_select(0, sorted_ids)
-    h = hf_moe._grouped_linear(rows, first, offsets, bias=bias, is_transposed=self.is_transposed)
+        bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).index_select(0, where.row_expert)
+    h = _linear(rows, first, where.offsets, bias, self.is_transposed, fp8)
     h = _gate(self, h) if self.has_gate else self.act_fn(h)
-    bias = self.down_proj_bias.index_select(0, sorted_ids) if self.has_bias else None
-    y = hf_moe._grouped_linear(h, self.down_proj, offsets, bias=bias, is_transposed=self.is_transposed)
-    out = _Combine.apply(y, top_k_weights, inverse, token, perm)
+    bias = self.down_proj_bias.index_select(0, where.row_expert) if self.has_bias else None
+    y = _linear(h, self.down_proj, where.offsets, bias, self.is_transposed, fp8)
+    out = _Combine.apply(y, top_k_weights, where.row_token, where.slot_row, where.row_slot)
     return out.to(hidden_states.dtype)
 
 
 hf_moe.ExpertsInterface.register(NAME, experts_forward)
+hf_moe.ExpertsInterface.register(NAME_FP8, functools.partial(experts_forward, fp8=True))
 
 
 def decide(arch, model_init_kwargs: dict | None):

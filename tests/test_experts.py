@@ -26,12 +26,12 @@ def _model(name: str):
     return model
 
 
-def _grads(module, x, index, weights, implementation: str):
+def _grads(module, x, index, weights, implementation: str, align: int = 1):
     module.config._experts_implementation = implementation
     x = x.clone().requires_grad_()
     weights = weights.clone().requires_grad_()
     module.zero_grad()
-    out = module(x, index, weights)
+    out = module(x, index, weights) if align == 1 else experts.experts_forward(module, x, index, weights, align=align)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), {"input": x.grad, "routing weights": weights.grad,
                           **{n: p.grad.clone() for n, p in module.named_parameters()}}  # fmt: skip
@@ -51,12 +51,25 @@ def test_sft_experts_equal_the_per_expert_loop_per_token(name):
     weights = torch.rand(tokens, k).softmax(-1)
 
     want, want_grads = _grads(layer, x, index, weights, "eager")
-    got, got_grads = _grads(layer, x, index, weights, experts.NAME)
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
-    assert set(got_grads) == set(want_grads) and len(got_grads) >= 4
-    for key in want_grads:
-        torch.testing.assert_close(got_grads[key], want_grads[key], rtol=TOL, atol=TOL, msg=f"{name}: {key}")
-        assert want_grads[key].abs().sum() > 0, key
+    for align in (1, 16):  # 16: each expert's rows padded to a multiple of 16, as the float8 grouped GEMMs take them
+        got, got_grads = _grads(layer, x, index, weights, experts.NAME, align)
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+        assert set(got_grads) == set(want_grads) and len(got_grads) >= 4
+        for key in want_grads:
+            torch.testing.assert_close(got_grads[key], want_grads[key], rtol=TOL, atol=TOL, msg=f"{name}: {key}")
+            assert want_grads[key].abs().sum() > 0, key
+
+
+def test_the_aligned_layout_pads_each_experts_rows_to_a_multiple():
+    index = torch.tensor([[0, 2], [2, 0], [2, 1], [0, 2]])  # expert 0: 3 slots, 1: 1, 2: 4; expert 3: none
+    plain, aligned = experts.layout(index, 4), experts.layout(index, 4, align=4)
+    assert plain.offsets.tolist() == [3, 4, 8, 8]
+    rows = (8 + 3) // 4 * 4 + 4 * 4
+    assert aligned.offsets.tolist() == [4, 8, 12, rows] and aligned.row_token.numel() == rows
+    assert aligned.row_token[:12].tolist() == [0, 1, 3, 4, 2, 4, 4, 4, 0, 1, 2, 3]  # 4: the zero row
+    assert aligned.slot_row.tolist() == [0, 8, 9, 1, 10, 4, 2, 11]
+    assert torch.equal(aligned.row_token[aligned.slot_row], torch.arange(8) // 2)
+    assert torch.equal(aligned.row_slot[aligned.slot_row], torch.arange(8))
 
 
 @pytest.mark.parametrize("name", ("qwen3_moe", "gpt_oss"))
