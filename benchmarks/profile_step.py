@@ -18,11 +18,15 @@ Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each
 - `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
   DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
 
-With `--shape qwen3_moe` (Qwen3-30B-A3B's widths: 128 experts, 8 active, expert width 768, hidden 2048; `--layers`
-decoder layers; the vocabulary cut to 32,768 as in benchmarks/architectures.py) the global batch is 16 rows and the
-variants are MoE_VARIANTS: `trl` is what plain TRL runs (transformers' defaults: its experts implementation,
-packing on sft's varlen attention, no Liger, no FP8, no compile, no DeepSpeed, bf16 weights, micro batch 4 x 4
-accumulation), `sft` sft's defaults, and one change each from `sft` to find which of sft's choices costs what.
+With `--shape qwen3_moe` or `gpt_oss` (Qwen3-30B-A3B's widths: 128 experts, 8 active, expert width 768, hidden
+2048; gpt-oss-20b's: 32 experts, 4 active, width 2880; `--layers` decoder layers; the vocabulary cut to 32,768 as in
+benchmarks/architectures.py) the global batch is 16 rows and the variants are MoE_VARIANTS: `trl` is what plain TRL
+runs (transformers' defaults: its grouped_mm experts, packing on sft's varlen attention, no Liger, no FP8, no
+compile, no DeepSpeed, bf16 weights, micro batch 4 x 4 accumulation), `sft` sft's defaults, and one change each (the
+experts implementation, `sft.experts`; compiled layers; FP8 expert GEMMs; DeepSpeed's fp32 master weights) to find
+which of sft's choices costs or gains what. `--shape dense:<moe>` is the dense Llama of the same widths with its MLP
+as wide as the active experts (`trl` and `sft` only): the MFU a MoE is compared against.
+benchmarks/results/moe_h100/ holds the runs of issue #38 (1 x H100).
 
 benchmarks/results/profile_step_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json
 still had `overlap_comm: true`, so its `sft` row is what `sft_overlap` is now; that run is why zero2.json now says

@@ -231,7 +231,8 @@ KERNELS: dict[str, dict[str, Kernel]] = {
         ),  # fmt: skip
         "experts": EXPERTS_GPT_OSS,
     },
-    # mixture of experts: FP8 converts only the attention projections (the experts are 3-D weights, not nn.Linear)
+    # mixture of experts: FP8 converts only the attention projections (the experts are 3-D weights, not nn.Linear;
+    # their float8 grouped GEMMs, `sft.experts.NAME_FP8`, measured 0.75x bf16 per layer: benchmarks/results/moe_h100)
     "qwen3_moe": {
         "fp8": Kernel(False, f"converts only the attention projections; 0.86x bf16 ({RESULTS})"),
         "experts": EXPERTS_UNDER_COMPILE,
