@@ -1,6 +1,7 @@
-"""Families other than Llama through the real CLI under ZeRO-3 with 2 gloo processes: a tiny Qwen3-MoE (experts) and
-a tiny Gemma 3 (sliding-window layers mixed with global ones, windows shorter than the demo's packed samples). The
-loss falls, the log names the family and its fast paths, and the saved model reloads and generates."""
+"""Families other than Llama through the real CLI under ZeRO-3 with 2 gloo processes: a tiny Qwen3-MoE (experts), a
+tiny Gemma 3 (sliding-window layers mixed with global ones, windows shorter than the demo's packed samples) and a tiny
+gpt-oss (sinks, windows, experts through sft's experts implementation). The loss falls, the log names the family and
+its fast paths, and the saved model reloads and generates."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ MODELS = {
                   "num_experts_per_tok": 2, "moe_intermediate_size": 48},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "sliding_window": 16,
                "sliding_window_pattern": 2, "query_pre_attn_scalar": 16},
+    # sinks, windows on alternate layers, experts with biases and a clamped gate through sft's experts (`sft.experts`)
+    "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 16},
 }  # fmt: skip
 STEPS = 16
 
@@ -57,6 +61,8 @@ def test_a_family_trains_under_zero3_and_reloads(runs, name):
     assert f"Model: {family}" in log and "Liger off" in log  # the one line: features and fast paths, with reasons
     if name == "gemma3":
         assert "a sliding window of 16 tokens on 2 of 4 layers" in log
+    if name == "gpt_oss":  # sft's experts by default for gpt-oss (its measured reason in the line)
+        assert "attention sinks" in log and "sft experts on (sft_grouped: equal to the per-expert loop" in log
     if name == "qwen3_moe":  # the config's router_aux_loss_coef (transformers' default 0.001), trained and logged
         assert "router load-balancing loss x0.001 trained (aux_loss in the logs)" in log
         aux = [r["aux_loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
