@@ -387,6 +387,22 @@ def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_t
     assert plan.suggest(shape, base, memory, 0.1, (1, 2, 4), [base], levels).setting.micro_batch == 2
 
 
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for the backward of `module(x)`, other than `x` and the weights."""
+    x = x.requires_grad_()
+    shared = {p.untyped_storage().data_ptr() for p in (x, *module.parameters())}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(saved.values())
+
+
 @pytest.mark.parametrize("hidden,experts,active", [(512, 128, 8), (256, 64, 4)])
 def test_a_moe_layer_keeps_what_the_plan_counts(tmp_path, hidden, experts, active):
     """A Qwen3-MoE MLP with transformers' grouped experts (bf16, on CPU): the bytes autograd saves per token are the
@@ -401,22 +417,12 @@ def test_a_moe_layer_keeps_what_the_plan_counts(tmp_path, hidden, experts, activ
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(**config), dtype=torch.bfloat16, experts_implementation="grouped_mm"
     )
-    mlp, tokens = model.model.layers[0].mlp, 1024
-    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    shared = {p.untyped_storage().data_ptr() for p in (x, *mlp.parameters())}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in shared:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        mlp(x)
+    tokens = 1024
+    kept = saved_bytes(model.model.layers[0].mlp, torch.randn(1, tokens, hidden, dtype=torch.bfloat16))
     setting = plan.Setting(liger=False)
     counted = plan.mlp_bytes_per_token(shape, setting) + plan.routing_bytes_per_token(shape, setting)
     # byte for byte, but for the int32 count of tokens per expert (4 bytes per expert, not per token)
-    assert sum(saved.values()) == counted * tokens + 4 * experts
+    assert kept == counted * tokens + 4 * experts
     dense = dataclasses.replace(shape, experts=None)
     assert plan.routing_bytes_per_token(dense, setting) == 0
     assert plan.layer_bytes_per_token(shape, setting) - plan.layer_bytes_per_token(dense, setting) == counted - (
@@ -444,21 +450,10 @@ def test_the_plan_counts_each_experts_implementation_and_gpt_oss_gate(tmp_path, 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
         experts.apply(model, implementation)
-        mlp, tokens = model.model.layers[0].mlp, 1024
-        x = torch.randn(1, tokens, 256, dtype=torch.bfloat16, requires_grad=True)
-        shared = {p.untyped_storage().data_ptr() for p in (x, *mlp.parameters())}
-        saved = {}
-
-        def pack(t, shared=shared, saved=saved):
-            if t.untyped_storage().data_ptr() not in shared:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mlp(x)
+        tokens = 1024
+        kept = saved_bytes(model.model.layers[0].mlp, torch.randn(1, tokens, 256, dtype=torch.bfloat16))
         setting = plan.Setting(liger=False)
         counted = (plan.mlp_bytes_per_token(shape, setting) + plan.routing_bytes_per_token(shape, setting)) * tokens
-        kept = sum(saved.values())
         if name == "qwen3_moe":
             assert kept == counted + 4 * 16, (implementation, kept, counted)
         else:
