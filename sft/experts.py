@@ -34,14 +34,11 @@ always kept.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations import moe as hf_moe
-
-logger = logging.getLogger(__name__)
 
 NAME = "sft_grouped"
 NAME_FP8 = "sft_grouped_fp8"  # its grouped GEMMs in torchao's float8 (rowwise scales; CUDA)
@@ -55,8 +52,12 @@ class Layout(NamedTuple):
     row_token: torch.Tensor  # per row: its token, or `tokens` (a zero row) for padding
     slot_row: torch.Tensor  # per slot t * k + j: its row
     row_slot: torch.Tensor  # per row: its slot, or `slots` (a zero weight) for padding
-    row_expert: torch.Tensor  # per row: its expert (for per-expert biases)
     offsets: torch.Tensor  # int32, per expert: the end of its rows
+
+    def row_expert(self) -> torch.Tensor:
+        """Per row: its expert (for per-expert biases)."""
+        rows = torch.arange(self.row_token.numel(), dtype=self.offsets.dtype, device=self.offsets.device)
+        return torch.searchsorted(self.offsets, rows, right=True).clamp_(max=self.offsets.numel() - 1)
 
 
 def layout(top_k_index: torch.Tensor, num_experts: int, align: int = 1) -> Layout:
@@ -81,8 +82,7 @@ def layout(top_k_index: torch.Tensor, num_experts: int, align: int = 1) -> Layou
     row_slot[sorted_row] = perm
     slot_row = torch.empty_like(perm)
     slot_row[perm] = sorted_row
-    row_expert = torch.searchsorted(offsets, torch.arange(rows, device=device), right=True).clamp_(max=num_experts - 1)
-    return Layout(row_token, slot_row, row_slot, row_expert, offsets.to(torch.int32))
+    return Layout(row_token, slot_row, row_slot, offsets.to(torch.int32))
 
 
 def _with_zero_row(x: torch.Tensor, needed: bool) -> torch.Tensor:
@@ -178,12 +178,13 @@ def experts_forward(
     where = layout(top_k_index, self.num_experts, 16 if fp8 else align)
     rows = _Dispatch.apply(hidden_states, where.row_token, where.slot_row, k)
     first = self.gate_up_proj if self.has_gate else self.up_proj
+    row_expert = where.row_expert() if self.has_bias else None
     bias = None
     if self.has_bias:
-        bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).index_select(0, where.row_expert)
+        bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).index_select(0, row_expert)
     h = _linear(rows, first, where.offsets, bias, self.is_transposed, fp8)
     h = _gate(self, h) if self.has_gate else self.act_fn(h)
-    bias = self.down_proj_bias.index_select(0, where.row_expert) if self.has_bias else None
+    bias = self.down_proj_bias.index_select(0, row_expert) if self.has_bias else None
     y = _linear(h, self.down_proj, where.offsets, bias, self.is_transposed, fp8)
     out = _Combine.apply(y, top_k_weights, where.row_token, where.slot_row, where.row_slot)
     return out.to(hidden_states.dtype)
