@@ -107,7 +107,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
     offload = zero.offload_optimizer or zero.offload_params
     expert_parallel.check(dims.ep, dims.sp, zero.stage, offload, arch.family, arch.is_moe, bool(model_args.use_peft))
-    quantization.check_experts(model_args, arch)
+    quantization.check_experts(model_args, arch, remote)
     # decided here, applied in the one rebuild at the end (a rebuild would turn every `auto` into its placeholder)
     liger_on = _family_liger(training_args, arch)
     changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}

@@ -68,21 +68,20 @@ def check(model_args, training_args, zero_stage: int | None) -> None:
         )
 
 
-def check_experts(model_args, arch) -> None:
+def check_experts(model_args, arch, trust_remote_code: bool = False) -> None:
     """Refuse quantized base weights for a mixture of experts: bitsandbytes replaces `nn.Linear` layers, and the
     experts of every MoE family transformers ships are 3-D parameters of one fused module (checked on a tiny Qwen3-MoE
     with `load_in_4bit`: attention projections became `Params4bit`, `mlp.experts.gate_up_proj` stayed 16/32-bit), so
     most of the weights would not be quantized and QLoRA's memory would not be what it promises."""
     if not quantized(model_args) or not arch.is_moe:
         return
+    from sft import plan
+
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
-    e = arch.experts
-    experts = e.moe_layers * e.count * 3 * arch.hidden * e.width
-    attention = arch.layers * arch.hidden * 2 * (arch.heads + arch.kv_heads) * arch.head_dim
-    dense = (arch.layers - e.moe_layers) * 3 * arch.hidden * arch.intermediate
-    share = experts / (experts + attention + dense + 2 * arch.vocab * arch.hidden)
+    shape = plan.load_shape(model_args.model_name_or_path, trust_remote_code)  # the weights counted on a meta model
+    share, count = shape.expert_params / shape.n_params, arch.experts.count
     raise ConfigError(
-        f"`{flag}: true` on {arch.family}: bitsandbytes quantizes nn.Linear layers, and this model's {e.count} "
+        f"`{flag}: true` on {arch.family}: bitsandbytes quantizes nn.Linear layers, and this model's {count} "
         f"experts per layer are 3-D parameters of one module, which it leaves in 16-bit: about {share:.0%} of the "
         f"weights would not be quantized. Train LoRA on the 16-bit weights instead (remove `{flag}`; LoRA reaches the "
         "experts through `lora_target_parameters`, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj])."
