@@ -60,16 +60,15 @@ VARIANTS = {
 MOE_SHAPES = ("qwen3_moe", "gpt_oss")  # Qwen3-30B-A3B's and gpt-oss-20b's widths (benchmarks/architectures.py)
 HF_EXPERTS = {"model_init_kwargs": {"experts_implementation": "grouped_mm"}}  # transformers' default, pinned
 GLOBAL_MOE = 16  # rows of 4096 per optimizer step for the MoE shape: plain TRL's micro batch 4 x 4 accumulation
+TRL = {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
+       "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE}  # fmt: skip
 MOE_VARIANTS = {
-    "trl": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
-            "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE, **HF_EXPERTS},
+    "trl": {**TRL, **HF_EXPERTS},
     "sft": {"deepspeed": "ds_configs/zero2.json"},
     # one change each of the experts implementation (`sft.experts`): sft's defaults with transformers' own, and plain
     # TRL's settings with sft's
     "sft_hf_experts": {"deepspeed": "ds_configs/zero2.json", **HF_EXPERTS},
-    "trl_sft_experts": {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_decoder_layers": False,
-                        "per_device_train_batch_size": 4, "global_batch_size": GLOBAL_MOE,
-                        "model_init_kwargs": {"experts_implementation": "sft_grouped"}},
+    "trl_sft_experts": {**TRL, "model_init_kwargs": {"experts_implementation": "sft_grouped"}},
     # sft's defaults with compiled decoder layers, and without
     "sft_compile": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": True},
     "sft_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False},
@@ -87,7 +86,8 @@ MOE_VARIANTS = {
     # DeepSpeed AutoEP's MoE layer (its router, grouped experts and combine) at size 1 instead of transformers' own
     "sft_autoep1": {"deepspeed": {"expert_parallel": {"enabled": True, "autoep_size": 1}}},
 }  # fmt: skip
-DENSE_VARIANTS = ("trl", "sft")  # the dense model of a MoE shape's active width: plain TRL's settings and sft's
+# the dense model of a MoE shape's active width: plain TRL's settings and sft's (no experts implementation to choose)
+DENSE_VARIANTS = {"trl": TRL, "sft": MOE_VARIANTS["sft"]}
 CLASSES = [  # first match wins; matched against the CUDA kernel name
     ("attention", r"flash|fmha|attn"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_|wgmma"),
@@ -138,12 +138,7 @@ def shape_config(args) -> dict | None:
 def variants(args) -> dict:
     if args.shape == "llama-1b":
         return VARIANTS
-    if args.shape.startswith("dense:"):
-        dense = {name: dict(MOE_VARIANTS[name]) for name in DENSE_VARIANTS}
-        return {
-            name: {k: v for k, v in variant.items() if k != "model_init_kwargs"} for name, variant in dense.items()
-        }
-    return MOE_VARIANTS
+    return DENSE_VARIANTS if args.shape.startswith("dense:") else MOE_VARIANTS
 
 
 def recipe(name: str, args, work: Path, data: Path) -> Path:
