@@ -56,23 +56,55 @@ OFFLOAD_STASH_LAYERS = 2
 
 
 class Tools(NamedTuple):
-    """The memory tools for long rows, one setting of each."""
+    """The memory levers for long rows, one setting of each: the three activation tools, then ZeRO's CPU offload of
+    the optimizer states (ZeRO-2/3; under ZeRO-3 a share of them, `Setting.offload_ratio`) and of the weights
+    (ZeRO-3)."""
 
     checkpointing: bool
     offload: bool
     tiled_mlp: bool
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    def names(self) -> list[str]:
+        return [LEVER_NAMES[i] for i, on in enumerate(self) if on]
 
 
+LEVER_NAMES = ("activation checkpointing", "checkpoints offloaded", "tiled MLP", "optimizer offloaded",
+               "weights offloaded")  # fmt: skip
 # From cheapest to dearest, each on top of the last (`suggest` tries them in this order): activation checkpointing
-# (one more forward), its checkpoints offloaded to pinned CPU memory (a copy out and back per layer),
-# the MLP in tiles (DeepSpeed's TiledMLP runs each MLP forward once more). Measured in
-# benchmarks/results/long_context (the `tools` part).
+# (one more forward), its checkpoints offloaded to pinned CPU memory (a copy out and back per layer), the MLP in
+# tiles (DeepSpeed's TiledMLP runs each MLP forward once more; measured in benchmarks/results/long_context, the
+# `tools` part), the optimizer states on the CPU (DeepSpeed's CPU Adam steps them there, its gradients copied out:
+# a cost per step, not per token, and under ZeRO-3 the smallest share that fits first), then the weights (gathered
+# from host memory for every layer in the forward, the recomputation and the backward). The loss is always computed
+# in chunks (Liger's fused linear cross-entropy or TRL's fused LM head), so it is no lever.
 MEMORY_LEVELS = (
     Tools(False, False, False),
     Tools(True, False, False),
     Tools(True, True, False),
     Tools(True, True, True),
+    Tools(True, True, True, True),
+    Tools(True, True, True, True, True),
 )
+# The activation tools alone: what `suggest` tries on each of its candidates (ZeRO stages and offload, `ladder`)
+ACTIVATION_LEVELS = MEMORY_LEVELS[:4]
+
+
+def levels() -> tuple[Tools, ...]:
+    """Every combination of levers, `MEMORY_LEVELS` first (in their order), then the others with the fewest levers
+    first (offloading the optimizer but keeping the checkpoints on the GPU, say, which leaves host memory to the
+    states): what the plan tries for the longest row and for a run's `auto` levers."""
+    import itertools
+
+    others = [Tools(*flags) for flags in itertools.product((False, True), repeat=len(Tools._fields))]
+    others = [t for t in others if t not in MEMORY_LEVELS and (t.checkpointing or not t.offload)]
+    return MEMORY_LEVELS + tuple(sorted(others, key=sum))
+
+
+# Host memory of one training process besides what it offloads (Python, torch, the CUDA context's host side,
+# DeepSpeed's pinned transfer buffers)
+HOST_PER_PROCESS = 3 * GiB
 
 
 @dataclass(frozen=True)
@@ -245,6 +277,9 @@ class Setting:
     tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
     fp8: bool = False  # the decoder's linear layers in torchao float8 (`sft.fp8`)
     accumulation: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
+    # with offload_optimizer under ZeRO-3: the share of the optimizer states (whole sub-groups) on the CPU, the rest
+    # stepped on the GPU (DeepSpeed's `offload_optimizer.ratio`)
+    offload_ratio: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -254,8 +289,9 @@ class Setting:
     def describe(self) -> str:
         zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
         if self.offload_optimizer or self.offload_params:
+            optimizer = "optimizer" + (f" ({self.ratio:.0%})" if self.ratio < 1 else "")
             zero += " + offload " + "+".join(
-                n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on
+                n for n, on in ((optimizer, self.offload_optimizer), ("params", self.offload_params)) if on
             )
         method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
         ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
@@ -271,15 +307,25 @@ class Setting:
             f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
         )
 
-    def with_tools(self, tools: Tools) -> Setting:
+    def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
         return dataclasses.replace(
             self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
-            tiled_mlp=tools.tiled_mlp,
+            tiled_mlp=tools.tiled_mlp, offload_optimizer=tools.offload_optimizer, offload_params=tools.offload_params,
+            offload_ratio=ratio if tools.offload_optimizer and not tools.offload_params else 1.0,
         )  # fmt: skip
 
     @property
     def tools(self) -> Tools:
-        return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp)
+        return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp, self.offload_optimizer,
+                     self.offload_params)  # fmt: skip
+
+    @property
+    def ratio(self) -> float:
+        """The share of the optimizer states on the CPU: `offload_ratio` under ZeRO-3 optimizer offload, else all or
+        nothing."""
+        if not self.offload_optimizer:
+            return 0.0
+        return self.offload_ratio if self.zero_stage == 3 and not self.offload_params else 1.0
 
 
 @dataclass
@@ -371,6 +417,21 @@ def fp8_bytes_in_flight(shape: ModelShape, s: Setting) -> float:
 def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     """Bytes per token that checkpoint offloading keeps in pinned CPU memory: every layer's input."""
     return shape.layers * s.dtype_bytes * shape.hidden if s.offload_checkpoints else 0.0
+
+
+def host_bytes(shape: ModelShape, s: Setting) -> float:
+    """Host memory per node while training where anything is offloaded (without, host memory is not what limits a
+    run): each process's own (`HOST_PER_PROCESS`), the ZeRO states it offloads (the optimizer's share: fp32 master
+    weights, Adam moments and fp32 gradients, 16 bytes per parameter; the 16-bit weights with parameter offload) and
+    its offloaded checkpoints. (DeepSpeed's estimator, printed beside it, counts the whole model built in host memory
+    and 1.5x that, which sft's `zero.Init` build does not need.)"""
+    per_node = min(s.gpus_per_node or s.gpus, s.gpus)
+    p = trainable(shape, s)
+    states = 16 * s.ratio * p / s.gpus
+    if s.offload_params:
+        states += s.dtype_bytes * p / s.gpus + frozen_weight_bytes(shape, s) / s.gpus
+    offloaded = states + s.tokens * offloaded_bytes_per_token(shape, s)
+    return per_node * (HOST_PER_PROCESS + offloaded) if offloaded else 0.0
 
 
 def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
@@ -483,10 +544,11 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
+        on_gpu = (1 - s.ratio) * p / n  # the optimizer's share stepped on the GPU (all of it without offload)
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
-        items["gradient partition (16-bit)"] = 0 if s.offload_optimizer else b * p / n
-        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * p / n
-        sub_group = 0 if s.offload_optimizer else min(p / n, SUB_GROUP_SIZE)
+        items["gradient partition (16-bit)"] = b * on_gpu
+        items["optimizer: fp32 master + Adam moments"] = 12 * on_gpu
+        sub_group = min(on_gpu, SUB_GROUP_SIZE)
         step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
         step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
@@ -517,11 +579,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
     elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
         backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
-    per_node = s.gpus_per_node or s.gpus
-    # On the host while training: ZeRO's offloaded states (DeepSpeed's figure; without offload that figure is the
-    # model built in host memory at start, which sft does not do) and the offloaded checkpoints
-    host_pinned = host if (s.offload_optimizer or s.offload_params) else 0.0
-    host_pinned += s.tokens * offloaded_bytes_per_token(shape, s) * min(per_node, s.gpus)
+    host_pinned = host_bytes(shape, s)
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
@@ -584,22 +642,51 @@ def suggest(
     headroom: float = 0.1,
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
     candidates: list[Setting] | None = None,
-    levels: tuple[Tools, ...] = MEMORY_LEVELS,
+    levels: tuple[Tools, ...] = ACTIVATION_LEVELS,
     sp_choices: tuple[int, ...] | None = None,
     host_memory: float | None = None,
 ) -> Estimate | None:
     """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
-    the first of `candidates` (default: `ladder(base)`) that fits, the first memory tools of `levels` that are
-    needed (checkpointing, offloading, tiling), the largest micro batch. None if nothing fits."""
+    the first of `candidates` (default: `ladder(base)`) that fits, the first memory levers of `levels` that are
+    needed (checkpointing, offloading, tiling, ZeRO's optimizer offload with the smallest share of the states that
+    fits, then its weight offload), the largest micro batch. None if nothing fits."""
     for sp in sorted(sp_choices or (base.sp,)):
         for candidate in ladder(base) if candidates is None else candidates:
             for tools in levels:
-                for micro in sorted(micro_batches, reverse=True):
-                    setting = dataclasses.replace(candidate.with_tools(tools), micro_batch=micro, sp=sp)
-                    e = estimate(shape, setting)
-                    if e.fits(gpu_memory, headroom, host_memory):
-                        return e
+                for ratio in offload_ratios(shape, candidate, tools):
+                    for micro in sorted(micro_batches, reverse=True):
+                        levered = lever_setting(candidate, tools, ratio)
+                        if levered is None:
+                            break
+                        e = estimate(shape, dataclasses.replace(levered, micro_batch=micro, sp=sp))
+                        if e.fits(gpu_memory, headroom, host_memory):
+                            return e
     return None
+
+
+def lever_setting(candidate: Setting, tools: Tools, ratio: float = 1.0) -> Setting | None:
+    """`candidate` with the levers of `tools` on (ZeRO's offload kept where the candidate has it); None where its
+    ZeRO stage cannot offload what `tools` asks (the optimizer needs ZeRO-2/3, the weights ZeRO-3)."""
+    if (tools.offload_optimizer and candidate.zero_stage not in (2, 3)) or (
+        tools.offload_params and candidate.zero_stage != 3
+    ):
+        return None
+    optimizer, params = candidate.offload_optimizer, candidate.offload_params
+    tools = tools._replace(offload_optimizer=tools.offload_optimizer or optimizer,
+                           offload_params=tools.offload_params or params)  # fmt: skip
+    return candidate.with_tools(tools, ratio if not optimizer else candidate.offload_ratio)
+
+
+def offload_ratios(shape: ModelShape, candidate: Setting, tools: Tools) -> list[float]:
+    """The optimizer offload shares to try, smallest first: under ZeRO-3 (optimizer offload turned on by `tools`, the
+    weights not offloaded) each whole number of DeepSpeed's optimizer sub-groups (`sub_group_size` parameters) that
+    this GPU's partition splits into; else all of it."""
+    if not (tools.offload_optimizer and not tools.offload_params and candidate.zero_stage == 3):
+        return [1.0]
+    if candidate.offload_optimizer:
+        return [candidate.offload_ratio]
+    groups = -(-trainable(shape, candidate) // candidate.gpus // SUB_GROUP_SIZE)
+    return [k / groups for k in range(1, groups + 1)]
 
 
 def longest(
@@ -611,12 +698,13 @@ def longest(
     step: int = 1024,
     host_memory: float | None = None,
 ) -> Estimate | None:
-    """The longest row (a multiple of `step` tokens, one row per micro-batch) that fits with `base`'s ZeRO setting,
-    any memory tools and one of `sp_choices`; its cheapest setting. None if not even `step` tokens fit."""
+    """The longest row (a multiple of `step` tokens, one row per micro-batch) that fits with `base`'s ZeRO stage, any
+    memory levers (`MEMORY_LEVELS`: the activation tools, then ZeRO's offload) and one of `sp_choices`; its cheapest
+    setting. None if not even `step` tokens fit."""
 
     def fitting(tokens: int) -> Estimate | None:
         setting = dataclasses.replace(base, seq_len=tokens, micro_batch=1)
-        return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], sp_choices=sp_choices,
+        return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], levels(), sp_choices=sp_choices,
                        host_memory=host_memory)  # fmt: skip
 
     if fitting(step) is None:
@@ -628,6 +716,39 @@ def longest(
         middle = (low + high) // 2
         low, high = (middle, high) if fitting(middle * step) is not None else (low, middle)
     return fitting(low * step)
+
+
+def binding(shape: ModelShape, e: Estimate, gpu_memory: float, headroom: float, host_memory: float,
+            step: int = 1024) -> str:  # fmt: skip
+    """What stops a row `step` tokens longer than `e`'s (the longest that fits): `host` if some setting would fit
+    with the GPU's memory alone (unlimited host memory), `GPU` if some would with the host's alone, else `both`."""
+    longer = dataclasses.replace(e.setting, seq_len=e.setting.seq_len + step)
+    sp = (e.setting.sp,)
+    if suggest(shape, longer, gpu_memory, headroom, (1,), [longer], levels(), sp) is not None:
+        return "host"
+    if suggest(shape, longer, float("inf"), headroom, (1,), [longer], levels(), sp, host_memory) is not None:
+        return "GPU"
+    return "both"
+
+
+def lever_report(e: Estimate, base: Setting, gpu_memory: float, headroom: float, host_memory: float,
+                 binds: str = "") -> str:  # fmt: skip
+    """Which levers a setting turned on beyond `base`'s (the last is the one that made it fit), the memory that
+    `binds` (`binding`), and both memories' use."""
+    added = [name for name, on, was in zip(LEVER_NAMES, e.setting.tools, base.tools, strict=True) if on and not was]
+    if e.setting.offload_optimizer and e.setting.ratio < 1:
+        added = [f"{n} ({e.setting.ratio:.0%} of its states)" if n == LEVER_NAMES[3] else n for n in added]
+    gpu_use, host_use = gpu_memory * (1 - headroom), host_memory * (1 - headroom)
+    gpu_left, host_left = (gpu_use - e.peak) / GiB, (host_use - e.host_pinned) / GiB
+    use = (
+        f"GPU {e.peak / GiB:.2f} of {gpu_use / GiB:.2f} GiB usable ({gpu_left:.2f} left), host "
+        f"{e.host_pinned / GiB:.2f} of {host_use / GiB:.2f} GiB usable per node ({host_left:.2f} left)"
+    )
+    what = {"host": "host memory binds (a longer row would fit the GPU, not the host)",
+            "GPU": "GPU memory binds (a longer row would fit the host, not the GPU)",
+            "both": "both bind (a longer row fits neither)", "": ""}[binds]  # fmt: skip
+    levers = f"levers turned on: {', '.join(added)} (the last made it fit)" if added else "no lever needed"
+    return "; ".join(part for part in (levers, what, use) if part)
 
 
 def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
@@ -691,6 +812,22 @@ def gpu_size_table(shape: ModelShape, setting: Setting, result: Estimate, args, 
         "| GPU GiB | as given | fastest setting that fits | its peak GiB |",
         "| --- | --- | --- | --- |",
     ]
+    if args.longest:
+        lines = [
+            f"No GPU here and no --gpu-memory: the longest row on the common GPU sizes (headroom {args.headroom:.0%}, "
+            f"host {host / GiB:.0f} GiB per node).",
+            "| GPU GiB | longest row (tokens) | setting | peak GiB | host GiB | binding |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for gib in COMMON_GPU_GIB:
+            top = longest(shape, setting, gib * GiB, args.headroom, sp_choices, host_memory=host)
+            if top is None:
+                lines.append(f"| {gib} | none | - | - | - | - |")
+                continue
+            binds = binding(shape, top, gib * GiB, args.headroom, host)
+            lines.append(f"| {gib} | {top.setting.seq_len:,} | {top.setting.describe()} | {top.peak / GiB:.2f} | "
+                         f"{top.host_pinned / GiB:.2f} | {binds} |")  # fmt: skip
+        return "\n".join(lines)
     for gib in COMMON_GPU_GIB:
         fits = "fits" if result.fits(gib * GiB, args.headroom, host) else "does NOT fit"
         best = suggest(shape, setting, gib * GiB, args.headroom, sp_choices=sp_choices, host_memory=host)
@@ -728,7 +865,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of GPU memory left free")
     parser.add_argument("--suggest", action="store_true", help="Also search for the fastest setting that fits")
     parser.add_argument(
-        "--longest", action="store_true", help="Also the longest row that fits (this ZeRO setting, any sp and tools)"
+        "--longest", action="store_true", help="Also the longest row that fits (this ZeRO stage, any sp and levers)"
     )
     args = parser.parse_args(argv)
     logs.quiet_accelerator_detection()
@@ -766,7 +903,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(setting.describe())
     print(result.table())
     rc = 0
-    if memory is None and args.suggest:
+    if memory is None and (args.suggest or args.longest):
         print(gpu_size_table(shape, setting, result, args, host))
     elif memory is None:
         print("No GPU here and no --gpu-memory: say the GPU's GiB (--gpu-memory 80), or add --suggest for a table of "
@@ -795,6 +932,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             else:
                 print(f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()} "
                       f"(peak {top.peak / GiB:.2f} GiB)")  # fmt: skip
+                binds = binding(shape, top, memory, args.headroom, host)
+                print(lever_report(top, setting, memory, args.headroom, host, binds))
     return rc
 
 

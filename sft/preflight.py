@@ -12,6 +12,7 @@ process count as a universal checkpoint, logs the plan, and refuses a run whose 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 
@@ -70,6 +71,7 @@ def base_setting(
         zero_stage=zero.stage,
         offload_optimizer=zero.offload_optimizer,
         offload_params=zero.offload_params,
+        offload_ratio=zero.offload_ratio,
         micro_batch=training_args.per_device_train_batch_size,
         accumulation=training_args.gradient_accumulation_steps,
         seq_len=training_args.max_length or 0,
@@ -126,7 +128,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         name, reason = experts.decide(arch, training_args.model_init_kwargs)
         kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
     architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
-    micro, tools, sp, plan = _plan_memory(
+    micro, tools, sp, plan, ratio = _plan_memory(
         training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
     )
     model_args.attn_implementation = resolve_attn_implementation(
@@ -144,6 +146,14 @@ def preflight(training_args, model_args, resume: Resume | None = None):
         changes["deepspeed"] = ds_engine.unresolved_config(training_args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, training_args.padding_free_batches)
+    if any(ds_engine.offload_auto(training_args.deepspeed)):  # ZeRO's offload `"auto"`: as the plan decided
+        placed = ds_engine.place_offload(
+            changes.get("deepspeed", training_args.deepspeed), tools.offload_optimizer, tools.offload_params, ratio
+        )
+        changes["deepspeed"] = placed
+        zero_auto = placed["zero_optimization"]
+        for key in ds_engine.OFFLOAD_SECTIONS:
+            logger.info("DeepSpeed zero_optimization.%s: auto -> %s", key, json.dumps(zero_auto.get(key)))
     filled, buckets = ds_engine.fill_buckets(changes.get("deepspeed", training_args.deepspeed), arch.hidden)
     if buckets:
         changes["deepspeed"] = filled
@@ -155,7 +165,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
-    for key, value in zip(TOOL_FIELDS, tools, strict=True):
+    for key, value in zip(TOOL_FIELDS, tools[: len(TOOL_FIELDS)], strict=True):
         if value != getattr(training_args, key) or key in auto:
             changes[key] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
@@ -237,12 +247,16 @@ def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int, retry
 
 
 def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
-    """The plan's memory levels with every tool that is not `auto` held at its given value (in the plan's order)."""
+    """The plan's memory levels with every lever that is not `auto` held at its given value (in the plan's order):
+    the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
     auto = training_args.auto_settings
+    zero = ds_engine.zero_setup(training_args)
+    auto_offload = ds_engine.offload_auto(training_args.deepspeed)
+    given = [*(bool(getattr(training_args, key)) for key in TOOL_FIELDS), zero.offload_optimizer, zero.offload_params]
+    free = [key in auto for key in TOOL_FIELDS] + list(auto_offload)
     levels = []
-    for level in memplan.MEMORY_LEVELS:
-        pairs = zip(TOOL_FIELDS, level, strict=True)
-        fixed = memplan.Tools(*(on if key in auto else bool(getattr(training_args, key)) for key, on in pairs))
+    for level in memplan.levels():
+        fixed = memplan.Tools(*(on if free[i] else given[i] for i, on in enumerate(level)))
         if fixed not in levels and (fixed.checkpointing or not fixed.offload):
             levels.append(fixed)
     return tuple(levels)
@@ -312,13 +326,16 @@ def _plan_memory(
     fp8_on: bool = False,
     liger_on: bool | None = None,
     micro_cap: int | None = None,
-) -> tuple[int, bool, int, str]:
-    """(micro batch, memory tools, sequence-parallel size, the plan's figures in a sentence): the `auto` ones chosen
-    by the memory plan (the smallest sp first, then the cheapest tools; micro batches up to `micro_cap`, an
-    out-of-memory retry's); the plan logged and checked against the GPU."""
+) -> tuple[int, memplan.Tools, int, str, float]:
+    """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
+    share): the `auto` ones chosen by the memory plan (the smallest sp first, then the cheapest levers; micro batches
+    up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
-    tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS))
+    zero = ds_engine.zero_setup(training_args)
+    tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS), zero.offload_optimizer,
+                          zero.offload_params)  # fmt: skip
+    ratio = zero.offload_ratio
     sp = training_args.sequence_parallel_size
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
     memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
@@ -330,7 +347,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp, "There was no GPU memory to plan for."
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -338,7 +355,7 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp, "The memory plan was skipped (no max_length)."
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
     shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args, fp8_on, liger_on)
     dp = training_args.parallel.dp
@@ -364,9 +381,10 @@ def _plan_memory(
                 break
         if estimate is not None:
             micro, tools, sp = estimate.setting.micro_batch, estimate.setting.tools, estimate.setting.sp
+            ratio = estimate.setting.offload_ratio
         else:  # nothing fits: the most frugal setting, reported below
-            micro, tools, sp = min(micro_choices), levels[-1], max(sp_choices)
-    setting = dataclasses.replace(base.with_tools(tools), micro_batch=micro, sp=sp)
+            micro, tools, sp, ratio = min(micro_choices), levels[-1], max(sp_choices), 1.0
+    setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     estimate = memplan.estimate(shape, setting)
     fits = estimate.fits(memory, headroom, host)
     usable = memory * (1 - headroom)
@@ -392,7 +410,7 @@ def _plan_memory(
         )
         if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
             over = (
-                f"needs {estimate.host / memplan.GiB:.2f} GiB of host memory per node (offloaded states and "
+                f"needs {estimate.host_pinned / memplan.GiB:.2f} GiB of host memory per node (offloaded states and "
                 f"checkpoints), over the {host * (1 - headroom) / memplan.GiB:.2f} GiB usable"
             )
         else:
@@ -411,4 +429,4 @@ def _plan_memory(
         f"The memory plan for {setting.describe()} estimated a peak of {estimate.peak / memplan.GiB:.2f} GiB of "
         f"{usable / memplan.GiB:.2f} GiB usable per GPU (the `Memory plan` lines at the start)."
     )
-    return micro, tools, sp, plan
+    return micro, tools, sp, plan, ratio

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -164,15 +165,68 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
     }
     long = dataclasses.replace(base, seq_len=524288)
     tokens = long.tokens
-    ckpt, offload, tiled = (plan.estimate(shape, long.with_tools(t)) for t in plan.MEMORY_LEVELS[1:])
+    ckpt, offload, tiled = (plan.estimate(shape, long.with_tools(t)) for t in plan.MEMORY_LEVELS[1:4])
     b, h = 2, shape.hidden
     assert ckpt.items["activations"] - offload.items["activations"] == tokens * (shape.layers - 2) * b * h
-    assert offload.host_pinned - ckpt.host_pinned == tokens * shape.layers * b * h * 2  # pinned, 2 GPUs on the node
+    checkpoints = tokens * shape.layers * b * h  # pinned, per process; 2 GPUs on the node
+    assert offload.host_pinned - ckpt.host_pinned == 2 * (checkpoints + plan.HOST_PER_PROCESS)
     assert not offload.fits(141 * plan.GiB, 0.1, host_memory=offload.host_pinned) and offload.fits(141 * plan.GiB, 0.1)
     assert offload.items["activations"] - tiled.items["activations"] == tokens * 3 * b * shape.intermediate
     assert tiled.items["tiled MLP: one tile in flight"] == 2 * h * 3 * b * shape.intermediate
     with pytest.raises(ConfigError, match="needs activation checkpointing"):
         plan.estimate(shape, dataclasses.replace(long, offload_checkpoints=True))
+
+
+def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_path):
+    """1B shape, 1 GPU of 80 GiB, ZeRO-3, host 125 GiB: as the row grows the plan turns the levers on one at a time in
+    `MEMORY_LEVELS` order (checkpointing, offloaded checkpoints, tiled MLP, a share of the optimizer on the CPU, then
+    the weights); the host line is the process's own memory, 16 bytes per offloaded parameter (fp32 master, Adam
+    moments, fp32 gradient), the 16-bit weights with parameter offload and the offloaded checkpoints."""
+    shape = plan.load_shape(write_config(tmp_path, "1b", SHAPES["llama-1b"]))
+    base = plan.Setting(gpus=1, zero_stage=3, liger=True)
+    gpu, host = 80 * plan.GiB, 125 * plan.GiB
+    chosen = []
+    for seq in (32768, 131072, 524288, 786432, 1048576, 1310720):
+        setting = dataclasses.replace(base, seq_len=seq)
+        best = plan.suggest(shape, setting, gpu, 0.1, (1,), [setting], plan.levels(), host_memory=host)
+        chosen.append(best.setting)
+    assert [s.tools for s in chosen] == list(plan.MEMORY_LEVELS)
+    assert [s.ratio for s in chosen] == [0, 0, 0, 0, 0.5, 1]  # 1.24B parameters: two sub-groups, one on the CPU
+    p, b, h = shape.n_params, 2, shape.hidden
+    for s in chosen:
+        e = plan.estimate(shape, s)
+        checkpoints = s.offload_checkpoints * s.tokens * shape.layers * b * h
+        offloaded = 16 * s.ratio * p + b * p * s.offload_params + checkpoints
+        assert e.host_pinned == (plan.HOST_PER_PROCESS + offloaded if offloaded else 0)
+        assert e.fits(gpu, 0.1, host) and not dataclasses.replace(e, host_pinned=host).fits(gpu, 0.1, host)
+    half = plan.estimate(shape, chosen[4])  # half the optimizer on the GPU: its master weights, moments, gradients
+    assert half.items["optimizer: fp32 master + Adam moments"] == 12 * p / 2
+    assert half.items["gradient partition (16-bit)"] == b * p / 2
+
+
+def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path):
+    """8B shape on one 80 GiB GPU with 125 GiB of host memory: its 16 bytes per parameter of optimizer states do not
+    fit on either alone, so the longest row offloads a share of them and host memory binds (a longer row would fit
+    the GPU with more host memory); with a 2 TB host the GPU binds and the row is longer. `sft plan --longest` prints
+    both, and, without a GPU or --gpu-memory, a table for the common GPU sizes."""
+    config = write_config(tmp_path, "8b", SHAPES["llama-8b"])
+    shape = plan.load_shape(config)
+    base = plan.Setting(gpus=1, zero_stage=3, liger=True)
+    gpu, host = 80 * plan.GiB, 125 * plan.GiB
+    top = plan.longest(shape, base, gpu, host_memory=host)
+    assert top.setting.offload_optimizer and 0 < top.setting.ratio < 1 and not top.setting.offload_params
+    assert plan.binding(shape, top, gpu, 0.1, host) == "host"
+    roomy = plan.longest(shape, base, gpu, host_memory=2048 * plan.GiB)
+    assert roomy.setting.seq_len > top.setting.seq_len
+    assert plan.binding(shape, roomy, gpu, 0.1, 2048 * plan.GiB) == "GPU"
+    args = ["--model", config, "--gpus", "1", "--zero", "3", "--liger", "--host-memory", "125"]
+    out = subprocess.run([sys.executable, "-m", "sft.plan", *args, "--gpu-memory", "80", "--longest"],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()}" in out
+    assert "(the last made it fit); host memory binds (a longer row would fit the GPU, not the host)" in out
+    table = subprocess.run([sys.executable, "-m", "sft.plan", *args, "--longest"], capture_output=True, text=True,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout  # fmt: skip
+    assert f"| 80 | {top.setting.seq_len:,} | {top.setting.describe()} |" in table and "| 24 | none |" in table
 
 
 def test_plan_cli_reports_fit_and_suggestion(tmp_path):
@@ -243,6 +297,35 @@ def test_preflight_global_batch_sets_accumulation(tmp_path):
 def test_auto_without_a_gpu_to_plan_for_is_micro_batch_one(tmp_path):
     _, _, training_args, model_args = demo_args(tmp_path, "--per_device_train_batch_size", "auto")
     assert preflight(training_args, model_args).per_device_train_batch_size == 1
+
+
+def test_zero3_offload_auto_is_the_plans_last_levers(tmp_path):
+    """ds_configs/zero3.json leaves ZeRO's offload `"auto"`: on a GPU that holds the demo model's states and
+    activations, nothing is offloaded (and DeepSpeed keeps the trainer's optimizer); on one that holds them only with
+    the optimizer states on the CPU, the plan turns every activation tool on and then that, and the DeepSpeed config
+    the run gets says so (CPU, pinned, DeepSpeed's AdamW with the training arguments' values)."""
+    from sft.engines import deepspeed as ds_engine
+
+    shape = plan.load_shape(str(ROOT / "recipes" / "demo" / "model"))
+    base = plan.Setting(gpus=1, zero_stage=3, seq_len=512, dtype_bytes=4, micro_batch=2)
+    tools = plan.Tools(True, True, True)
+    kept, offloaded = (plan.estimate(shape, base.with_tools(t)).peak
+                       for t in (tools, tools._replace(offload_optimizer=True)))  # fmt: skip
+    assert offloaded < kept
+    for gib, on in ((80, False), ((kept + offloaded) / 2 / 0.9 / plan.GiB, True)):
+        _, _, training_args, model_args = demo_args(
+            tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", str(gib),
+            "--activation_checkpointing", "auto",
+        )  # fmt: skip
+        assert ds_engine.offload_auto(training_args.deepspeed) == (True, True)
+        resolved = preflight(training_args, model_args)
+        zero = resolved.deepspeed["zero_optimization"]
+        setup = ds_engine.zero_setup(resolved)
+        assert (setup.offload_optimizer, setup.offload_params) == (on, False)
+        assert zero["offload_optimizer"] == ({"device": "cpu", "pin_memory": True} if on else {"device": "none"})
+        assert zero["offload_param"] == {"device": "none"}
+        assert ("optimizer" in resolved.deepspeed) == on
+        assert (resolved.activation_checkpointing, resolved.offload_checkpoints, resolved.tiled_mlp) == (on, on, on)
 
 
 def test_zero3_config_does_not_disturb_the_meta_build(tmp_path):

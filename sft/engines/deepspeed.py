@@ -46,6 +46,7 @@ class ZeroSetup:
     stage: int | None = None
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_ratio: float = 1.0  # ZeRO-3 optimizer offload: the share of the states on the CPU
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,10 @@ def _check_zero_values(zero: dict, where: str) -> None:
     for section in ("offload_optimizer", "offload_param"):
         offload = zero.get(section) or {}
         device = str(offload.get("device", "none")).lower()
-        if device not in ("none", "cpu", "nvme"):
+        if device not in ("none", "cpu", "nvme", "auto"):
             raise ConfigError(
-                f"`deepspeed`: zero_optimization.{section}.device in {where} is {device!r}; use cpu, nvme or none."
+                f"`deepspeed`: zero_optimization.{section}.device in {where} is {device!r}; use cpu, nvme, none or "
+                '"auto" (the memory plan offloads to the CPU only if the run does not fit without it).'
             )
         if device == "nvme" and not offload.get("nvme_path"):
             raise ConfigError(
@@ -258,6 +260,41 @@ def check_agrees(training_args) -> None:
         )
 
 
+OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
+
+
+def offload_auto(deepspeed: str | dict | None) -> tuple[bool, bool]:
+    """Whether the config's `zero_optimization.offload_optimizer` / `offload_param` devices are `"auto"`: offloaded to
+    the CPU only where the memory plan needs it (ds_configs/zero3.json), set by `place_offload`."""
+    if not deepspeed:
+        return False, False
+    zero = read_config(deepspeed).get("zero_optimization") or {}
+    return tuple(str((zero.get(key) or {}).get("device", "none")).lower() == "auto" for key in OFFLOAD_SECTIONS)
+
+
+def place_offload(deepspeed: str | dict, optimizer: bool, params: bool, ratio: float = 1.0) -> dict:
+    """The config with its `"auto"` offload devices decided: `cpu` (pinned) where the plan turned the lever on, `none`
+    elsewhere; an offloaded optimizer under ZeRO-3 gets `ratio`, its share of the states on the CPU (DeepSpeed's
+    partial offload, whole sub-groups). With the optimizer offloaded and no `optimizer` section, DeepSpeed's AdamW
+    (its CPU Adam, which offload needs) with every value from the training arguments, as ds_configs/*_offload.json."""
+    config = read_config(deepspeed)
+    zero = config["zero_optimization"]
+    for key, on in zip(OFFLOAD_SECTIONS, (optimizer, params), strict=True):
+        section = zero.get(key) or {}
+        if str(section.get("device", "none")).lower() != "auto":
+            continue
+        section = {**section, "device": "cpu" if on else "none"}
+        if on:
+            section.setdefault("pin_memory", True)
+        if key == "offload_optimizer" and on and ratio < 1:
+            section["ratio"] = ratio
+        zero[key] = section
+    if zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme") and "optimizer" not in config:
+        params = dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")
+        config["optimizer"] = {"type": "AdamW", "params": params}
+    return config
+
+
 def zero_setup(training_args) -> ZeroSetup:
     """The ZeRO stage and offloading of the run's (resolved) DeepSpeed config."""
     if not training_args.deepspeed:
@@ -267,7 +304,8 @@ def zero_setup(training_args) -> ZeroSetup:
     def offloaded(key: str) -> bool:
         return str(zero.get(key, {}).get("device", "none")).lower() in ("cpu", "nvme")
 
-    return ZeroSetup(int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param"))
+    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
+    return ZeroSetup(int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param"), ratio)
 
 
 def prepare_model_build(training_args) -> bool:
