@@ -72,8 +72,12 @@ class HostPeak:
         return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
 
     def sample(self):
+        start, self.series = time.time(), []  # (seconds, GiB above the start) every 2 s
         while self.running:
-            self.peak = max(self.peak, self.used())
+            used = self.used()
+            self.peak = max(self.peak, used)
+            if not self.series or time.time() - start >= self.series[-1][0] + 2:
+                self.series.append((round(time.time() - start, 1), round((used - self.base) / 2**30, 2)))
             time.sleep(0.2)
 
     def stop(self) -> float:
@@ -132,7 +136,8 @@ def sft_run(work: Path, name: str, model: str, length: int, steps: int, extra: l
         "tokens_per_second": sum(r["tokens_per_second_per_gpu"] for r in tail) / len(tail) if tail else None,
         "mfu": sum(r["mfu"] for r in tail) / len(tail) if tail else None,
         "peak_gpu_gib": max((r.get("peak_memory_gib", 0) for r in records), default=None),
-        "peak_host_gib": round(host_gib, 2), "plan": plan, "plan_table": [line.strip() for line in table],
+        "peak_host_gib": round(host_gib, 2), "host_series": host.series, "plan": plan,
+        "plan_table": [line.strip() for line in table],
         "error": [line for line in text.splitlines() if "Error" in line or "error:" in line][-3:],
     }  # fmt: skip
 

@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,7 @@ class ModelShape:
     experts: tuple[int, int, int] | None = None
     expert_params: int = 0  # the routed experts' weights (what expert parallelism splits)
     mlp_kept: int = 4  # [tokens, intermediate] tensors the MLP keeps (`sft.architectures.Architecture.mlp_kept`)
+    param_sizes: tuple[int, ...] = ()  # each parameter's size, in the model's order (DeepSpeed's sub-groups)
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
@@ -250,6 +252,7 @@ def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         experts=(arch.experts.count, arch.experts.active, arch.experts.moe_layers) if arch.experts else None,
         expert_params=routed if arch.experts else 0,
         mlp_kept=arch.mlp_kept,
+        param_sizes=tuple(unique.values()),
     )
 
 
@@ -419,18 +422,49 @@ def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     return shape.layers * s.dtype_bytes * shape.hidden if s.offload_checkpoints else 0.0
 
 
+def pinned(nbytes: float) -> float:
+    """What a pinned host allocation of `nbytes` takes: torch's caching host allocator rounds it up to a power of 2."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
+def optimizer_groups(shape: ModelShape, s: Setting, ratio: float) -> tuple[list[float], list[float]]:
+    """(stepped on the GPU, stepped on the CPU): the sizes of DeepSpeed ZeRO-3's optimizer sub-groups of one process's
+    partition, as `_create_fp16_sub_groups` makes them (parameters in the model's order, each partitioned over the
+    GPUs, a sub-group closed once it holds `sub_group_size`), split as its partial offload does (sub-group i on the
+    CPU if i >= int((1 - ratio) x count)). LoRA's adapters, or a shape without parameter sizes: one sub-group."""
+    sizes = [-(-n // s.gpus) for n in shape.param_sizes] if shape.param_sizes and not s.lora_r else []
+    groups, held = [], 0.0
+    for size in sizes:
+        held += size
+        if held >= SUB_GROUP_SIZE:
+            groups.append(held)
+            held = 0.0
+    if held or not groups:
+        groups.append(held or trainable(shape, s) / s.gpus)
+    here = int((1 - ratio) * len(groups))
+    return groups[:here], groups[here:]
+
+
 def host_bytes(shape: ModelShape, s: Setting) -> float:
     """Host memory per node while training where anything is offloaded (without, host memory is not what limits a
-    run): each process's own (`HOST_PER_PROCESS`), the ZeRO states it offloads (the optimizer's share: fp32 master
-    weights, Adam moments and fp32 gradients, 16 bytes per parameter; the 16-bit weights with parameter offload) and
-    its offloaded checkpoints. (DeepSpeed's estimator, printed beside it, counts the whole model built in host memory
-    and 1.5x that, which sft's `zero.Init` build does not need.)"""
+    run): each process's own (`HOST_PER_PROCESS`), what it offloads and the 16-bit gradients DeepSpeed keeps there:
+    - the optimizer (its share under ZeRO-3): fp32 master weights and Adam moments (12 bytes per parameter) and the
+      fp32 gradients, pinned per sub-group; under ZeRO-3 a pinned 16-bit gradient of every parameter too;
+    - the weights (ZeRO-3 parameter offload): a pinned 16-bit copy;
+    - the checkpoints: each layer's input, pinned.
+    Pinned allocations are rounded up to a power of 2 (`pinned`). (DeepSpeed's estimator, printed beside it, counts
+    the whole model built in host memory and 1.5x that, which sft's `zero.Init` build does not need.)"""
     per_node = min(s.gpus_per_node or s.gpus, s.gpus)
-    p = trainable(shape, s)
-    states = 16 * s.ratio * p / s.gpus
+    part = trainable(shape, s) / s.gpus
+    offloaded = 0.0
+    if s.offload_optimizer:
+        cpu = optimizer_groups(shape, s, s.ratio)[1] if s.zero_stage == 3 else [part]
+        offloaded += 12 * sum(cpu) + sum(pinned(4 * g) for g in cpu)
+        offloaded += pinned(s.dtype_bytes * part) if s.zero_stage == 3 else 0
     if s.offload_params:
-        states += s.dtype_bytes * p / s.gpus + frozen_weight_bytes(shape, s) / s.gpus
-    offloaded = states + s.tokens * offloaded_bytes_per_token(shape, s)
+        offloaded += pinned(s.dtype_bytes * part) + frozen_weight_bytes(shape, s) / s.gpus
+    if s.offload_checkpoints:
+        offloaded += shape.layers * pinned(s.tokens * s.dtype_bytes * shape.hidden)
     return per_node * (HOST_PER_PROCESS + offloaded) if offloaded else 0.0
 
 
@@ -544,11 +578,15 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
-        on_gpu = (1 - s.ratio) * p / n  # the optimizer's share stepped on the GPU (all of it without offload)
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
-        items["gradient partition (16-bit)"] = b * on_gpu
-        items["optimizer: fp32 master + Adam moments"] = 12 * on_gpu
-        sub_group = min(on_gpu, SUB_GROUP_SIZE)
+        if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
+            stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
+            items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = 16 * stepped_here
+            sub_group = 0
+        else:
+            items["gradient partition (16-bit)"] = b * p / n
+            items["optimizer: fp32 master + Adam moments"] = 12 * p / n
+            sub_group = min(p / n, SUB_GROUP_SIZE)
         step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
         step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
@@ -685,7 +723,7 @@ def offload_ratios(shape: ModelShape, candidate: Setting, tools: Tools) -> list[
         return [1.0]
     if candidate.offload_optimizer:
         return [candidate.offload_ratio]
-    groups = -(-trainable(shape, candidate) // candidate.gpus // SUB_GROUP_SIZE)
+    groups = len(optimizer_groups(shape, candidate, 1.0)[1])
     return [k / groups for k in range(1, groups + 1)]
 
 
