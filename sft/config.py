@@ -124,6 +124,12 @@ class TrainConfig(SFTConfig):
             Keep what activation checkpointing saves (each decoder layer's input) in pinned CPU memory, copied back
             in the backward (transformers' `activation_checkpointing_kwargs` `offload`). `true` turns an `auto`
             checkpointing on. `auto`: only if the plan does not fit with checkpointing alone.
+        keep_attention_outputs (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            With activation checkpointing, keep each decoder layer's attention output (the attention kernel's
+            output and log-sum-exp) instead of recomputing it in the backward (`sft.checkpointing`): the
+            recomputation then skips the attention kernel, most of a layer's work on long rows, for one more
+            [tokens x heads x head_dim] tensor per layer. Not with `offload_checkpoints`. `auto`: with checkpointing,
+            wherever the plan fits it.
         tiled_mlp (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Run each decoder layer's MLP over the row in tiles of about `hidden_size` tokens (DeepSpeed ALST's
             `TiledMLP`, see `sft.tiling`), so its intermediate activations never exist for the whole row at once.
@@ -224,6 +230,10 @@ class TrainConfig(SFTConfig):
         default="auto",
         metadata={"help": "Checkpointed layer inputs in CPU memory: true, false, or `auto` (if the plan needs it)."},
     )
+    keep_attention_outputs: str = field(
+        default="auto",
+        metadata={"help": "With checkpointing, attention outputs kept, not recomputed: true, false, or `auto`."},
+    )
     tiled_mlp: str = field(
         default="auto",
         metadata={"help": "The MLP in tiles along the row: true, false, or `auto` (only if the plan needs it)."},
@@ -305,8 +315,20 @@ class TrainConfig(SFTConfig):
             )
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
-        for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8", "compile_decoder_layers"):
+        for name in ("activation_checkpointing", "offload_checkpoints", "keep_attention_outputs", "tiled_mlp", "fp8",
+                     "compile_decoder_layers"):  # fmt: skip
             setattr(self, name, self._switch(name, explicit if name == "activation_checkpointing" else None))
+        if self.keep_attention_outputs and "keep_attention_outputs" not in self.auto_settings:
+            if self.offload_checkpoints and "offload_checkpoints" not in self.auto_settings:
+                raise ConfigError(
+                    "`keep_attention_outputs: true` keeps attention outputs on the GPU beside checkpoints that "
+                    "`offload_checkpoints: true` moves to the CPU: set one of them to false (or auto)."
+                )
+            if not self.activation_checkpointing and "activation_checkpointing" not in self.auto_settings:
+                raise ConfigError(
+                    "`keep_attention_outputs: true` chooses what activation checkpointing recomputes: set "
+                    "activation_checkpointing: true (or auto), or keep_attention_outputs: false."
+                )
         if self.offload_checkpoints:
             if "activation_checkpointing" in self.auto_settings:  # offloading the checkpoints implies taking them
                 self.auto_settings.discard("activation_checkpointing")

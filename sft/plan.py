@@ -66,15 +66,25 @@ class Tools(NamedTuple):
     tiled_mlp: bool
     offload_optimizer: bool = False
     offload_params: bool = False
+    keep_attention: bool = False  # checkpointing keeps the attention kernels' outputs (`sft.checkpointing`)
 
     def names(self) -> list[str]:
         return [LEVER_NAMES[i] for i, on in enumerate(self) if on]
 
+    @property
+    def valid(self) -> bool:
+        """Offloaded or attention-keeping checkpoints need checkpointing; kept attention outputs stay on the GPU, so
+        not with offloaded checkpoints."""
+        return (self.checkpointing or not (self.offload or self.keep_attention)) and not (
+            self.offload and self.keep_attention
+        )
+
 
 LEVER_NAMES = ("activation checkpointing", "checkpoints offloaded", "tiled MLP", "optimizer offloaded",
-               "weights offloaded")  # fmt: skip
-# From cheapest to dearest, each on top of the last (`suggest` tries them in this order): activation checkpointing
-# (one more forward), its checkpoints offloaded to pinned CPU memory (a copy out and back per layer), the MLP in
+               "weights offloaded", "attention outputs kept")  # fmt: skip
+# From cheapest to dearest (`suggest` tries them in this order): activation checkpointing that keeps the attention
+# kernels' outputs (one more forward but for the attention kernel), activation checkpointing (one more forward), its
+# checkpoints offloaded to pinned CPU memory (a copy out and back per layer), the MLP in
 # tiles (DeepSpeed's TiledMLP runs each MLP forward once more; measured in benchmarks/results/long_context, the
 # `tools` part), the optimizer states on the CPU (DeepSpeed's CPU Adam steps them there, its gradients copied out:
 # a cost per step, not per token, and under ZeRO-3 the smallest share that fits first), then the weights (gathered
@@ -82,6 +92,7 @@ LEVER_NAMES = ("activation checkpointing", "checkpoints offloaded", "tiled MLP",
 # in chunks (Liger's fused linear cross-entropy or TRL's fused LM head), so it is no lever.
 MEMORY_LEVELS = (
     Tools(False, False, False),
+    Tools(True, False, False, keep_attention=True),
     Tools(True, False, False),
     Tools(True, True, False),
     Tools(True, True, True),
@@ -89,7 +100,7 @@ MEMORY_LEVELS = (
     Tools(True, True, True, True, True),
 )
 # The activation tools alone: what `suggest` tries on each of its candidates (ZeRO stages and offload, `ladder`)
-ACTIVATION_LEVELS = MEMORY_LEVELS[:4]
+ACTIVATION_LEVELS = MEMORY_LEVELS[:5]
 
 
 def levels() -> tuple[Tools, ...]:
@@ -99,7 +110,7 @@ def levels() -> tuple[Tools, ...]:
     import itertools
 
     others = [Tools(*flags) for flags in itertools.product((False, True), repeat=len(Tools._fields))]
-    others = [t for t in others if t not in MEMORY_LEVELS and (t.checkpointing or not t.offload)]
+    others = [t for t in others if t not in MEMORY_LEVELS and t.valid]
     return MEMORY_LEVELS + tuple(sorted(others, key=sum))
 
 
@@ -283,6 +294,7 @@ class Setting:
     # with offload_optimizer under ZeRO-3: the share of the optimizer states (whole sub-groups) on the CPU, the rest
     # stepped on the GPU (DeepSpeed's `offload_optimizer.ratio`)
     offload_ratio: float = 1.0
+    keep_attention: bool = False  # with checkpointing: the attention kernels' outputs kept (`sft.checkpointing`)
 
     @property
     def tokens(self) -> int:
@@ -302,7 +314,11 @@ class Setting:
         sp += f", experts split {self.ep} ways" if self.ep > 1 else ""
         tools = "".join(
             f", {name}"
-            for name, on in (("offloaded to CPU", self.offload_checkpoints), ("tiled MLP", self.tiled_mlp))
+            for name, on in (
+                ("offloaded to CPU", self.offload_checkpoints),
+                ("attention kept", self.keep_attention),
+                ("tiled MLP", self.tiled_mlp),
+            )  # fmt: skip
             if on
         )
         return (
@@ -315,12 +331,13 @@ class Setting:
             self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
             tiled_mlp=tools.tiled_mlp, offload_optimizer=tools.offload_optimizer, offload_params=tools.offload_params,
             offload_ratio=ratio if tools.offload_optimizer and not tools.offload_params else 1.0,
+            keep_attention=tools.keep_attention,
         )  # fmt: skip
 
     @property
     def tools(self) -> Tools:
         return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp, self.offload_optimizer,
-                     self.offload_params)  # fmt: skip
+                     self.offload_params, self.keep_attention)  # fmt: skip
 
     @property
     def ratio(self) -> float:
@@ -405,8 +422,14 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * shape.hidden
     if s.activation_checkpointing:
         kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
-        return kept * s.dtype_bytes * shape.hidden + layer + extra
+        attention = shape.layers * attention_kept_bytes_per_token(shape, s) if s.keep_attention else 0
+        return kept * s.dtype_bytes * shape.hidden + attention + layer + extra
     return shape.layers * layer + extra
+
+
+def attention_kept_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """What `sft.checkpointing` keeps per token and layer: the attention kernel's output and its fp32 log-sum-exp."""
+    return s.dtype_bytes * shape.heads * shape.head_dim + 4 * shape.heads
 
 
 def fp8_bytes_in_flight(shape: ModelShape, s: Setting) -> float:
@@ -562,6 +585,8 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
     if s.offload_checkpoints and not s.activation_checkpointing:
         raise ConfigError("Offloading checkpoints needs activation checkpointing (--activation-checkpointing).")
+    if s.keep_attention and not (s.activation_checkpointing and not s.offload_checkpoints):
+        raise ConfigError("Keeping attention outputs needs activation checkpointing, without offloaded checkpoints.")
     b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
     p = trainable(shape, s)
     full = not s.lora_r
@@ -889,6 +914,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--offload-checkpoints", action="store_true", help="Checkpointed layer inputs in CPU memory")
     parser.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles along the row (DeepSpeed's TiledMLP)")
+    parser.add_argument("--keep-attention", action="store_true", help="Checkpointing keeps attention outputs")
     parser.add_argument("--liger", action="store_true", help="Liger kernels (RMSNorm, SwiGLU, RoPE)")
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
@@ -920,6 +946,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing,
             offload_checkpoints=args.offload_checkpoints,
             tiled_mlp=args.tiled_mlp,
+            keep_attention=args.keep_attention,
             liger=args.liger,
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,

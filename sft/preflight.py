@@ -28,8 +28,10 @@ from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.parallel import ParallelDims
 
-# The training arguments of the plan's memory tools, in `sft.plan.Tools` order
-TOOL_FIELDS = ("activation_checkpointing", "offload_checkpoints", "tiled_mlp")
+# The training arguments of the plan's memory levers: {argument: `sft.plan.Tools` field} (ZeRO's offload levers are
+# the DeepSpeed config's, `sft.engines.deepspeed.offload_auto`)
+TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints": "offload", "tiled_mlp": "tiled_mlp",
+               "keep_attention_outputs": "keep_attention"}  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ def base_setting(
         activation_checkpointing=bool(training_args.activation_checkpointing),
         offload_checkpoints=bool(training_args.offload_checkpoints),
         tiled_mlp=bool(training_args.tiled_mlp),
+        keep_attention=bool(training_args.keep_attention_outputs),
         liger=bool(training_args.use_liger_kernel if liger_on is None else liger_on),
         lora_r=model_args.lora_r if model_args.use_peft else 0,
         lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
@@ -165,7 +168,8 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
-    for key, value in zip(TOOL_FIELDS, tools[: len(TOOL_FIELDS)], strict=True):
+    for key, lever in TOOL_FIELDS.items():
+        value = getattr(tools, lever)
         if value != getattr(training_args, key) or key in auto:
             changes[key] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
@@ -250,16 +254,23 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     """The plan's memory levels with every lever that is not `auto` held at its given value (in the plan's order):
     the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
     auto = training_args.auto_settings
-    zero = ds_engine.zero_setup(training_args)
-    auto_offload = ds_engine.offload_auto(training_args.deepspeed)
-    given = [*(bool(getattr(training_args, key)) for key in TOOL_FIELDS), zero.offload_optimizer, zero.offload_params]
-    free = [key in auto for key in TOOL_FIELDS] + list(auto_offload)
+    given = _given_levers(training_args)
+    optimizer, params = ds_engine.offload_auto(training_args.deepspeed)
+    free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
+    free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
     levels = []
     for level in memplan.levels():
-        fixed = memplan.Tools(*(on if free[i] else given[i] for i, on in enumerate(level)))
-        if fixed not in levels and (fixed.checkpointing or not fixed.offload):
+        fixed = memplan.Tools(**{f: getattr(level if f in free else given, f) for f in memplan.Tools._fields})
+        if fixed not in levels and fixed.valid:
             levels.append(fixed)
     return tuple(levels)
+
+
+def _given_levers(training_args) -> memplan.Tools:
+    """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
+    zero = ds_engine.zero_setup(training_args)
+    fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
+    return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
 
 
 def _family_liger(training_args, arch: architectures.Architecture) -> bool:
@@ -332,10 +343,8 @@ def _plan_memory(
     up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
-    zero = ds_engine.zero_setup(training_args)
-    tools = memplan.Tools(*(bool(getattr(training_args, key)) for key in TOOL_FIELDS), zero.offload_optimizer,
-                          zero.offload_params)  # fmt: skip
-    ratio = zero.offload_ratio
+    tools = _given_levers(training_args)
+    ratio = ds_engine.zero_setup(training_args).offload_ratio
     sp = training_args.sequence_parallel_size
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
     memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()

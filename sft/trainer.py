@@ -6,7 +6,8 @@
 - packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
-- the tiled MLP (`sft.tiling`) when the plan or the recipe asks for it (offloaded checkpoints are transformers');
+- the tiled MLP (`sft.tiling`) and checkpointing that keeps attention outputs (`sft.checkpointing`) when the plan or
+  the recipe asks for them (offloaded checkpoints are transformers');
 - a step whose loss or gradient norm is not finite is not applied, and stops the run (`sft.failsafe`).
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from trl import SFTTrainer
 
-from sft import architectures, expert_parallel, failsafe, fp8, metrics, quantization, tiling
+from sft import architectures, checkpointing, expert_parallel, failsafe, fp8, metrics, quantization, tiling
 from sft import checkpoint as ckpt
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
@@ -140,6 +141,10 @@ class Trainer(SFTTrainer):
             changed = tiling.apply_tiled_mlp(self.model, tiles, fp8.token_multiple(self.args.fp8))
             if changed:
                 logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
+        if self.args.activation_checkpointing and self.args.keep_attention_outputs:
+            checkpointing.keep_attention_outputs(self.model, self.args.activation_checkpointing_kwargs)
+            logger.info("Activation checkpointing keeps the attention kernels' outputs (sft.checkpointing): the "
+                        "recomputation skips the attention kernel")  # fmt: skip
         if self.args.offload_checkpoints:
             offloaded = (self.args.activation_checkpointing_kwargs or {}).get("offload")
             logger.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def test_suggest_takes_lowest_stage_then_checkpointing_then_largest_micro_batch(
     two = plan.suggest(shape, dataclasses.replace(base, gpus=2), 80 * plan.GiB)
     assert two.setting.zero_stage == 3 and two.setting.activation_checkpointing
     assert not plan.estimate(
-        shape, dataclasses.replace(two.setting, activation_checkpointing=False, micro_batch=1)
+        shape, dataclasses.replace(two.setting.with_tools(plan.Tools(False, False, False)), micro_batch=1)
     ).fits(80 * plan.GiB, 0.1)
     one = plan.suggest(shape, dataclasses.replace(base, gpus=1), 8 * plan.GiB)  # 8B on one 8 GB GPU: ZeRO-Infinity
     assert (one.setting.zero_stage, one.setting.offload_params, one.setting.micro_batch) == (3, True, 1)
@@ -148,8 +149,9 @@ def test_suggest_takes_lowest_stage_then_checkpointing_then_largest_micro_batch(
 
 
 def test_memory_tools_for_long_rows_come_in_order(tmp_path):
-    """8B shape, ZeRO-3, 2 GPUs, sp=2 (the long-context setting): as the rows grow, the plan takes checkpointing, then
-    offloads the checkpoints, then tiles the MLP; each tool takes off exactly its term."""
+    """8B shape, ZeRO-3, 2 GPUs, sp=2 (the long-context setting): as the rows grow, the plan takes checkpointing
+    (first keeping attention outputs), then offloads the checkpoints, then tiles the MLP; each tool takes off exactly
+    its term."""
     shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=2, zero_stage=3, liger=True, sp=2)
     chosen = {}
@@ -159,13 +161,13 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
         chosen[seq] = best.setting.tools if best else None
     assert chosen == {
         8192: plan.Tools(False, False, False),
-        65536: plan.Tools(True, False, False),
+        65536: plan.Tools(True, False, False, keep_attention=True),
         393216: plan.Tools(True, True, False),
         786432: plan.Tools(True, True, True),
     }
     long = dataclasses.replace(base, seq_len=524288)
     tokens = long.tokens
-    ckpt, offload, tiled = (plan.estimate(shape, long.with_tools(t)) for t in plan.MEMORY_LEVELS[1:4])
+    ckpt, offload, tiled = (plan.estimate(shape, long.with_tools(t)) for t in plan.MEMORY_LEVELS[2:5])
     b, h = 2, shape.hidden
     assert ckpt.items["activations"] - offload.items["activations"] == tokens * (shape.layers - 2) * b * h
     checkpoints = tokens * shape.layers * b * h  # pinned, per process; 2 GPUs on the node
@@ -178,30 +180,36 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
 
 
 def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_path):
-    """1B shape, 1 GPU of 80 GiB, ZeRO-3, host 125 GiB: as the row grows the plan turns the levers on one at a time in
-    `MEMORY_LEVELS` order (checkpointing, offloaded checkpoints, tiled MLP, a share of the optimizer on the CPU, then
-    the weights); the host line is the process's own memory, 16 bytes per offloaded parameter (fp32 master, Adam
-    moments, fp32 gradient), the 16-bit weights with parameter offload and the offloaded checkpoints."""
+    """1B shape, 1 GPU of 80 GiB, ZeRO-3, host 125 GiB: as the row grows the plan turns the levers on in
+    `MEMORY_LEVELS` order (checkpointing that keeps attention outputs, checkpointing, offloaded checkpoints, tiled MLP,
+    the optimizer on the CPU, then the weights). The host line is DeepSpeed's offload as it allocates: 12 bytes per
+    offloaded parameter (fp32 master, Adam moments) unpinned, its fp32 gradients pinned per sub-group, a pinned 16-bit
+    gradient of every parameter, pinned 16-bit weights, pinned checkpoints; pinned sizes rounded up to powers of 2."""
     shape = plan.load_shape(write_config(tmp_path, "1b", SHAPES["llama-1b"]))
     base = plan.Setting(gpus=1, zero_stage=3, liger=True)
     gpu, host = 80 * plan.GiB, 125 * plan.GiB
     chosen = []
-    for seq in (32768, 131072, 524288, 786432, 1048576, 1310720):
+    for seq in (32768, 65536, 262144, 393216, 786432, 1048576):
         setting = dataclasses.replace(base, seq_len=seq)
-        best = plan.suggest(shape, setting, gpu, 0.1, (1,), [setting], plan.levels(), host_memory=host)
-        chosen.append(best.setting)
-    assert [s.tools for s in chosen] == list(plan.MEMORY_LEVELS)
-    assert [s.ratio for s in chosen] == [0, 0, 0, 0, 0.5, 1]  # 1.24B parameters: two sub-groups, one on the CPU
-    p, b, h = shape.n_params, 2, shape.hidden
-    for s in chosen:
+        chosen.append(plan.suggest(shape, setting, gpu, 0.1, (1,), [setting], plan.levels(), host_memory=host).setting)
+    assert [s.tools for s in chosen] == list(plan.MEMORY_LEVELS[:6])
+    # 1.24B parameters in DeepSpeed's sub-groups of at least 1e9, in the model's order: 2
+    assert [len(g) for g in plan.optimizer_groups(shape, base, 0.5)] == [1, 1]
+    everything = dataclasses.replace(chosen[-1], offload_params=True)
+    p, b, h, two = shape.n_params, 2, shape.hidden, lambda n: 2 ** math.ceil(math.log2(n))
+    for s in [*chosen, everything]:
         e = plan.estimate(shape, s)
-        checkpoints = s.offload_checkpoints * s.tokens * shape.layers * b * h
-        offloaded = 16 * s.ratio * p + b * p * s.offload_params + checkpoints
+        offloaded = (12 * p + two(4 * plan.optimizer_groups(shape, s, 1.0)[1][0]) + two(4 * (p - 1e9))
+                     + two(b * p)) if s.offload_optimizer else 0  # fmt: skip
+        offloaded += two(b * p) if s.offload_params else 0
+        offloaded += shape.layers * two(s.tokens * b * h) if s.offload_checkpoints else 0
         assert e.host_pinned == (plan.HOST_PER_PROCESS + offloaded if offloaded else 0)
-        assert e.fits(gpu, 0.1, host) and not dataclasses.replace(e, host_pinned=host).fits(gpu, 0.1, host)
-    half = plan.estimate(shape, chosen[4])  # half the optimizer on the GPU: its master weights, moments, gradients
-    assert half.items["optimizer: fp32 master + Adam moments"] == 12 * p / 2
-    assert half.items["gradient partition (16-bit)"] == b * p / 2
+    kept, recomputed = (plan.estimate(shape, dataclasses.replace(chosen[1], keep_attention=k)).items["activations"]
+                        for k in (True, False))  # fmt: skip
+    assert kept - recomputed == 65536 * shape.layers * (b * shape.heads * shape.head_dim + 4 * shape.heads)
+    half = plan.estimate(shape, dataclasses.replace(chosen[-1], offload_ratio=0.5))
+    first = plan.optimizer_groups(shape, base, 0.5)[0][0]
+    assert half.items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] == 16 * first and first >= 1e9
 
 
 def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path):
@@ -255,6 +263,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     )  # fmt: skip
     assert training_args.auto_settings == {
         "per_device_train_batch_size", "activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8",
+        "keep_attention_outputs",
         "compile_decoder_layers", "use_liger_kernel",
     }  # fmt: skip
     resolved = preflight(training_args, model_args)
