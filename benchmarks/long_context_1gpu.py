@@ -212,7 +212,7 @@ def trl_worker(args) -> None:
           flush=True)  # fmt: skip
 
 
-def speed(work: Path, lengths: list[int], model: str = "llama-1b") -> dict:
+def speed(work: Path, lengths: list[int], model: str = "llama-1b", save=lambda _: None) -> dict:
     import sys
 
     from benchmarks.common import run
@@ -231,12 +231,31 @@ def speed(work: Path, lengths: list[int], model: str = "llama-1b") -> dict:
             side["sft_over_trl"] = ours["tokens_per_second"] / trl["tokens_per_second"]
             side["trl_mfu"] = ours["mfu"] / side["sft_over_trl"]
         result[str(length)] = side
+        save(result)
     return result
 
 
 def exact(work: Path, length: int = 131072, model: str = "llama-1b") -> dict:
-    levers = ["--activation_checkpointing", "true", "--offload_checkpoints", "true", "--tiled_mlp", "true"]
-    alone = ["--activation_checkpointing", "true", "--offload_checkpoints", "false", "--tiled_mlp", "false"]
+    levers = [
+        "--activation_checkpointing",
+        "true",
+        "--offload_checkpoints",
+        "true",
+        "--tiled_mlp",
+        "true",
+        "--keep_attention_outputs",
+        "false",
+    ]
+    alone = [
+        "--activation_checkpointing",
+        "true",
+        "--offload_checkpoints",
+        "false",
+        "--tiled_mlp",
+        "false",
+        "--keep_attention_outputs",
+        "false",
+    ]
     ckpt = sft_run(work, "exact_ckpt", model, length, 2, alone, "ds_configs/zero2.json")
     every = sft_run(work, "exact_every_lever", model, length, 2, levers, "ds_configs/zero3_offload.json")
     result = {"checkpointing_only": ckpt, "every_lever": every}
@@ -312,7 +331,9 @@ def main() -> None:
     result = {"environment": environment()}
     for part in args.parts.split(","):
         if part == "speed":
-            result["speed"] = speed(args.work, [int(n) for n in args.speed_lengths.split(",")])
+            lengths = [int(n) for n in args.speed_lengths.split(",")]
+            result["speed"] = speed(args.work, lengths, save=lambda r: write_results(
+                args.out, "long_context_1gpu", {**result, "speed": r}, markdown({**result, "speed": r})))  # fmt: skip
         elif part == "exact":
             result["exact"] = exact(args.work)
         elif part == "longest":
