@@ -235,6 +235,24 @@ def speed(work: Path, lengths: list[int], model: str = "llama-1b", save=lambda _
     return result
 
 
+def keep(work: Path, length: int = 131072, model: str = "llama-1b") -> dict:
+    """Kept attention outputs against full checkpointing at `length`, both without FP8 and compiled layers (whose
+    compiled layer runs inside the checkpoint, where the selection does not reach), 5 steps."""
+    plain = ["--activation_checkpointing", "true", "--fp8", "false", "--compile_decoder_layers", "false"]
+    return {
+        name: sft_run(
+            work,
+            f"keep_{name}_{length}",
+            model,
+            length,
+            5,
+            [*plain, "--keep_attention_outputs", flag],
+            "ds_configs/zero2.json",
+        )  # fmt: skip
+        for name, flag in (("kept", "true"), ("recomputed", "false"))
+    }
+
+
 def exact(work: Path, length: int = 131072, model: str = "llama-1b") -> dict:
     levers = [
         "--activation_checkpointing",
@@ -300,6 +318,12 @@ def markdown(result: dict) -> str:
         for n, side in result["speed"].items():
             lines += ["", f"sft at {n}: " + "; ".join(side["sft"]["plan"])]
         lines.append("")
+    if result.get("keep"):
+        lines += ["## Attention outputs kept vs recomputed, 1B shape, 131,072 tokens, bf16, layers not compiled", "",
+                  "| run | tokens/s | MFU | peak GiB |", "|---|---|---|---|"]  # fmt: skip
+        for name, r in result["keep"].items():
+            lines.append(f"| {name} | {r['tokens_per_second'] or 0:.0f} | {r['mfu'] or 0:.3f} | {r['peak_gpu_gib']} |")
+        lines.append("")
     if result.get("exact"):
         e = result["exact"]
         lines += ["## Exactness at 131,072 tokens, Llama-3.2-1B shape: checkpointing alone vs every lever", ""]
@@ -334,6 +358,8 @@ def main() -> None:
             lengths = [int(n) for n in args.speed_lengths.split(",")]
             result["speed"] = speed(args.work, lengths, save=lambda r: write_results(
                 args.out, "long_context_1gpu", {**result, "speed": r}, markdown({**result, "speed": r})))  # fmt: skip
+        elif part == "keep":
+            result["keep"] = keep(args.work)
         elif part == "exact":
             result["exact"] = exact(args.work)
         elif part == "longest":
