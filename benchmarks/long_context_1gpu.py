@@ -86,18 +86,23 @@ class HostPeak:
         return (self.peak - self.base) / 2**30
 
 
-def sft_run(work: Path, name: str, model: str, length: int, steps: int, extra: list[str], deepspeed: str) -> dict:
-    """One sft run of `model` on rows of `length` tokens, stopped once `steps` steps are logged (or when it ends)."""
+def sft_run(
+    work: Path, name: str, model: str, length: int, steps: int, extra: list[str], deepspeed: str, weights: bool = False
+) -> dict:
+    """One sft run of `model` on rows of `length` tokens, stopped once `steps` steps are logged (or when it ends);
+    `weights`: from a checkpoint of random weights (the same in every run) instead of sft's own initialisation."""
     import yaml
 
-    config = shape_config(model)
-    path = model_dir(work / model, config, max_position_embeddings=max(length, 8192))
+    from benchmarks.common import random_checkpoint
+
+    config = {**shape_config(model), "max_position_embeddings": max(length, 8192)}
+    path = random_checkpoint(work / f"{model}_weights", config) if weights else model_dir(work / model, config)
     data = fixed_length_data(work / f"fixed_{model}_{length}.jsonl", 4, length, config["vocab_size"])
     out = work / name
     recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
     recipe.pop("eval_datasets")
     recipe.update(
-        model_name_or_path=str(path), from_scratch=True, datasets=[{"path": str(data)}], output_dir=str(out),
+        model_name_or_path=str(path), from_scratch=not weights, datasets=[{"path": str(data)}], output_dir=str(out),
         bf16=True, dtype="bfloat16", eval_strategy="no", save_strategy="no", logging_steps=1, report_to="none",
         assistant_only_loss=False, learning_rate=1e-5, warmup_steps=0, max_length=length, global_batch_size=1,
         gradient_accumulation_steps=1, max_steps=steps, deepspeed=deepspeed, per_device_train_batch_size="auto",

@@ -134,6 +134,16 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     micro, tools, sp, plan, ratio = _plan_memory(
         training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
     )
+    auto = training_args.auto_settings
+    if tools.keep_attention and compile_on and "compile_decoder_layers" in auto:
+        # a compiled layer runs inside the checkpoint as one piece, where the selection of what to keep does not
+        # reach: measured on 1 x H100, 1B shape, 131,072 tokens, 11,458 tokens/s with attention kept and layers
+        # eager in bf16, 9,490 compiled with FP8 (benchmarks/results/long_context_1gpu)
+        compile_on = changes["compile_decoder_layers"] = False
+        fp8_on = fp8_on and "fp8" not in auto  # float8 is fast only compiled (`sft.fp8`)
+        with_fp8 = ", and FP8 with them" if fp8_decision.on and not fp8_on else ""
+        logger.info("Activation checkpointing keeps attention outputs: compiled layers off%s (the selection does not "
+                    "reach inside a compiled layer)", with_fp8)  # fmt: skip
     model_args.attn_implementation = resolve_attn_implementation(
         model_args.attn_implementation, sp > 1, arch, training_args.padding_free_batches
     )
