@@ -259,28 +259,11 @@ def keep(work: Path, length: int = 131072, model: str = "llama-1b") -> dict:
 
 
 def exact(work: Path, length: int = 131072, model: str = "llama-1b") -> dict:
-    levers = [
-        "--activation_checkpointing",
-        "true",
-        "--offload_checkpoints",
-        "true",
-        "--tiled_mlp",
-        "true",
-        "--keep_attention_outputs",
-        "false",
-    ]
-    alone = [
-        "--activation_checkpointing",
-        "true",
-        "--offload_checkpoints",
-        "false",
-        "--tiled_mlp",
-        "false",
-        "--keep_attention_outputs",
-        "false",
-    ]
-    ckpt = sft_run(work, "exact_ckpt", model, length, 2, alone, "ds_configs/zero2.json")
-    every = sft_run(work, "exact_every_lever", model, length, 2, levers, "ds_configs/zero3_offload.json")
+    off = ["--fp8", "false", "--compile_decoder_layers", "false", "--keep_attention_outputs", "false"]
+    alone = ["--activation_checkpointing", "true", "--offload_checkpoints", "false", "--tiled_mlp", "false", *off]
+    levers = ["--activation_checkpointing", "true", "--offload_checkpoints", "true", "--tiled_mlp", "true", *off]
+    ckpt = sft_run(work, "exact_ckpt", model, length, 2, alone, "ds_configs/zero2.json", weights=True)
+    every = sft_run(work, "exact_every_lever", model, length, 2, levers, "ds_configs/zero3_offload.json", weights=True)
     result = {"checkpointing_only": ckpt, "every_lever": every}
     if ckpt["loss"] and len(ckpt["loss"]) == len(every["loss"]):
         result["loss_rel_diff"] = [abs(a - b) / abs(a) for a, b in zip(ckpt["loss"], every["loss"], strict=True)]
