@@ -35,6 +35,13 @@ RTOL = 1e-5
 # no LoRA dropout: its masks are drawn per rank, so sp=2 and sp=1 would drop different activations
 # every memory tool of the plan on: checkpointing, its checkpoints offloaded, the tiled MLP
 TOOLS = ["--activation_checkpointing", "true", "--offload_checkpoints", "true", "--tiled_mlp", "true"]
+# every lever of the long-context plan that acts on a CPU (offloading checkpoints needs a GPU's pinned memory, and
+# excludes keeping attention outputs): checkpointing that keeps attention outputs, the tiled MLP, ZeRO-3 with the
+# optimizer (DeepSpeed's CPU Adam) and the weights offloaded
+LEVERS = [
+    "--activation_checkpointing", "true", "--keep_attention_outputs", "true", "--offload_checkpoints", "false",
+    "--tiled_mlp", "true", "--deepspeed", "ds_configs/zero3_offload.json",
+]  # fmt: skip
 LORA = [
     "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
 ]  # fmt: skip
@@ -70,6 +77,7 @@ def runs(tmp_path_factory, init_model) -> dict[str, Path]:
         ("sp2_zero2", 2, 2, 2, []),
         ("sp2_zero3", 2, 2, 3, []),
         ("sp2_zero3_tools", 2, 2, 3, TOOLS),
+        ("dp2_every_lever", 2, 1, 3, LEVERS),
         ("lora_sp2", 2, 2, 2, LORA),
     )
     outs = {name: tmp_path_factory.mktemp(name) / "out" for name, *_ in settings}
@@ -103,10 +111,13 @@ def assert_same_steps(ref: list[dict], other: list[dict], rtol: float = RTOL) ->
             assert math.isclose(a, b, rel_tol=rtol), (key, a, b)
 
 
-@pytest.mark.parametrize("name", ["sp2_zero2", "sp2_zero3", "sp1_tools", "sp1_zero3_tools", "sp2_zero3_tools"])
+@pytest.mark.parametrize(
+    "name", ["sp2_zero2", "sp2_zero3", "sp1_tools", "sp1_zero3_tools", "sp2_zero3_tools", "dp2_every_lever"]
+)
 def test_sp2_trains_as_sp1(runs, init_model, name):
     """sp=2 under ZeRO-2 and ZeRO-3, and the memory tools (1 process under ZeRO-2 and ZeRO-3: two tiles per MLP,
-    ZeRO's gradient hooks held to the last; sp=2 under ZeRO-3), train as sp=1."""
+    ZeRO's gradient hooks held to the last; sp=2 under ZeRO-3), and 2 processes with every long-context lever on,
+    train as sp=1 with none."""
     ref, sp2 = records(runs["sp1"]), records(runs[name])
     assert [r["step"] for r in sp2] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):
@@ -141,6 +152,15 @@ def test_memory_tools_are_on(runs):
         log = runs[name + "_log"]
         assert f"Tiled MLP: {config.num_hidden_layers} decoder-layer MLPs run in {tiles} tiles per row" in log
         assert "Activation checkpoints not offloaded: no GPU" in log  # offloading is shown on GPUs (benchmarks)
+
+
+def test_every_lever_is_on(runs):
+    log = runs["dp2_every_lever_log"]
+    assert "Activation checkpointing keeps the attention kernels' outputs" in log
+    assert "Tiled MLP: 4 decoder-layer MLPs run in 2 tiles per row" in log
+    states = runs["dp2_every_lever"] / "checkpoint-8" / "global_step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    zero = torch.load(states, map_location="cpu", weights_only=False)["ds_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
 
 
 def test_lora_with_sp2_trains_as_lora_with_sp1(runs):
