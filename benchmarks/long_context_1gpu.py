@@ -160,7 +160,10 @@ def longest(work: Path, spec: str, steps: int, over: float) -> dict:
     shape = plan.load_shape(str(path))
     gpu = cap * plan.GiB if cap else plan.detected_gpu_memory()
     host = plan.detected_host_memory()
-    base = plan.Setting(gpus=1, zero_stage=3, liger=True)
+    from sft import architectures
+
+    liger = architectures.of(plan.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family
+    base = plan.Setting(gpus=1, zero_stage=3, liger=liger)
     top = plan.longest(shape, base, gpu, host_memory=host)
     binds = plan.binding(shape, top, gpu, 0.1, host)
     result = {
