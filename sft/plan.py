@@ -17,6 +17,11 @@ The peak adds what those leave out, each as its own line:
 - DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
   ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step.
 
+Host memory (`host_bytes`) is planned too where anything is offloaded, as DeepSpeed and torch allocate it. For long
+rows the memory levers come on in `MEMORY_LEVELS` order (checkpointing that keeps attention outputs, checkpointing,
+its offload, the tiled MLP, ZeRO-3's optimizer states on the CPU in whole sub-groups, its weights), and `longest`
+answers the longest row a GPU trains and (`binding`) whether GPU or host memory stops a longer one.
+
 Those extra terms were measured on H200s (benchmarks/memory_plan.py, benchmarks/results/memory_plan_calibration.md);
 the per-token allowance is the one figure fitted to those measurements. ZeRO-0/1, CPU offload, LoRA and QLoRA use the
 same equations but have not been measured on a GPU yet. `max_memory_allocated` does not count the CUDA context, NCCL's

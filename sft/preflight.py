@@ -1,8 +1,9 @@
 """Before anything expensive: the global batch, the memory plan, the resume geometry and the `auto` values they set.
 
 `preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
-loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory tools (`activation_checkpointing`,
-`offload_checkpoints`, `tiled_mlp`) from `sft.plan` (the largest micro batch that fits, each tool only if needed),
+loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory levers (`activation_checkpointing`,
+`keep_attention_outputs`, `offload_checkpoints`, `tiled_mlp`, and ZeRO's offload where the DeepSpeed config's device
+is `"auto"`) from `sft.plan` (the largest micro batch that fits, each lever only if needed, in the plan's order),
 turns the global-batch target into `gradient_accumulation_steps` with `sft.batch` (on a resume the target is the
 checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
 process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
