@@ -290,8 +290,10 @@ def place_offload(deepspeed: str | dict, optimizer: bool, params: bool, ratio: f
             section["ratio"] = ratio
         zero[key] = section
     if zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme") and "optimizer" not in config:
-        params = dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")
-        config["optimizer"] = {"type": "AdamW", "params": params}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto"),
+        }
     return config
 
 
