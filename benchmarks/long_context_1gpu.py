@@ -87,10 +87,19 @@ class HostPeak:
 
 
 def sft_run(
-    work: Path, name: str, model: str, length: int, steps: int, extra: list[str], deepspeed: str, weights: bool = False
+    work: Path,
+    name: str,
+    model: str,
+    length: int,
+    steps: int,
+    extra: list[str],
+    deepspeed: str,
+    weights: bool = False,
+    trace: Path | None = None,
 ) -> dict:
     """One sft run of `model` on rows of `length` tokens, stopped once `steps` steps are logged (or when it ends);
-    `weights`: from a checkpoint of random weights (the same in every run) instead of sft's own initialisation."""
+    `weights`: from a checkpoint of random weights (the same in every run) instead of sft's own initialisation;
+    `trace`: under `benchmarks.memory_trace`, run to its end, its summary of the peak written there."""
     import yaml
 
     from benchmarks.common import random_checkpoint
@@ -112,12 +121,17 @@ def sft_run(
     log = work / f"{name}.log"
     host = HostPeak()
     began = time.time()
-    proc = start(sft_command(1, ["--config", str(work / f"{name}.yaml"), *extra]), log, env=on_gpus(1))
+    command = sft_command(1, ["--config", str(work / f"{name}.yaml"), *extra])
+    env = on_gpus(1)
+    if trace:
+        command[command.index(str(ROOT / "sft" / "train.py"))] = str(ROOT / "benchmarks" / "memory_trace.py")
+        env["MEMORY_TRACE_OUT"] = str(trace)
+    proc = start(command, log, env=env)
     metrics, records = out / "metrics.jsonl", []
     while proc.poll() is None:
         time.sleep(1)
         records = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
-        if len(records) >= steps:
+        if len(records) >= steps and not trace:
             break
     trained = time.time() - began
     stopped = proc.poll() is None
@@ -147,11 +161,12 @@ def sft_run(
     }  # fmt: skip
 
 
-def longest(work: Path, spec: str, steps: int, over: float) -> dict:
-    """The plan's longest row for `shape:cap` trained, and (with `over`) that many times it."""
+def planned(work: Path, spec: str):
+    """(shape name, cap GiB, GPU bytes, host bytes, the plan's longest row for `shape:cap` with ZeRO-3, the result's
+    plan figures) on this machine."""
     import torch
 
-    from sft import plan
+    from sft import architectures, plan
 
     model, cap = spec.split(":")
     cap = float(cap)
@@ -160,8 +175,6 @@ def longest(work: Path, spec: str, steps: int, over: float) -> dict:
     shape = plan.load_shape(str(path))
     gpu = cap * plan.GiB if cap else plan.detected_gpu_memory()
     host = plan.detected_host_memory()
-    from sft import architectures
-
     liger = architectures.of(plan.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family
     base = plan.Setting(gpus=1, zero_stage=3, liger=liger)
     top = plan.longest(shape, base, gpu, host_memory=host)
@@ -172,13 +185,54 @@ def longest(work: Path, spec: str, steps: int, over: float) -> dict:
         "planned_peak_gib": top.peak / plan.GiB, "planned_host_gib": top.host_pinned / plan.GiB, "binding": binds,
         "report": plan.lever_report(top, base, gpu, 0.1, host, binds),
     }  # fmt: skip
+    return model, cap, top, result
+
+
+def longest(work: Path, spec: str, steps: int, over: float) -> dict:
+    """The plan's longest row for `shape:cap` trained, and (with `over`) that many times it, with the same levers
+    (the plan's for the longest row, given instead of `auto`) and the plan check off."""
+    model, cap, top, result = planned(work, spec)
     extra = ["--max_gpu_memory_gib", str(cap)] if cap else []
     tag = f"{model}_{int(cap)}"
     zero3 = "ds_configs/zero3.json"
     result["at_plan"] = sft_run(work, f"longest_{tag}", model, top.setting.seq_len, steps, extra, zero3)
     if over:
         length = int(top.setting.seq_len * over) // 1024 * 1024
-        result["over"] = sft_run(work, f"over_{tag}", model, length, steps, [*extra, "--plan_check", "false"], zero3)
+        levers, config = given_levers(work, top.setting, tag)
+        result["over"] = sft_run(work, f"over_{tag}", model, length, steps, [*extra, *levers], config)
+    return result
+
+
+def given_levers(work: Path, s, tag: str) -> tuple[list[str], str]:
+    """(CLI flags, a DeepSpeed config) that give the levers of the plan's setting `s` instead of `auto`, with the
+    plan check off."""
+    config = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {"device": "cpu" if s.offload_optimizer else "none", "pin_memory": True}
+    if s.offload_optimizer and s.ratio < 1:
+        zero["offload_optimizer"]["ratio"] = s.ratio
+    zero["offload_param"] = {"device": "cpu" if s.offload_params else "none", "pin_memory": True}
+    path = work / f"zero3_{tag}.json"
+    path.write_text(json.dumps(config, indent=1))
+    flags = {"activation_checkpointing": s.activation_checkpointing, "offload_checkpoints": s.offload_checkpoints,
+             "tiled_mlp": s.tiled_mlp, "keep_attention_outputs": s.keep_attention, "plan_check": False}  # fmt: skip
+    return [item for k, v in flags.items() for item in (f"--{k}", str(v).lower())], str(path)
+
+
+def probe(work: Path, spec: str, steps: int) -> dict:
+    """Where GPU memory goes at the plan's longest row for `shape:cap`: its setting (levers given, the plan check off,
+    no cap: the plan still plans for `cap`) at that row and a quarter of it, each under `benchmarks.memory_trace`."""
+    model, cap, top, result = planned(work, spec)
+    tag = f"{model}_{int(cap)}"
+    levers, config = given_levers(work, top.setting, tag)
+    if cap:
+        levers += ["--plan_gpu_memory_gib", str(cap)]
+    result["runs"] = {}
+    for length in (top.setting.seq_len // 4096 * 1024, top.setting.seq_len):
+        trace = work / f"trace_{tag}_{length}.json"
+        run = sft_run(work, f"probe_{tag}_{length}", model, length, steps, levers, config, trace=trace)
+        run["trace"] = json.loads(trace.read_text()) if trace.exists() else None
+        result["runs"][str(length)] = run
     return result
 
 
@@ -295,6 +349,18 @@ def markdown(result: dict) -> str:
         for r in result["longest"]:
             lines += ["", f"{r['shape']} ({r['gpu_gib']:.1f} GiB): {r['planned_setting']}; {r['report']}"]
         lines.append("")
+    for r in result.get("probe", []):
+        lines += [f"## Where the GPU memory goes: {r['shape']}, {r['planned_setting']} (planned for "
+                  f"{r['gpu_gib']:.1f} GiB)", ""]  # fmt: skip
+        for length, run in r["runs"].items():
+            trace = run.get("trace") or {}
+            replayed, held = trace.get("replayed_peak_gib", 0), trace.get("held_at_start_gib", 0)
+            lines += [f"### {int(length):,} tokens: measured peak {run['peak_gpu_gib']} GiB (replayed "
+                      f"{replayed:.2f}, held at start {held:.2f}),"
+                      f" host {run['peak_host_gib']} GiB, {run['steps']} steps", "", "Plan:", "",
+                      *[f"    {line}" for line in run["plan_table"]], "", "| GiB | blocks | allocated at |",
+                      "|---|---|---|", *[f"| {g['gib']:.3f} | {g['blocks']} | `{g['where']}` |"
+                                         for g in trace.get("groups", [])[:25]], ""]  # fmt: skip
     if result.get("speed"):
         lines += ["## sft's default against TRL's long-context recipe, Llama-3.2-1B shape, one GPU", "",
                   "| tokens | sft tokens/s | sft MFU | sft peak GiB | TRL tokens/s | TRL MFU | TRL peak GiB "
@@ -353,6 +419,11 @@ def main() -> None:
             result["keep"] = keep(args.work)
         elif part == "exact":
             result["exact"] = exact(args.work)
+        elif part == "probe":
+            result["probe"] = []
+            for spec in args.longest.split(","):
+                result["probe"].append(probe(args.work, spec, args.steps))
+                write_results(args.out, "long_context_1gpu", result, markdown(result))
         elif part == "longest":
             result["longest"] = []
             for spec in args.longest.split(","):
