@@ -3,6 +3,7 @@
     python -m benchmarks.long_context_1gpu --parts speed --out $OUT
     python -m benchmarks.long_context_1gpu --parts longest --longest llama-8b:0 --out $OUT
     python -m benchmarks.long_context_1gpu --parts exact --out $OUT
+    python -m benchmarks.long_context_1gpu --parts rows --longest llama-3b:12 --factors 1.0,1.1 --out $OUT
 
 Every sft run is the real CLI (`sft/train.py`, one process) on a random-weight shape (bf16, one sample of L random
 token ids per row, global batch 1 row), `ds_configs/zero3.json` or `zero2.json` with every memory lever `auto`
@@ -14,6 +15,9 @@ token ids per row, global batch 1 row), `ds_configs/zero3.json` or `zero2.json` 
   the plan check off. Peak GPU memory (allocated, the metrics' `peak_memory_gib`) and peak host memory (the
   machine's MemTotal - MemAvailable above its level before the run, sampled every 0.2 s) next to the plan's lines.
   The run is stopped once its last step is logged (the final save of an 8B model is not what is measured).
+- `rows`: the plan's setting for the longest row of each `shape:cap` (its levers given instead of `auto`, the plan
+  check off, the GPU capped at `cap`) trained at `--factors` times that row: where the measured limit is (a factor
+  that runs out of memory), peak GPU memory (allocated and reserved) and host memory against length.
 - `speed`: the 1B shape at `--speed-lengths` (32k, 128k): sft's default (ZeRO-2 config, levers `auto`) against
   TRL's own long-context recipe in a plain script (`--trl-worker`, no sft code in the loop): SFTTrainer with
   gradient checkpointing, its fused (chunked) LM-head loss, Liger's kernels, sdpa attention (PyTorch's
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -95,11 +100,9 @@ def sft_run(
     extra: list[str],
     deepspeed: str,
     weights: bool = False,
-    trace: Path | None = None,
 ) -> dict:
     """One sft run of `model` on rows of `length` tokens, stopped once `steps` steps are logged (or when it ends);
-    `weights`: from a checkpoint of random weights (the same in every run) instead of sft's own initialisation;
-    `trace`: under `benchmarks.memory_trace`, run to its end, its summary of the peak written there."""
+    `weights`: from a checkpoint of random weights (the same in every run) instead of sft's own initialisation."""
     import yaml
 
     from benchmarks.common import random_checkpoint
@@ -121,17 +124,12 @@ def sft_run(
     log = work / f"{name}.log"
     host = HostPeak()
     began = time.time()
-    command = sft_command(1, ["--config", str(work / f"{name}.yaml"), *extra])
-    env = on_gpus(1)
-    if trace:
-        command[command.index(str(ROOT / "sft" / "train.py"))] = str(ROOT / "benchmarks" / "memory_trace.py")
-        env["MEMORY_TRACE_OUT"] = str(trace)
-    proc = start(command, log, env=env)
+    proc = start(sft_command(1, ["--config", str(work / f"{name}.yaml"), *extra]), log, env=on_gpus(1))
     metrics, records = out / "metrics.jsonl", []
     while proc.poll() is None:
         time.sleep(1)
         records = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
-        if len(records) >= steps and not trace:
+        if len(records) >= steps:
             break
     trained = time.time() - began
     stopped = proc.poll() is None
@@ -155,6 +153,7 @@ def sft_run(
         "tokens_per_second": sum(r["tokens_per_second_per_gpu"] for r in tail) / len(tail) if tail else None,
         "mfu": sum(r["mfu"] for r in tail) / len(tail) if tail else None,
         "peak_gpu_gib": max((r.get("peak_memory_gib", 0) for r in records), default=None),
+        "peak_reserved_gib": max((r.get("peak_reserved_gib", 0) for r in records), default=None),
         "peak_host_gib": round(host_gib, 2), "host_series": host.series, "plan": plan,
         "plan_table": [line.strip() for line in table],
         "error": [line for line in text.splitlines() if "Error" in line or "error:" in line][-3:],
@@ -219,20 +218,18 @@ def given_levers(work: Path, s, tag: str) -> tuple[list[str], str]:
     return [item for k, v in flags.items() for item in (f"--{k}", str(v).lower())], str(path)
 
 
-def probe(work: Path, spec: str, steps: int) -> dict:
-    """Where GPU memory goes at the plan's longest row for `shape:cap`: its setting (levers given, the plan check off,
-    no cap: the plan still plans for `cap`) at that row and a quarter of it, each under `benchmarks.memory_trace`."""
+def rows(work: Path, spec: str, factors: list[float], steps: int, save=lambda: None) -> dict:
+    """The plan's setting for its longest row of `shape:cap` (levers given, the plan check off, the GPU capped at
+    `cap`) trained at each of `factors` times that row: where the limit is, and peak GPU memory against length."""
     model, cap, top, result = planned(work, spec)
     tag = f"{model}_{int(cap)}"
     levers, config = given_levers(work, top.setting, tag)
-    if cap:
-        levers += ["--plan_gpu_memory_gib", str(cap)]
+    extra = [*levers, "--max_gpu_memory_gib", str(cap)] if cap else levers
     result["runs"] = {}
-    for length in (top.setting.seq_len // 4096 * 1024, top.setting.seq_len):
-        trace = work / f"trace_{tag}_{length}.json"
-        run = sft_run(work, f"probe_{tag}_{length}", model, length, steps, levers, config, trace=trace)
-        run["trace"] = json.loads(trace.read_text()) if trace.exists() else None
-        result["runs"][str(length)] = run
+    for factor in factors:
+        length = int(top.setting.seq_len * factor) // 1024 * 1024
+        result["runs"][str(length)] = sft_run(work, f"rows_{tag}_{length}", model, length, steps, extra, config)
+        save()
     return result
 
 
@@ -349,18 +346,22 @@ def markdown(result: dict) -> str:
         for r in result["longest"]:
             lines += ["", f"{r['shape']} ({r['gpu_gib']:.1f} GiB): {r['planned_setting']}; {r['report']}"]
         lines.append("")
-    for r in result.get("probe", []):
-        lines += [f"## Where the GPU memory goes: {r['shape']}, {r['planned_setting']} (planned for "
-                  f"{r['gpu_gib']:.1f} GiB)", ""]  # fmt: skip
+    for r in result.get("rows", []):
+        if not r or not r.get("runs"):
+            continue
+        lines += [f"## {r['shape']}: the plan's setting for its longest row ({r['planned_tokens']:,} tokens, "
+                  f"{r['gpu_gib']:.1f} GiB GPU) at other lengths", "", f"{r['planned_setting']}; {r['report']}", "",
+                  "| tokens | steps (finite) | OOM | peak allocated GiB | peak reserved GiB | planned peak GiB | "
+                  "host GiB | planned host GiB | s |", "|---" * 9 + "|"]  # fmt: skip
         for length, run in r["runs"].items():
-            trace = run.get("trace") or {}
-            replayed, held = trace.get("replayed_peak_gib", 0), trace.get("held_at_start_gib", 0)
-            lines += [f"### {int(length):,} tokens: measured peak {run['peak_gpu_gib']} GiB (replayed "
-                      f"{replayed:.2f}, held at start {held:.2f}),"
-                      f" host {run['peak_host_gib']} GiB, {run['steps']} steps", "", "Plan:", "",
-                      *[f"    {line}" for line in run["plan_table"]], "", "| GiB | blocks | allocated at |",
-                      "|---|---|---|", *[f"| {g['gib']:.3f} | {g['blocks']} | `{g['where']}` |"
-                                         for g in trace.get("groups", [])[:25]], ""]  # fmt: skip
+            table = {line.rsplit(None, 2)[0]: line.split()[-2] for line in run["plan_table"] if "GiB" in line}
+            planned_peak = next((v for k, v in table.items() if k.startswith("peak per GPU")), "-")
+            planned_host = table.get("host memory held while training (per node)", "-")
+            cells = [f"{int(length):,}", f"{run['steps']} ({run['finite']})", run["oom"], run["peak_gpu_gib"],
+                     run.get("peak_reserved_gib"), planned_peak, run["peak_host_gib"], planned_host,
+                     run["seconds"]]  # fmt: skip
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
     if result.get("speed"):
         lines += ["## sft's default against TRL's long-context recipe, Llama-3.2-1B shape, one GPU", "",
                   "| tokens | sft tokens/s | sft MFU | sft peak GiB | TRL tokens/s | TRL MFU | TRL peak GiB "
@@ -401,11 +402,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--over", type=float, default=0.0, help="also train at this factor of the longest row")
     parser.add_argument("--speed-lengths", default="32768,131072")
+    parser.add_argument("--factors", default="1.0,1.1", help="rows: lengths as factors of the plan's longest row")
+    parser.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the sft runs")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--trl-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.alloc_conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     if args.trl_worker:
         trl_worker(args)
         return
@@ -419,11 +424,13 @@ def main() -> None:
             result["keep"] = keep(args.work)
         elif part == "exact":
             result["exact"] = exact(args.work)
-        elif part == "probe":
-            result["probe"] = []
+        elif part == "rows":
+            result["rows"] = []
+            factors = [float(f) for f in args.factors.split(",")]
             for spec in args.longest.split(","):
-                result["probe"].append(probe(args.work, spec, args.steps))
-                write_results(args.out, "long_context_1gpu", result, markdown(result))
+                result["rows"].append(None)
+                save = lambda: write_results(args.out, "long_context_1gpu", result, markdown(result))  # noqa: E731
+                result["rows"][-1] = rows(args.work, spec, factors, args.steps, save)
         elif part == "longest":
             result["longest"] = []
             for spec in args.longest.split(","):
