@@ -489,11 +489,23 @@ def host_bytes(shape: ModelShape, s: Setting) -> float:
         cpu = optimizer_groups(shape, s, s.ratio)[1] if s.zero_stage == 3 else [part]
         offloaded += 12 * sum(cpu) + sum(pinned(4 * g) for g in cpu)
         offloaded += pinned(s.dtype_bytes * part) if s.zero_stage == 3 else 0
-    if s.offload_params:
-        offloaded += pinned(s.dtype_bytes * part) + frozen_weight_bytes(shape, s) / s.gpus
+    if s.offload_params:  # zero.Init pins each weight's partition, then copies them into one flat pinned buffer
+        offloaded += pinned(s.dtype_bytes * part) + offloaded_weight_bytes(shape, s)
     if s.offload_checkpoints:
         offloaded += shape.layers * pinned(s.tokens * s.dtype_bytes * shape.hidden)
     return per_node * (HOST_PER_PROCESS + offloaded) if offloaded else 0.0
+
+
+def offloaded_weight_bytes(shape: ModelShape, s: Setting) -> float:
+    """ZeRO-3 parameter offload: DeepSpeed's `zero.Init` pins each parameter's partition on the host as it builds
+    the model (`partition_parameters.py`), then the optimizer copies the trainable ones into a flat pinned buffer per
+    parameter group (`stage3.py`, `param_groups_fp16_flat_cpu_memory`, counted apart) and frees them; torch's caching
+    host allocator keeps what was freed, so both stay. Each partition is rounded up to a power of 2 (`pinned`).
+    Measured on 1 x H100: Llama-3.2-3B and Qwen3-4B shapes held 9.5 and 12.3 GiB more than a plan without this term,
+    which counts 8.4 and 10.6 GiB for it (benchmarks/results/long_context_1gpu, calls 6 and 8)."""
+    if not shape.param_sizes:  # a shape without sizes: the weights once, unpinned
+        return s.dtype_bytes * shape.n_params / s.gpus
+    return sum(pinned(s.dtype_bytes * -(-n // s.gpus)) for n in shape.param_sizes)
 
 
 def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
@@ -648,16 +660,21 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
         backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
     host_pinned = host_bytes(shape, s)
+    loss_phase = 0.0
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
     if s.zero_stage == 3:
         # One process holds every parameter whole in its partition: DeepSpeed skips the gather (no buffers;
         # measured: QLoRA 70B widths on 1 GPU, benchmarks/results/qlora_70b), unless the partition is on the CPU
         gathers = n > 1 or s.offload_params
-        backward["LM head gathered + its gradient + loss tile"] = b * v_h * gathers + head_grad + tile
+        if s.offload_checkpoints:  # the loss's backward and the layers' are apart (`loss_backward_apart`)
+            held, loss_phase = loss_backward_apart(shape, s, gathers, head_grad, tile)
+            backward.update(held)
+        else:
+            backward["LM head gathered + its gradient + loss tile"] = b * v_h * gathers + head_grad + tile
+            if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
+                backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
         backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s) * gathers
-        if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
-            backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
     elif s.zero_stage == 2:
         from sft.engines.deepspeed import bucket_elements
 
@@ -677,7 +694,9 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
     if s.fp8:
         backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
-    at_backward = static + sum(backward.values())
+    at_backward = static + max(sum(backward.values()), loss_phase)
+    if loss_phase:  # shown beside the layers' lines, not added to them
+        backward["(the loss's backward, before the layers': stash, LM head, its gradients, tile)"] = loss_phase
     at_step = static + sum(step.values())
     at_load = load_bytes(shape, s)
     if at_backward >= at_step:
@@ -691,6 +710,30 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
     if at_load > peak:
         phase, peak = "model load", at_load
     return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
+
+
+def loss_backward_apart(
+    shape: ModelShape, s: Setting, gathers: bool, head_grad: float, tile: float
+) -> tuple[dict[str, float], float]:
+    """ZeRO-3 with the checkpoints offloaded: (what the loss leaves on the GPU through the decoder layers' backward,
+    the loss's own backward). With every layer's input on the host, the LM head's backward (its weight's gradient in
+    fp32 and 16 bits, the loss tile, the hidden states' gradient) runs before the layers' and is gone by their peak:
+    the larger of the two is the peak, not their sum. Through the layers' backward stay the head's gathered weight
+    and, where the embedding is tied to it, the head's gradient, which autograd holds until the embedding's is added
+    to it. Liger's fused linear cross-entropy computes the head's gradient in 16 bits in the forward.
+    Measured on 1 x H100 (benchmarks/results/long_context_1gpu, calls 6 and 8: Llama-3.2-3B with Liger at 69,632 and
+    97,280 tokens, 7.66 / 9.63 GiB against 7.57 / 9.73 planned; Qwen3-4B without at 32,768, 6.95 against 7.51); the
+    sum the other regimes add was 35-53% over there."""
+    b, v_h, h = s.dtype_bytes, shape.vocab * shape.hidden, shape.hidden
+    full = not s.lora_r
+    held = {"LM head weight gathered (held through the backward)": b * v_h * gathers}
+    if shape.tied and full:
+        held["tied LM head's gradient (held until the embedding's)"] = b * v_h
+    stash = min(OFFLOAD_STASH_LAYERS, shape.layers) * b * h * s.tokens
+    # Liger: its 16-bit weight gradient and the input's gradient, from the forward; TRL's fused LM head: the head's
+    # and the hidden states' gradients in fp32, then cast
+    loss = b * v_h * full + b * h * s.tokens if s.liger else head_grad + tile + 6 * h * s.tokens
+    return held, b * v_h * gathers + 2 * b * h * s.tokens + stash + loss
 
 
 def ladder(base: Setting) -> list[Setting]:
