@@ -220,7 +220,8 @@ def given_levers(work: Path, s, tag: str) -> tuple[list[str], str]:
 
 def rows(work: Path, spec: str, factors: list[float], steps: int, save=lambda: None) -> dict:
     """The plan's setting for its longest row of `shape:cap` (levers given, the plan check off, the GPU capped at
-    `cap`) trained at each of `factors` times that row: where the limit is, and peak GPU memory against length."""
+    `cap`) trained at each of `factors` times that row (2 steps above it): where the limit is, and peak GPU memory
+    against length."""
     model, cap, top, result = planned(work, spec)
     tag = f"{model}_{int(cap)}"
     levers, config = given_levers(work, top.setting, tag)
@@ -228,7 +229,8 @@ def rows(work: Path, spec: str, factors: list[float], steps: int, save=lambda: N
     result["runs"] = {}
     for factor in factors:
         length = int(top.setting.seq_len * factor) // 1024 * 1024
-        result["runs"][str(length)] = sft_run(work, f"rows_{tag}_{length}", model, length, steps, extra, config)
+        at = steps if factor <= 1 else min(steps, 2)  # above the plan's row: whether it trains, not its speed
+        result["runs"][str(length)] = sft_run(work, f"rows_{tag}_{length}", model, length, at, extra, config)
         save()
     return result
 

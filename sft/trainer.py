@@ -151,6 +151,9 @@ class Trainer(SFTTrainer):
                 "Activation checkpoints %s",
                 "offloaded to pinned CPU memory" if offloaded else "not offloaded: no GPU, they are in host memory",
             )
+            if offloaded and checkpointing.expandable_segments():
+                logger.info("GPU memory in expandable segments from here on (long rows; %s sets it otherwise)",
+                            checkpointing.ALLOC_CONF_ENV)  # fmt: skip
         with ds_engine.universal_load(self.args):
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
