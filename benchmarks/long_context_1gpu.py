@@ -66,10 +66,22 @@ class HostPeak:
     """The machine's used memory (MemTotal - MemAvailable) sampled in a thread: its peak above the level at start."""
 
     def __init__(self):
+        self.settle()
         self.base = self.peak = self.used()
         self.running = True
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
+
+    def settle(self, seconds: float = 120) -> None:
+        """Wait (up to `seconds`) until the machine's used memory stops falling: a run stopped just before still
+        hands its host memory back for a while, and the base taken then made the next run's peak too low."""
+        last, began = self.used(), time.time()
+        while time.time() - began < seconds:
+            time.sleep(2)
+            now = self.used()
+            if last - now < 2**29:
+                return
+            last = now
 
     @staticmethod
     def used() -> int:

@@ -70,5 +70,6 @@ def expandable_segments() -> bool:
     allocated memory, had them under the 12 GiB. True if it turned them on."""
     if os.environ.get(ALLOC_CONF_ENV) or not torch.cuda.is_available():
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10; before, torch.cuda's
+    (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     return True

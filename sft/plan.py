@@ -15,7 +15,9 @@ The peak adds what those leave out, each as its own line:
 - the loss: TRL's fused LM head never builds the logits, but its backward holds the head's gradient in fp32 and bf16
   and a [4096 x 32768] tile;
 - DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
-  ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step.
+  ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step;
+- with the checkpoints offloaded under ZeRO-3, the loss's backward and the decoder layers' are apart: the larger is
+  the peak (`loss_backward_apart`, measured on H100 in that regime).
 
 Host memory (`host_bytes`) is planned too where anything is offloaded, as DeepSpeed and torch allocate it. For long
 rows the memory levers come on in `MEMORY_LEVELS` order (checkpointing that keeps attention outputs, checkpointing,
@@ -721,9 +723,10 @@ def loss_backward_apart(
     the larger of the two is the peak, not their sum. Through the layers' backward stay the head's gathered weight
     and, where the embedding is tied to it, the head's gradient, which autograd holds until the embedding's is added
     to it. Liger's fused linear cross-entropy computes the head's gradient in 16 bits in the forward.
-    Measured on 1 x H100 (benchmarks/results/long_context_1gpu, calls 6 and 8: Llama-3.2-3B with Liger at 69,632 and
-    97,280 tokens, 7.66 / 9.63 GiB against 7.57 / 9.73 planned; Qwen3-4B without at 32,768, 6.95 against 7.51); the
-    sum the other regimes add was 35-53% over there."""
+    Measured on 1 x H100 (benchmarks/results/long_context_1gpu, calls 8, 9, 11): Llama-3.2-3B with Liger at 69,632 /
+    97,280 / 110,592 / 120,832 tokens peaked at 7.66 / 9.63 / 10.58 / 11.31 GiB, planned 7.58 / 9.74 / 10.78 / 11.58;
+    Qwen3-4B without Liger at 32,768 / 52,224 / 57,344 at 6.95 / 9.47 / 10.13, planned 7.51 / 10.67 / 11.50. The sum
+    the other regimes add was 35-53% over there (call 6)."""
     b, v_h, h = s.dtype_bytes, shape.vocab * shape.hidden, shape.hidden
     full = not s.lora_r
     held = {"LM head weight gathered (held through the backward)": b * v_h * gathers}
