@@ -56,7 +56,7 @@ def shape_config(name: str) -> dict:
     """A Llama shape of `benchmarks.common`, or `qwen3-4b` (sft's shipped Qwen3-4B config with the demo's ids)."""
     if name in LLAMA_SHAPES:
         return LLAMA_SHAPES[name]
-    from sft.plan import shipped_config
+    from sft.shapes import shipped_config
 
     config = shipped_config({"qwen3-4b": "Qwen/Qwen3-4B"}[name])
     return {**config, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3, "dtype": "bfloat16"}
@@ -177,7 +177,7 @@ def planned(work: Path, spec: str):
     plan figures) on this machine."""
     import torch
 
-    from sft import architectures, plan
+    from sft import architectures, plan, shapes
 
     model, cap = spec.split(":")
     cap = float(cap)
@@ -186,7 +186,7 @@ def planned(work: Path, spec: str):
     shape = plan.load_shape(str(path))
     gpu = cap * plan.GiB if cap else plan.detected_gpu_memory()
     host = plan.detected_host_memory()
-    liger = architectures.of(plan.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family
+    liger = architectures.of(shapes.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family
     base = plan.Setting(gpus=1, zero_stage=3, liger=liger)
     top = plan.longest(shape, base, gpu, host_memory=host)
     binds = plan.binding(shape, top, gpu, 0.1, host)

@@ -198,10 +198,9 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "split": script_args.dataset_train_split,
         }
     ]
-    from sft import architectures
-    from sft import plan as memplan
+    from sft import architectures, shapes
 
-    config = memplan.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
+    config = shapes.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     dims = training_args.parallel
     return {
         "model": model_args.model_name_or_path,

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from sft import architectures, expert_parallel, experts, failsafe, fp8, quantization
+from sft import architectures, expert_parallel, experts, failsafe, fp8, quantization, shapes
 from sft import checkpoint as ckpt
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
@@ -110,7 +110,7 @@ def preflight(training_args, model_args, resume: Resume | None = None):
     zero, dims = ds_engine.zero_setup(training_args), training_args.parallel
     zero3 = zero.stage == 3
     remote = bool(getattr(model_args, "trust_remote_code", False))
-    arch = architectures.of(memplan.load_config(model_args.model_name_or_path, remote))
+    arch = architectures.of(shapes.load_config(model_args.model_name_or_path, remote))
     offload = zero.offload_optimizer or zero.offload_params
     expert_parallel.check(dims.ep, dims.sp, zero.stage, offload, arch.family, arch.is_moe, bool(model_args.use_peft))
     quantization.check_experts(model_args, arch, remote)
