@@ -123,7 +123,8 @@ class TrainConfig(SFTConfig):
         offload_checkpoints (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Keep what activation checkpointing saves (each decoder layer's input) in pinned CPU memory, copied back
             in the backward (transformers' `activation_checkpointing_kwargs` `offload`). `true` turns an `auto`
-            checkpointing on. `auto`: only if the plan does not fit with checkpointing alone.
+            checkpointing on. `auto`: only if the plan does not fit with checkpointing alone. On a GPU it also turns
+            on PyTorch's expandable segments (unless `PYTORCH_CUDA_ALLOC_CONF` is set), against fragmentation.
         keep_attention_outputs (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             With activation checkpointing, keep each decoder layer's attention output (the attention kernel's
             output and log-sum-exp) instead of recomputing it in the backward (`sft.checkpointing`): the
