@@ -232,7 +232,7 @@ def resume_part(args, work: Path) -> None:
 
 
 def plan_rows(runs: dict) -> list[str]:
-    from sft import plan
+    from sft import plan, shapes
 
     rows = ["| run | micro batch | plan GiB | measured GiB | error |", "| --- | --- | --- | --- | --- |"]
     work = Path(tempfile.mkdtemp())
@@ -246,7 +246,7 @@ def plan_rows(runs: dict) -> list[str]:
         setting = plan.Setting(gpus=r.get("gpus", 1), zero_stage=int(r["stage"][-1]), micro_batch=micro, seq_len=4096,
                                liger=True,
                                fp8=SETTINGS[r["setting"]]["fp8"])  # fmt: skip
-        peak = plan.estimate(plan.load_shape(str(config)), setting).peak / plan.GiB
+        peak = plan.estimate(shapes.load_shape(str(config)), setting).peak / plan.GiB
         error = (r["peak_memory_gib"] - peak) / peak
         rows.append(f"| {name} | {micro} | {peak:.1f} | {r['peak_memory_gib']:.1f} | {error:+.1%} |")
     return rows

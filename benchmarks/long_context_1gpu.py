@@ -183,7 +183,7 @@ def planned(work: Path, spec: str):
     cap = float(cap)
     config = shape_config(model)
     path = model_dir(work / model, config)
-    shape = plan.load_shape(str(path))
+    shape = shapes.load_shape(str(path))
     gpu = cap * plan.GiB if cap else plan.detected_gpu_memory()
     host = plan.detected_host_memory()
     liger = architectures.of(shapes.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family

@@ -298,13 +298,13 @@ def main() -> None:
 
 def report(measured: dict, out: Path, tag: str) -> None:
     """Compare every measured phase with sft.plan's prediction; write <tag>.json and <tag>.md."""
-    from sft import plan
+    from sft import plan, shapes
 
     rows = []
     for group in measured["groups"]:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(group["config"], f)
-        shape = plan.load_shape(f.name)
+        shape = shapes.load_shape(f.name)
         os.unlink(f.name)
         phases: dict = {}
         for step in group["steps"]:

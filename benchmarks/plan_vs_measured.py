@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import LLAMA_SHAPES
-from sft import plan
+from sft import plan, shapes
 
 
 def rows(path: Path) -> list[str]:
@@ -30,7 +30,7 @@ def rows(path: Path) -> list[str]:
         config = Path(tempfile.mkdtemp()) / "config.json"
         config.write_text(json.dumps(LLAMA_SHAPES[f"llama-{m[1]}b"]))
         setting = plan.Setting(gpus=1, zero_stage=int(m[2]), micro_batch=micro, seq_len=4096, liger=True, fp8=fp8)
-        planned = plan.estimate(plan.load_shape(str(config)), setting).peak / plan.GiB
+        planned = plan.estimate(shapes.load_shape(str(config)), setting).peak / plan.GiB
         measured = run["peak_memory_gib"]
         out.append(
             f"| {name} | {micro} | {fp8} | {planned:.1f} | {measured:.1f} | {(planned - measured) / measured:+.1%} |"

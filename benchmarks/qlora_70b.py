@@ -81,10 +81,10 @@ def train_args(model: Path, out: Path, ds: Path, extra: list[str], steps: int = 
 
 
 def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dict:
-    from sft import plan
+    from sft import plan, shapes
 
     with tempfile.TemporaryDirectory() as tmp:
-        shape = plan.load_shape(str(write_config(Path(tmp), config, layers)))
+        shape = shapes.load_shape(str(write_config(Path(tmp), config, layers)))
     offload = variant.startswith("offload") or variant == "fit_2x24"
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
                            liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant in ("nested", "fit_2x24"),

@@ -18,7 +18,7 @@ import sys
 # subcommand -> (module, what it does); every module has `main(argv, prog)`, `sft.train` also `run(argv)`
 COMMANDS = {
     "train": ("sft.train", "fine-tune a model from a recipe (the same as sft/train.py)"),
-    "plan": ("sft.plan", "per-GPU memory of a setting, whether it fits, the fastest that does"),
+    "plan": ("sft.plan_cli", "per-GPU memory of a setting, whether it fits, the fastest that does"),
     "batch": ("sft.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
     "merge": ("sft.merge", "merge a LoRA adapter into its base model"),
     "eval": ("sft.evaluation", "evaluate a model or adapter with lm-eval"),

@@ -376,7 +376,7 @@ def _plan_memory(
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
-    shape = memplan.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
+    shape = shapes.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
     base = base_setting(training_args, model_args, fp8_on, liger_on)
     dp = training_args.parallel.dp
     if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp

@@ -75,10 +75,10 @@ def check_experts(model_args, arch, trust_remote_code: bool = False) -> None:
     most of the weights would not be quantized and QLoRA's memory would not be what it promises."""
     if not quantized(model_args) or not arch.is_moe:
         return
-    from sft import plan
+    from sft import shapes
 
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
-    shape = plan.load_shape(model_args.model_name_or_path, trust_remote_code)  # the weights counted on a meta model
+    shape = shapes.load_shape(model_args.model_name_or_path, trust_remote_code)  # the weights counted on a meta model
     share, count = shape.expert_params / shape.n_params, arch.experts.count
     raise ConfigError(
         f"`{flag}: true` on {arch.family}: bitsandbytes quantizes nn.Linear layers, and this model's {count} "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sft import launch, plan, shapes
+from sft import launch, plan, plan_cli, shapes
 from sft.config import HELP_GROUPS, make_parser
 from sft.errors import ConfigError
 from tests.conftest import ROOT, cli_env
@@ -73,34 +73,34 @@ PUBLISHED_BILLIONS = {
 @pytest.mark.parametrize("model", sorted(PUBLISHED_BILLIONS))
 def test_shipped_configs_have_the_published_sizes(model, monkeypatch):
     monkeypatch.setattr(shapes, "_hub_reachable", lambda: pytest.fail("a shipped model must not touch the hub"))
-    shape = plan.load_shape(model)
+    shape = shapes.load_shape(model)
     assert shape.n_params / 1e9 == pytest.approx(PUBLISHED_BILLIONS[model], rel=0.01)
-    assert plan.load_shape(model.upper() + "-Instruct").n_params == shape.n_params  # any case, -Instruct variants
+    assert shapes.load_shape(model.upper() + "-Instruct").n_params == shape.n_params  # any case, -Instruct variants
 
 
 def test_planner_offline_fails_fast_naming_what_it_knows(capsys, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert plan.main(["--model", "some-org/some-model"]) == 2
+    assert plan_cli.main(["--model", "some-org/some-model"]) == 2
     err = capsys.readouterr().err
     assert "hub id sft has no config for" in err and "HF_HUB_OFFLINE is set" in err
     assert "meta-llama/Llama-3.1-8B" in err  # the shipped ones are named
-    assert plan.main(["--model", "not-a-path-or-id"]) == 2
+    assert plan_cli.main(["--model", "not-a-path-or-id"]) == 2
     assert "neither a file, a directory nor a hub id" in capsys.readouterr().err
 
 
 def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
     monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
     args = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8", "--zero", "3", "--seq-len", "4096"]
-    assert plan.main([*args, "--micro-batch", "2", "--liger", "--suggest"]) == 0
+    assert plan_cli.main([*args, "--micro-batch", "2", "--liger", "--suggest"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
-    assert [int(row.split("|")[1]) for row in rows] == list(plan.COMMON_GPU_GIB)
+    assert [int(row.split("|")[1]) for row in rows] == list(plan_cli.COMMON_GPU_GIB)
     assert "does NOT fit" in rows[0] and "| 141 | fits |" in rows[-1]
     peaks = [float(row.split("|")[4]) for row in rows]
-    assert all(peak <= gib * 0.9 for peak, gib in zip(peaks, plan.COMMON_GPU_GIB, strict=True))
-    assert plan.main(args) == 0 and "add --suggest for a table" in capsys.readouterr().out
+    assert all(peak <= gib * 0.9 for peak, gib in zip(peaks, plan_cli.COMMON_GPU_GIB, strict=True))
+    assert plan_cli.main(args) == 0 and "add --suggest for a table" in capsys.readouterr().out
 
 
 def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplog):

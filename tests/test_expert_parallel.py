@@ -11,7 +11,7 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft import expert_parallel, plan
+from sft import expert_parallel, plan, shapes
 from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.parallel import ParallelDims
@@ -121,7 +121,7 @@ def test_transformers_registry_answers_autoep_and_transformers_alike(monkeypatch
 def test_the_plan_splits_the_experts_states_over_the_expert_ranks(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MOE))
-    shape = plan.load_shape(str(path))
+    shape = shapes.load_shape(str(path))
     e = MOE["num_hidden_layers"] * MOE["num_experts"] * 3 * MOE["hidden_size"] * MOE["moe_intermediate_size"]
     assert shape.expert_params == e
     base = plan.Setting(gpus=4, zero_stage=2, micro_batch=1, seq_len=64)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft import fp8, plan
+from sft import fp8, plan, shapes
 from sft.checkpoint import compare_fingerprints
 from sft.errors import ConfigError
 from sft.preflight import preflight
@@ -164,7 +164,7 @@ def test_plan_counts_fp8_and_says_so(tmp_path):
     from benchmarks.common import LLAMA_SHAPES
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPES["llama-8b"]))
-    shape = plan.load_shape(str(tmp_path / "config.json"))
+    shape = shapes.load_shape(str(tmp_path / "config.json"))
     base = plan.Setting(seq_len=4096, micro_batch=8, liger=True)  # the peak in the backward
     with_fp8 = plan.Setting(seq_len=4096, micro_batch=8, liger=True, fp8=True)
     a, b = plan.estimate(shape, base), plan.estimate(shape, with_fp8)

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from benchmarks.common import LLAMA_SHAPES
-from sft import plan, tiling
+from sft import plan, plan_cli, shapes, tiling
 from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.preflight import preflight
@@ -47,7 +47,7 @@ def write_config(tmp_path, name, config):
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_parameter_counts_are_deepspeeds(tmp_path, name):
     """The planner counts parameters on the meta device; DeepSpeed's `model_to_params` on the real model agrees."""
-    shape = plan.load_shape(write_config(tmp_path, name, SMALL[name]))
+    shape = shapes.load_shape(write_config(tmp_path, name, SMALL[name]))
     config = AutoConfig.for_model(**SMALL[name])
     total, largest = model_to_params(AutoModelForCausalLM.from_config(config))
     assert (shape.n_params, shape.largest_module_params) == (total, largest)
@@ -63,7 +63,7 @@ def test_model_states_agree_with_deepspeed_estimators(tmp_path, name, gpus, per_
     converts one sub-group at a time, which the H200 measurements confirm (benchmarks/results/memory_plan_*.md: 1B on
     2 GPUs, measured 12.73 GiB at the step, DeepSpeed's equation 11.34, sft's 12.49): there they differ by up to 11%.
     """
-    shape = plan.load_shape(write_config(tmp_path, name, SHAPES[name]))
+    shape = shapes.load_shape(write_config(tmp_path, name, SHAPES[name]))
     p, largest, nodes = shape.n_params, shape.largest_module_params, gpus // per_node
     zero2, zero3 = estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
     cases = [
@@ -109,7 +109,7 @@ def test_activation_bytes_are_autograds_saved_tensors(tiled):
         layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
     shared = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *layer.parameters())}
     measured = sum(n for ptr, n in saved.items() if ptr not in shared) / tokens
-    shape = plan.ModelShape("llama", 0, 0, 0, 0, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32,
+    shape = shapes.ModelShape("llama", 0, 0, 0, 0, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32,
                             intermediate=688, vocab=1000, tied=True)  # fmt: skip
     per_token = plan.activation_bytes_per_token(shape, plan.Setting(tiled_mlp=tiled))
     layer_bytes = per_token - plan.EXTRA_PER_TOKEN["eager"] * 256
@@ -119,7 +119,7 @@ def test_activation_bytes_are_autograds_saved_tensors(tiled):
 
 
 def test_peak_grows_with_micro_batch_and_checkpointing_saves(tmp_path):
-    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=8, zero_stage=3, seq_len=4096, liger=True)
     peaks = [plan.estimate(shape, dataclasses.replace(base, micro_batch=m)).peak for m in (1, 2, 4)]
     assert peaks[0] < peaks[1] < peaks[2]
@@ -129,7 +129,7 @@ def test_peak_grows_with_micro_batch_and_checkpointing_saves(tmp_path):
 
 
 def test_suggest_takes_lowest_stage_then_checkpointing_then_largest_micro_batch(tmp_path):
-    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=8, seq_len=4096, liger=True)
     best = plan.suggest(shape, base, 80 * plan.GiB)
     assert best.setting.zero_stage == 1 and not best.setting.activation_checkpointing  # ZeRO-0 cannot hold 8B
@@ -152,7 +152,7 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
     """8B shape, ZeRO-3, 2 GPUs, sp=2 (the long-context setting): as the rows grow, the plan takes checkpointing
     (first keeping attention outputs), then offloads the checkpoints, then tiles the MLP; each tool takes off exactly
     its term."""
-    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=2, zero_stage=3, liger=True, sp=2)
     chosen = {}
     for seq in (8192, 65536, 393216, 786432):
@@ -186,7 +186,7 @@ def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_
     offloaded parameter (fp32 master, Adam moments) unpinned, its fp32 gradients pinned per sub-group, a pinned 16-bit
     gradient of every parameter, pinned 16-bit weights (twice: each parameter's partition as zero.Init pins it, then
     the flat buffer), pinned checkpoints; pinned sizes rounded up to powers of 2."""
-    shape = plan.load_shape(write_config(tmp_path, "1b", SHAPES["llama-1b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "1b", SHAPES["llama-1b"]))
     base = plan.Setting(gpus=1, zero_stage=3, liger=True)
     gpu, host = 80 * plan.GiB, 125 * plan.GiB
     chosen = []
@@ -220,7 +220,7 @@ def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path):
     the GPU with more host memory); with a 2 TB host the GPU binds and the row is longer. `sft plan --longest` prints
     both, and, without a GPU or --gpu-memory, a table for the common GPU sizes."""
     config = write_config(tmp_path, "8b", SHAPES["llama-8b"])
-    shape = plan.load_shape(config)
+    shape = shapes.load_shape(config)
     base = plan.Setting(gpus=1, zero_stage=3, liger=True)
     gpu, host = 80 * plan.GiB, 125 * plan.GiB
     top = plan.longest(shape, base, gpu, host_memory=host)
@@ -269,7 +269,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
         "compile_decoder_layers", "use_liger_kernel",
     }  # fmt: skip
     resolved = preflight(training_args, model_args)
-    shape = plan.load_shape(str(ROOT / "recipes" / "demo" / "model"))
+    shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4)
     expected = plan.suggest(shape, base, float(memory_gib) * plan.GiB, candidates=[base])
     chosen = (resolved.per_device_train_batch_size, resolved.activation_checkpointing)
@@ -317,7 +317,7 @@ def test_zero3_offload_auto_is_the_plans_last_levers(tmp_path):
     the run gets says so (CPU, pinned, DeepSpeed's AdamW with the training arguments' values)."""
     from sft.engines import deepspeed as ds_engine
 
-    shape = plan.load_shape(str(ROOT / "recipes" / "demo" / "model"))
+    shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))
     base = plan.Setting(gpus=1, zero_stage=3, seq_len=512, dtype_bytes=4, micro_batch=2)
     tools = plan.Tools(True, True, True)
     kept, offloaded = (plan.estimate(shape, base.with_tools(t)).peak
@@ -356,7 +356,7 @@ def test_qlora_under_zero3_loads_one_linear_at_a_time_and_suggests_what_fits_24_
     load is no longer the peak (it was the whole 4-bit model on each GPU, 36.8 GiB for the 70B), and `--suggest` with
     a 24 GiB cap names the setting that fits the 70B on 2 GPUs (parameter and optimizer offload)."""
     config = write_config(tmp_path, "llama-70b", SHAPES["llama-70b"])
-    shape = plan.load_shape(config)
+    shape = shapes.load_shape(config)
     setting = plan.Setting(gpus=2, zero_stage=3, seq_len=2048, activation_checkpointing=True, liger=True, lora_r=16,
                            qlora=True, qlora_nested=True)  # fmt: skip
     e = plan.estimate(shape, setting)
@@ -368,7 +368,7 @@ def test_qlora_under_zero3_loads_one_linear_at_a_time_and_suggests_what_fits_24_
     args = ["--model", config, "--gpus", "2", "--zero", "3", "--lora-r", "16", "--qlora", "--qlora-nested",
             "--activation-checkpointing", "--liger", "--gpu-memory-gib", "24", "--host-memory", "256",
             "--suggest"]  # fmt: skip
-    assert plan.main(args) == 1  # the setting as given does not fit; --suggest names one that does
+    assert plan_cli.main(args) == 1  # the setting as given does not fit; --suggest names one that does
     out = capsys.readouterr().out
     assert "does NOT fit: 27.38 GiB of 21.60 GiB usable (24.0 GiB GPU" in out  # without offload
     assert "fastest setting that fits: ZeRO-3 + offload optimizer+params, 2 GPU(s)" in out
@@ -377,7 +377,7 @@ def test_qlora_under_zero3_loads_one_linear_at_a_time_and_suggests_what_fits_24_
 def test_one_zero3_process_gathers_nothing(tmp_path):
     """DeepSpeed skips the all-gather when one process holds every partition (measured: the 70B widths, QLoRA, one
     H200); with two processes each layer and the LM head are gathered into buffers of their own."""
-    shape = plan.load_shape(write_config(tmp_path, "llama-8b", SHAPES["llama-8b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "llama-8b", SHAPES["llama-8b"]))
     one = plan.estimate(shape, plan.Setting(gpus=1, zero_stage=3, lora_r=16))
     two = plan.estimate(shape, plan.Setting(gpus=2, zero_stage=3, lora_r=16))
     assert one.items["decoder layers gathered (current + prefetch)"] == 0
@@ -392,7 +392,7 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     the nearest measured ZeRO-3 / ZeRO-2 ratio; where ZeRO-2 would not fit, or ZeRO-3 offloads, nothing is said."""
     from sft.preflight import zero2_advice
 
-    shape = plan.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
+    shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     zero3 = plan.Setting(gpus=2, zero_stage=3, micro_batch=2, seq_len=4096, liger=True)
     zero2 = dataclasses.replace(zero3, zero_stage=2)
     zero2_peak, zero3_peak = plan.estimate(shape, zero2).peak, plan.estimate(shape, zero3).peak
@@ -450,7 +450,7 @@ def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
     assert "use_liger_kernel" in training_args.auto_settings
     resolved = preflight(training_args, model_args)
     assert resolved.use_liger_kernel is False
-    shape = plan.load_shape(str(model))
+    shape = shapes.load_shape(str(model))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)
     expected = plan.suggest(shape, base, 0.15 * plan.GiB, candidates=[base])
     assert resolved.per_device_train_batch_size == expected.setting.micro_batch > 1
@@ -465,7 +465,7 @@ def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_t
     from benchmarks.common import LLAMA_SHAPES
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPES["llama-3b"]))
-    shape = plan.load_shape(str(tmp_path))
+    shape = shapes.load_shape(str(tmp_path))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=4096, liger=True, fp8=True)
     memory = 79.18 * plan.GiB  # what torch reports for an H100 80GB HBM3
     two = dataclasses.replace(base, micro_batch=2)
@@ -505,7 +505,7 @@ def test_a_moe_layer_keeps_what_the_plan_counts(tmp_path, hidden, experts, activ
     config = {"model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": 1024, "moe_intermediate_size": 96,
               "num_experts": experts, "num_experts_per_tok": active, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 1, "vocab_size": 512}  # fmt: skip
-    shape = plan.load_shape(write_config(tmp_path, "moe", config))
+    shape = shapes.load_shape(write_config(tmp_path, "moe", config))
     assert shape.experts == (experts, active, 1) and shape.intermediate == active * 96
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -540,7 +540,7 @@ def test_the_plan_counts_each_experts_implementation_and_gpt_oss_gate(tmp_path, 
         "gpt_oss": {"model_type": "gpt_oss", "intermediate_size": 96, "num_local_experts": 16, **common},
     }  # fmt: skip
     for name, config in configs.items():
-        shape = plan.load_shape(write_config(tmp_path, name, config))
+        shape = shapes.load_shape(write_config(tmp_path, name, config))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
         experts.apply(model, implementation)
@@ -573,7 +573,7 @@ def test_offloaded_checkpoints_peak_at_the_larger_of_the_losss_and_the_layers_ba
     less than 15% without (Qwen3-4B: TRL's fused LM head, the no-Liger per-token allowance)."""
     liger, measured = OFFLOADED_PEAKS[name]
     config = write_config(tmp_path, name, LLAMA_SHAPES[name]) if name in LLAMA_SHAPES else name
-    shape = plan.load_shape(config)
+    shape = shapes.load_shape(config)
     every = plan.Tools(True, True, True, True, True)
     v_h = shape.vocab * shape.hidden
     for tokens in measured:

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft import batch, plan
+from sft import batch, plan, shapes
 from sft import sequence_parallel as seqpar
 from sft.attention import boundaries_from_positions, varlen_attention_forward
 from sft.config import parse_args
@@ -100,7 +100,7 @@ def test_checks_name_the_setting_and_the_fix():
 
 
 def test_plan_divides_activations_by_sp_and_suggests_the_smallest_sp():
-    shape = plan.load_shape(str(DEMO_MODEL))
+    shape = shapes.load_shape(str(DEMO_MODEL))
     one = plan.estimate(shape, plan.Setting(gpus=2, seq_len=4096))
     two = plan.estimate(shape, plan.Setting(gpus=2, seq_len=4096, sp=2))
     assert two.items["activations"] == pytest.approx(one.items["activations"] / 2)
