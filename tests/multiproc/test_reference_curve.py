@@ -9,7 +9,8 @@ real change moves the early steps far more (with the demo's learning rate 10% hi
 off by more than 1e-3, from step 3 on). Later steps are not compared: at this learning rate the last-bit differences
 of another CPU grow by about 10x every two steps (measured on a CPU with AVX-512 FP16 against the reference's: equal
 to step 6, 6e-8 at step 7, 1e-7 at 20, 1e-6 at 25, 6e-4 at 32, up to 2e-2 after, while the mean of steps 51-100
-stayed within 7e-5 under a 100-step schedule), and the demo's end point differs between CPUs (README). After a change
+stayed within 7e-5 under a 100-step schedule; on a CPU with AMX, 4.2e-3 under the demo's 520-step schedule, with
+steps 1-20 within 1e-4), and the demo's end point differs between CPUs (README). After a change
 that is meant to move the curve, write a new reference and commit it with the change:
 
     python -m tests.multiproc.test_reference_curve --write
@@ -30,7 +31,7 @@ COMMAND = ["sft", "train", "--nproc-per-node", "2", "--config", "recipes/demo.ya
 LOG_EVERY, STEPS = 10, 520
 STRICT_LOGS, RTOL = 2, 1e-4  # the logged means of steps 1-10 and 11-20
 TAIL = slice(5, 10)  # the logged means of steps 51-60 ... 91-100
-TAIL_RTOL = 2e-3
+TAIL_RTOL = 1e-2  # a CPU with AMX (Xeon, 2026-11-26): steps 51-100 4.2e-3 off, steps 1-20 equal
 
 
 def logged_losses(out: Path) -> list[float]:
