@@ -173,8 +173,8 @@ def sft_run(
 
 
 def planned(work: Path, spec: str):
-    """(shape name, cap GiB, GPU bytes, host bytes, the plan's longest row for `shape:cap` with ZeRO-3, the result's
-    plan figures) on this machine."""
+    """(shape name, cap GiB, the plan's longest row for `shape:cap` with ZeRO-3 on this machine, the result's plan
+    figures)."""
     import torch
 
     from sft import architectures, plan, shapes
@@ -230,11 +230,12 @@ def given_levers(work: Path, s, tag: str) -> tuple[list[str], str]:
     return [item for k, v in flags.items() for item in (f"--{k}", str(v).lower())], str(path)
 
 
-def rows(work: Path, spec: str, factors: list[float], steps: int, save=lambda: None) -> dict:
+def rows(work: Path, spec: str, factors: list[float], steps: int, into: list, save=lambda: None) -> None:
     """The plan's setting for its longest row of `shape:cap` (levers given, the plan check off, the GPU capped at
     `cap`) trained at each of `factors` times that row (2 steps above it): where the limit is, and peak GPU memory
-    against length."""
+    against length. Appended to `into` before the first run, `save()` after each."""
     model, cap, top, result = planned(work, spec)
+    into.append(result)
     tag = f"{model}_{int(cap)}"
     levers, config = given_levers(work, top.setting, tag)
     extra = [*levers, "--max_gpu_memory_gib", str(cap)] if cap else levers
@@ -244,7 +245,6 @@ def rows(work: Path, spec: str, factors: list[float], steps: int, save=lambda: N
         at = steps if factor <= 1 else min(steps, 2)  # above the plan's row: whether it trains, not its speed
         result["runs"][str(length)] = sft_run(work, f"rows_{tag}_{length}", model, length, at, extra, config)
         save()
-    return result
 
 
 def trl_worker(args) -> None:
@@ -361,7 +361,7 @@ def markdown(result: dict) -> str:
             lines += ["", f"{r['shape']} ({r['gpu_gib']:.1f} GiB): {r['planned_setting']}; {r['report']}"]
         lines.append("")
     for r in result.get("rows", []):
-        if not r or not r.get("runs"):
+        if not r.get("runs"):
             continue
         lines += [f"## {r['shape']}: the plan's setting for its longest row ({r['planned_tokens']:,} tokens, "
                   f"{r['gpu_gib']:.1f} GiB GPU) at other lengths", "", f"{r['planned_setting']}; {r['report']}", "",
@@ -441,10 +441,9 @@ def main() -> None:
         elif part == "rows":
             result["rows"] = []
             factors = [float(f) for f in args.factors.split(",")]
+            save = lambda: write_results(args.out, "long_context_1gpu", result, markdown(result))  # noqa: E731
             for spec in args.longest.split(","):
-                result["rows"].append(None)
-                save = lambda: write_results(args.out, "long_context_1gpu", result, markdown(result))  # noqa: E731
-                result["rows"][-1] = rows(args.work, spec, factors, args.steps, save)
+                rows(args.work, spec, factors, args.steps, result["rows"], save)
         elif part == "longest":
             result["longest"] = []
             for spec in args.longest.split(","):
