@@ -186,8 +186,8 @@ COMPILED = {f"{k}_compiled": (liger, fp8, True) for k, (liger, fp8, _) in VARIAN
 def train(name: str, config, variant: str, device, dtype, steps: int, tokens: int, peak: float) -> dict:
     from sft import architectures, fp8
     from sft.attention import resolve_attn_implementation
+    from sft.converters import compile_decoder_layers
     from sft.flops import FlopCounter
-    from sft.model import compile_decoder_layers
 
     liger, fp8_on, compiled = {**VARIANTS, **COMPILED}[variant]
     model = build(config, device, dtype)

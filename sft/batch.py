@@ -15,6 +15,7 @@ another number of processes (`keep_global_batch`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ class BatchPlan:
     def tokens_per_step(self) -> int | None:
         return None if self.max_length is None else self.global_batch_size * self.max_length
 
+    def steps_per_epoch(self, rows: int) -> int:
+        """Optimizer steps in an epoch of `rows` rows, as transformers counts them: each data-parallel process's
+        share of the rows in micro-batches, in whole accumulation windows."""
+        micro_batches = math.ceil(math.ceil(rows / self.dp_size) / self.per_device_batch_size)
+        return steps_per_epoch(micro_batches, self.gradient_accumulation_steps)
+
     def describe(self) -> str:
         text = (
             f"data-parallel size {self.dp_size} x micro batch {self.per_device_batch_size} x accumulation "
@@ -45,6 +52,12 @@ class BatchPlan:
         if self.tokens_per_step is not None:
             text += f" rows = {self.tokens_per_step:,} tokens per step at max_length {self.max_length}"
         return text
+
+
+def steps_per_epoch(micro_batches: int, accumulation: int) -> int:
+    """Optimizer steps in an epoch of `micro_batches` micro-batches per process (at least 1): the one place that
+    counts them (`sft data`, the start's data figures, the trainer's resume checks)."""
+    return max(micro_batches // accumulation, 1)
 
 
 def _divisors(n: int) -> list[int]:

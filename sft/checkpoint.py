@@ -34,8 +34,6 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from sft import expert_parallel
-from sft.batch import BatchPlan
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -184,9 +182,9 @@ def read_state(checkpoint: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_train: int) -> dict:
-    """What must match (or, for the batch geometry, be reconciled) for a resume to continue the same run."""
-    import deepspeed
+def fingerprint(script_args, data_args, plan, model_args, tokenizer, n_train: int) -> dict:
+    """What must match (or, for the batch geometry, be reconciled) for a resume to continue the same run (`plan`:
+    the run's `sft.runplan.RunPlan`)."""
     import torch
     import transformers
     import trl
@@ -198,13 +196,10 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "split": script_args.dataset_train_split,
         }
     ]
-    from sft import architectures, shapes
-
-    config = shapes.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
-    dims = training_args.parallel
+    training_args, dims = plan.training_args, plan.dims
     return {
         "model": model_args.model_name_or_path,
-        "architecture": architectures.of(config).identity(),
+        "architecture": plan.arch.identity(),
         "lora": json.loads(json.dumps({n: getattr(model_args, n, None) for n in LORA_FIELDS}))
         if model_args.use_peft
         else None,  # as the checkpoint's JSON will hold it (lists, not tuples)
@@ -224,18 +219,16 @@ def fingerprint(script_args, data_args, training_args, model_args, tokenizer, n_
             "chat_template": tokenizer.chat_template,
         },
         "world_size": dims.world_size,
-        "parallel": {"dp": dims.dp, "sp": dims.sp, "ep": dims.ep, "autoep": expert_parallel.on(training_args)},
+        "parallel": {"dp": dims.dp, "sp": dims.sp, "ep": dims.ep, "autoep": plan.engine.experts is not None},
         "fp8": training_args.fp8_recipe if training_args.fp8 else False,
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-        "global_batch": BatchPlan(
-            dims.dp, training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
-        ).global_batch_size,
+        "global_batch": plan.batch.global_batch_size,
         VERSION_KEY: {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "trl": trl.__version__,
-            "deepspeed": deepspeed.__version__,
+            **plan.engine.versions(),
         },
     }
 

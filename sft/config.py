@@ -23,8 +23,7 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from sft import logs, quantization
-from sft.engines import deepspeed as ds_engine
+from sft import engines, logs, quantization
 from sft.errors import ConfigError
 from sft.fp8 import RECIPES as FP8_RECIPES
 from sft.parallel import ParallelDims
@@ -393,11 +392,11 @@ class TrainConfig(SFTConfig):
             logs.quiet_accelerator_detection()
         # sp must divide the launch's world size, ep its data-parallel size
         launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
-        self.deepspeed, self.resolved_ds_settings = ds_engine.prepare_config(
+        self.deepspeed, self.resolved_ds_settings = engines.prepare_config(
             self.deepspeed, launch.world_size, launch.sp, launch.ep
         )
         super().__post_init__()
-        ds_engine.check_agrees(self)
+        engines.check_agrees(self)
 
     def _switch(self, name: str, explicit: bool | None) -> bool:
         """A true/false/`auto` field as a bool; `auto` recorded in `auto_settings` (False until the plan decides)."""
@@ -425,6 +424,11 @@ class TrainConfig(SFTConfig):
     def parallel(self) -> ParallelDims:
         """The run's parallel dimensions (`sft.parallel`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
+
+    @functools.cached_property
+    def engine(self) -> engines.Engine:
+        """The run's engine (`sft.engines`), built once from these arguments' resolved configuration."""
+        return engines.build(self)
 
 
 DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)
@@ -733,7 +737,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             f"{model_args.lora_dropout}`: PEFT's adapters on parameters (a MoE's experts) add B @ A to the weight "
             "itself, so no dropout can apply to their input. Set `lora_dropout: 0`."
         )
-    quantization.check(model_args, training_args, ds_engine.zero_setup(training_args).stage)
+    quantization.check(model_args, training_args, training_args.engine.sharding.stage)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

@@ -135,8 +135,9 @@ def measure(dataset, tokenizer, training_args, name: str) -> Stats:
     return Stats(name, lengths, trained, training_args.max_length, bool(training_args.packing))
 
 
-def add_packing(stats: Stats, dataset, tokenizer, training_args, gpus: int) -> Stats:
-    """Packed rows and efficiency (as training packs), and optimizer steps per epoch on `gpus` processes."""
+def add_packing(stats: Stats, dataset, tokenizer, training_args, gpus: int, batch=None) -> Stats:
+    """Packed rows and efficiency (as training packs), and optimizer steps per epoch on `gpus` processes (with a run's
+    `batch`, `sft.batch.BatchPlan`: at its batch)."""
     from sft.batch import plan_batch
 
     rows = len(stats.lengths)
@@ -148,19 +149,18 @@ def add_packing(stats: Stats, dataset, tokenizer, training_args, gpus: int) -> S
         cap = training_args.max_length or max(stats.lengths)
         stats.packed_tokens = int(sum(min(n, cap) for n in stats.lengths))
     stats.rows = rows
-    micro = training_args.per_device_train_batch_size
-    micro = micro if isinstance(micro, int) else 1  # `auto` without a GPU to plan for: 1
-    batch = plan_batch(
-        gpus,
-        micro,
-        training_args.global_batch_size,
-        training_args.tokens_per_step,
-        training_args.max_length,
-        training_args.gradient_accumulation_steps,
-    )
-    # as transformers counts them: each process's share of the rows in micro-batches, whole accumulation windows
-    per_process = math.ceil(rows / gpus)
-    stats.steps_per_epoch = max(math.ceil(per_process / micro) // batch.gradient_accumulation_steps, 1)
+    if batch is None:
+        micro = training_args.per_device_train_batch_size
+        micro = micro if isinstance(micro, int) else 1  # `auto` without a GPU to plan for: 1
+        batch = plan_batch(
+            gpus,
+            micro,
+            training_args.global_batch_size,
+            training_args.tokens_per_step,
+            training_args.max_length,
+            training_args.gradient_accumulation_steps,
+        )
+    stats.steps_per_epoch = batch.steps_per_epoch(rows)
     stats.global_batch = batch.global_batch_size
     return stats
 
@@ -202,14 +202,15 @@ def skipped(train_dataset, training_args) -> str | None:
     return None
 
 
-def for_training(train_dataset, tokenizer, training_args) -> Stats | None:
-    """The figures training prints at its start (the mix that trains, on this run's processes), written by the main
+def for_training(train_dataset, tokenizer, plan) -> Stats | None:
+    """The figures training prints at its start (the mix that trains, at the run plan's batch), written by the main
     process to `<output_dir>/data_stats.json`; None where `skipped` says why. Every rank calls it (TRL's preparation
     has barriers)."""
+    training_args = plan.training_args
     if skipped(train_dataset, training_args):
         return None
     stats = measure(train_dataset, tokenizer, training_args, "training data")
-    stats = add_packing(stats, train_dataset, tokenizer, training_args, training_args.parallel.dp)
+    stats = add_packing(stats, train_dataset, tokenizer, training_args, plan.dims.dp, plan.batch)
     if training_args.process_index == 0:
         path = Path(training_args.output_dir) / STATS_FILE
         path.write_text(json.dumps(stats.as_json(), indent=1) + "\n")

@@ -4,7 +4,7 @@
   gradient norm (global) are checked with one all-reduce. A step that is NaN or infinite on any rank is not applied:
   without DeepSpeed sft drops its gradients before `optimizer.step()`; DeepSpeed's ZeRO optimizer has already skipped
   it (its overflow check on the gradient norm, on for fp32 and, with `bf16.check_grad_overflow`, its default, for
-  bf16; `sft.engines.deepspeed` refuses that check turned off). At the `max_nonfinite_steps`th such step (default 1)
+  bf16; the DeepSpeed engine refuses that check turned off). At the `max_nonfinite_steps`th such step (default 1)
   every rank stops (exit code `NONFINITE_EXIT_CODE`, distinct from a configuration error's 2) with one paragraph:
   the figures, the newest complete checkpoint (from before the step, intact), the usual causes; the stop is in
   metrics.jsonl and sft_run.json (`stopped`), and no final model is written, so a run that diverged never ends as a
@@ -192,12 +192,12 @@ class Batch:
 _batch: Batch | None = None
 
 
-def remember(training_args, plan: str, chosen_by_sft: bool) -> None:
-    """Called once the batch is planned (`sft.preflight`), with the planned arguments."""
+def remember(plan) -> None:
+    """Called once the run is planned (`sft.preflight`), with its RunPlan."""
     global _batch
-    dims = training_args.parallel
-    micro, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
-    _batch = Batch(micro, accumulation, dims.dp * micro * accumulation, chosen_by_sft, plan, training_args)
+    batch, memory = plan.batch, plan.memory
+    _batch = Batch(batch.per_device_batch_size, batch.gradient_accumulation_steps, batch.global_batch_size,
+                   memory.chosen_by_sft, memory.sentence, plan.training_args)  # fmt: skip
 
 
 def retried(args, step: int) -> None:

@@ -77,8 +77,8 @@ def sample_lengths(inputs: dict) -> torch.Tensor:
 class FlopCounter:
     """Training FLOPs of the micro-batches of one rank, kept on the batch's device (no host sync per step)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.arch = _architecture(model)
+    def __init__(self, model: torch.nn.Module, arch: architectures.Architecture | None = None):
+        self.arch = arch if arch is not None else _architecture(model)
         self.per_token = architectures.matmul_flops_per_token(model, self.arch)
         self.layers = self.arch.layers if self.arch else 0
         self.width = self.arch.attention_width if self.arch else 0

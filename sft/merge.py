@@ -18,8 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from sft import logs
-from sft.engines import deepspeed as ds_engine
+from sft import engines, logs
 from sft.errors import ConfigError, SFTError
 
 logger = logging.getLogger("sft.merge")
@@ -62,7 +61,7 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
         from peft import get_peft_model
 
         model = get_peft_model(model, config)
-        result = set_peft_model_state_dict(model, ds_engine.lora_state_from_checkpoint(adapter_dir))
+        result = set_peft_model_state_dict(model, engines.lora_state(adapter_dir))
         if getattr(result, "unexpected_keys", None):
             raise ConfigError(f"--adapter {adapter}: LoRA keys that do not fit {base}: {result.unexpected_keys[:3]}")
     merged = model.merge_and_unload()

@@ -84,8 +84,8 @@ class Throughput(TrainerCallback):
     """Tokens, FLOPs and memory since the previous training log; the clock starts when the first step starts (after
     DeepSpeed and the data loader are set up) and pauses in evaluation and checkpoint saves."""
 
-    def __init__(self, model: torch.nn.Module, peak_tflops: float | None, processes: int):
-        self.flops = FlopCounter(model)
+    def __init__(self, model: torch.nn.Module, peak_tflops: float | None, processes: int, arch=None):
+        self.flops = FlopCounter(model, arch)
         self.processes = processes
         self.total_flops = 0.0
         self.peak_tflops = self._peak(peak_tflops)

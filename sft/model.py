@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
 
-from sft import architectures, experts, fp8, quantization, sequence_parallel
-from sft.attention import check_packing, resolve_attn_implementation
+from sft import architectures, converters, quantization
 from sft.config import ModelArguments, TrainConfig
-from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
+from sft.runplan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +41,14 @@ def load_tokenizer(model_args: ModelArguments, training_args: TrainConfig) -> Pr
         ) from e
 
 
-def load_model(model_args: ModelArguments, training_args: TrainConfig) -> PreTrainedModel:
-    padding_free = training_args.padding_free_batches
-    sp = training_args.parallel.sp
-    remote = training_args.trust_remote_code
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=remote)
-    arch = architectures.of(config)
-    attn_implementation = resolve_attn_implementation(model_args.attn_implementation, sp > 1, arch, padding_free)
-    check_packing(attn_implementation, padding_free, training_args.model_init_kwargs)
-    if sp > 1:
-        sequence_parallel.check_model(config, sp, attn_implementation)
-    partitioned = ds_engine.prepare_model_build(training_args)
+def load_model(model_args: ModelArguments, plan: RunPlan) -> PreTrainedModel:
+    """The model as the run plan decided it: its config, attention backend and engine (partitioned under ZeRO-3),
+    then sft's model changes (`sft.converters`, in their declared order)."""
+    training_args = plan.training_args
+    partitioned = plan.engine.prepare_model_build()
     hf_set_seed(training_args.seed)  # the same random init on every rank, and the same as a rerun
-    model = _build(model_args, training_args, attn_implementation, partitioned, config)
-    if arch.is_moe:
-        experts.apply(model, experts.decide(arch, training_args.model_init_kwargs)[0])
-    if padding_free:
-        model.config.use_cache = False  # a KV cache in training skips the packed-sequence mask of sdpa/eager
-    if training_args.fp8:
-        recipe = training_args.fp8_recipe
-        converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available())
-        logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling)", converted, recipe)
-    if training_args.compile_decoder_layers:
-        compile_decoder_layers(model)
+    model = _build(model_args, training_args, plan.attn_implementation, partitioned, plan)
+    converters.apply_at_build(model, plan)
     return model
 
 
@@ -85,8 +69,13 @@ def compile_decoder_layers(model: PreTrainedModel) -> None:
 
 
 def _build(
-    model_args: ModelArguments, training_args: TrainConfig, attn_implementation: str | None, partitioned: bool, config
+    model_args: ModelArguments,
+    training_args: TrainConfig,
+    attn_implementation: str | None,
+    partitioned: bool,
+    plan: RunPlan,
 ):
+    config = plan.model_config
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -116,7 +105,7 @@ def _build(
         with quantization.loading(bool(quantized) and partitioned):
             model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
         if quantized and partitioned:
-            quantization.partition(model)
+            plan.engine.partition_loaded(model)
     except OSError as e:
         raise ConfigError(
             f"`model_name_or_path`: could not load a model from {model_args.model_name_or_path!r} ({e}). Give a local "

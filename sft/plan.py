@@ -383,20 +383,21 @@ def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
 
 
 def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]:
-    """DeepSpeed's equations for `p` trainable parameters (plus LoRA's frozen base)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    """The engine's equations for `p` trainable parameters (DeepSpeed's for ZeRO-2/3, `sft.engines.model_states`),
+    plus LoRA's frozen base."""
+    from sft import engines
 
     per_node = s.gpus_per_node or s.gpus
     nodes = max(s.gpus // per_node, 1)
     frozen = frozen_weight_bytes(shape, s)
+    states = engines.model_states(
+        p, shape.largest_module_params, per_node, nodes, s.zero_stage, s.offload_optimizer, s.offload_params
+    )
     if s.zero_stage == 3:
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            p, shape.largest_module_params, per_node, nodes, s.offload_optimizer, s.offload_params
-        )
+        gpu, cpu = states
         return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
     if s.zero_stage == 2:
-        cpu, gpu = estimate_zero2_model_states_mem_needs(p, per_node, nodes, s.offload_optimizer)
+        gpu, cpu = states
         return gpu + frozen, cpu
     if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
         return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
@@ -529,7 +530,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
                 backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
         backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s) * gathers
     elif s.zero_stage == 2:
-        from sft.engines.deepspeed import bucket_elements
+        from sft.engines import bucket_elements
 
         partition = 0 if s.offload_optimizer else b * part
         buckets = 2 * b * bucket_elements(shape.hidden)  # reduce_bucket_size "auto", double-buffered (overlap_comm)

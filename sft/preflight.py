@@ -13,24 +13,23 @@ process count as a universal checkpoint, logs the plan, and refuses a run whose 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 
 import torch
 
-from sft import architectures, expert_parallel, experts, failsafe, fp8, quantization, shapes
+from sft import architectures, experts, failsafe, fp8, quantization, shapes
 from sft import checkpoint as ckpt
 from sft import plan as memplan
 from sft import sequence_parallel as seqpar
-from sft.attention import resolve_attn_implementation
+from sft.attention import check_packing, resolve_attn_implementation
 from sft.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
-from sft.engines import deepspeed as ds_engine
 from sft.errors import ConfigError
 from sft.parallel import ParallelDims
+from sft.runplan import MemoryDecision, RunPlan
 
 # The training arguments of the plan's memory levers: {argument: `sft.plan.Tools` field} (ZeRO's offload levers are
-# the DeepSpeed config's, `sft.engines.deepspeed.offload_auto`)
+# the engine's, `Engine.offload_auto`)
 TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints": "offload", "tiled_mlp": "tiled_mlp",
                "keep_attention_outputs": "keep_attention"}  # fmt: skip
 
@@ -66,7 +65,7 @@ class Resume:
 def base_setting(
     training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
 ) -> memplan.Setting:
-    zero = ds_engine.zero_setup(training_args)
+    zero = training_args.engine.sharding
     dims = training_args.parallel
     return memplan.Setting(
         gpus=dims.world_size,
@@ -94,88 +93,134 @@ def base_setting(
     )
 
 
-def preflight(training_args, model_args, resume: Resume | None = None):
-    """Resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a resume), check
-    the memory plan, set up a resume on another process count; returns the training arguments, rebuilt once if
-    anything changed."""
+def preflight(training_args, model_args, resume: Resume | None = None) -> RunPlan:
+    """Decide the run: resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a
+    resume), check the memory plan, set up a resume on another process count; returns the RunPlan, whose training
+    arguments are rebuilt once if anything changed. `model_args` is not changed."""
     seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
-    target = training_args.global_batch_size
-    if training_args.tokens_per_step and training_args.max_length:
-        target = training_args.tokens_per_step // training_args.max_length
     retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
-    if resume is not None:
-        target = resume.global_batch
-    elif retry is not None:
-        target = retry.global_batch
-    zero, dims = ds_engine.zero_setup(training_args), training_args.parallel
-    zero3 = zero.stage == 3
+    target = _target(training_args, resume, retry)
     remote = bool(getattr(model_args, "trust_remote_code", False))
-    arch = architectures.of(shapes.load_config(model_args.model_name_or_path, remote))
-    offload = zero.offload_optimizer or zero.offload_params
-    expert_parallel.check(dims.ep, dims.sp, zero.stage, offload, arch.family, arch.is_moe, bool(model_args.use_peft))
+    model_config = shapes.load_config(model_args.model_name_or_path, remote)
+    arch = architectures.of(model_config)
+    dims, engine = training_args.parallel, training_args.engine
+    engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
-    # decided here, applied in the one rebuild at the end (a rebuild would turn every `auto` into its placeholder)
+    kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
+    micro, tools, sp, sentence, ratio = _plan_memory(
+        training_args, model_args, target, kernels["FP8"].on, kernels["Liger"].on, retry.micro_cap if retry else None,
+        model_config, arch,
+    )  # fmt: skip
+    if tools.keep_attention:
+        _keep_attention_eager(training_args, kernels, changes)
+    padding_free = training_args.padding_free_batches
+    attn = resolve_attn_implementation(model_args.attn_implementation, sp > 1, arch, padding_free)
+    check_packing(attn, padding_free, training_args.model_init_kwargs)
+    _resolve_fp8_changes(training_args, kernels["FP8"].on, sp, changes)
+    if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
+        changes["sequence_parallel_size"] = sp
+        changes["deepspeed"] = engine.unresolved(training_args)  # resolved again for this sp
+        dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
+        seqpar.check(dims, training_args, padding_free)
+    seqpar.check_model(model_config, sp, attn, arch)
+    offload = (tools.offload_optimizer, tools.offload_params, ratio)
+    config, lines = engine.written(changes.get("deepspeed", training_args.deepspeed), offload=offload)
+    for line in lines:
+        logger.info("%s", line)
+    config, buckets = engine.written(config, hidden=arch.hidden)
+    batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
+    if retry is not None:
+        logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
+    logger.info("Parallel sizes: %s", dims.describe())
+    logger.info("Batch plan: %s", batch.describe())
+    _lever_changes(training_args, micro, tools, batch, changes)
+    if resume is not None:
+        config = _plan_resume(training_args, engine, resume, dims, batch, micro, config)
+    if config is not training_args.deepspeed and config != training_args.deepspeed:
+        changes["deepspeed"] = config
+    auto = training_args.auto_settings
+    if auto:
+        logger.info(
+            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
+        )
+    planned = dataclasses.replace(training_args, **changes) if changes else training_args
+    chosen = "per_device_train_batch_size" in auto
+    plan = RunPlan(planned, model_config, arch, batch, MemoryDecision(micro, tools, sp, ratio, sentence, chosen),
+                   attn, kernels, resume, bool(model_args.use_peft))  # fmt: skip
+    failsafe.remember(plan)
+    world = dims.world_size
+    for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+    for line in buckets:
+        logger.info("%s", line)
+    return plan
+
+
+def _target(training_args, resume: Resume | None, retry) -> int | None:
+    """The global batch to plan for: the checkpoint's on a resume, the failed run's on a retry, else the recipe's."""
+    if resume is not None:
+        return resume.global_batch
+    if retry is not None:
+        return retry.global_batch
+    if training_args.tokens_per_step and training_args.max_length:
+        return training_args.tokens_per_step // training_args.max_length
+    return training_args.global_batch_size
+
+
+def _decide_kernels(training_args, model_args, arch, zero3: bool) -> tuple[dict, dict]:
+    """Liger, FP8, compiled layers (and sft's experts for a MoE) decided for the family, each with its reason,
+    logged in one line; returns (kernels, changes to the training arguments). Decided here, applied in the one
+    rebuild at the end (a rebuild would turn every `auto` into its placeholder)."""
     liger_on = _family_liger(training_args, arch)
     changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
     fp8_decision = _resolve_fp8(training_args, model_args, zero3, arch)
-    fp8_on = fp8_decision.on
     compile_on = training_args.compile_decoder_layers
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        compile_on = (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
+        compile_on = (fp8_decision.on and arch.kernel("compile").on) or _compile_bf16(arch)
         changes["compile_decoder_layers"] = compile_on
     kernels = {
         "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
-        "FP8": architectures.Kernel(fp8_on, fp8_decision.reason),
-        "compiled layers": architectures.Kernel(bool(compile_on), _compile_reason(training_args, arch, fp8_on)),
+        "FP8": architectures.Kernel(fp8_decision.on, fp8_decision.reason),
+        "compiled layers": architectures.Kernel(
+            bool(compile_on), _compile_reason(training_args, arch, fp8_decision.on)
+        ),
     }
     if arch.is_moe:
         name, reason = experts.decide(arch, training_args.model_init_kwargs)
         kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
     architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
-    micro, tools, sp, plan, ratio = _plan_memory(
-        training_args, model_args, target, fp8_on, liger_on, retry.micro_cap if retry else None
-    )
+    return kernels, changes
+
+
+def _keep_attention_eager(training_args, kernels: dict, changes: dict) -> None:
+    """With attention outputs kept, compiled layers (and FP8 with them, where `auto`) off where `auto` turned them on:
+    a compiled layer runs inside the checkpoint as one piece, where the selection of what to keep does not reach
+    (measured on 1 x H100, 1B shape, 131,072 tokens, 11,458 tokens/s with attention kept and layers eager in bf16,
+    9,490 compiled with FP8: benchmarks/results/long_context_1gpu)."""
     auto = training_args.auto_settings
-    if tools.keep_attention and compile_on and "compile_decoder_layers" in auto:
-        # a compiled layer runs inside the checkpoint as one piece, where the selection of what to keep does not
-        # reach: measured on 1 x H100, 1B shape, 131,072 tokens, 11,458 tokens/s with attention kept and layers
-        # eager in bf16, 9,490 compiled with FP8 (benchmarks/results/long_context_1gpu)
-        compile_on = changes["compile_decoder_layers"] = False
-        fp8_on = fp8_on and "fp8" not in auto  # float8 is fast only compiled (`sft.fp8`)
-        with_fp8 = ", and FP8 with them" if fp8_decision.on and not fp8_on else ""
-        logger.info("Activation checkpointing keeps attention outputs: compiled layers off%s (the selection does not "
-                    "reach inside a compiled layer)", with_fp8)  # fmt: skip
-    model_args.attn_implementation = resolve_attn_implementation(
-        model_args.attn_implementation, sp > 1, arch, training_args.padding_free_batches
-    )
+    if not (kernels["compiled layers"].on and "compile_decoder_layers" in auto):
+        return
+    changes["compile_decoder_layers"] = False
+    kernels["compiled layers"] = architectures.Kernel(False, "attention outputs kept")
+    fp8_was = kernels["FP8"].on
+    if fp8_was and "fp8" in auto:  # float8 is fast only compiled (`sft.fp8`)
+        kernels["FP8"] = architectures.Kernel(False, "attention outputs kept: layers not compiled")
+    with_fp8 = ", and FP8 with them" if fp8_was and not kernels["FP8"].on else ""
+    logger.info("Activation checkpointing keeps attention outputs: compiled layers off%s (the selection does not "
+                "reach inside a compiled layer)", with_fp8)  # fmt: skip
+
+
+def _resolve_fp8_changes(training_args, fp8_on: bool, sp: int, changes: dict) -> None:
     if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
         changes["fp8"] = fp8_on
     if fp8_on and sp == 1:  # float8 matmuls need the tokens of a micro-batch in multiples of 16
         multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.token_multiple(fp8_on))
         if multiple != training_args.pad_to_multiple_of:
             changes["pad_to_multiple_of"] = multiple
-    dims = training_args.parallel
-    if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
-        changes["sequence_parallel_size"] = sp
-        changes["deepspeed"] = ds_engine.unresolved_config(training_args)  # resolved again for this sp
-        dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
-        seqpar.check(dims, training_args, training_args.padding_free_batches)
-    if any(ds_engine.offload_auto(training_args.deepspeed)):  # ZeRO's offload `"auto"`: as the plan decided
-        placed = ds_engine.place_offload(
-            changes.get("deepspeed", training_args.deepspeed), tools.offload_optimizer, tools.offload_params, ratio
-        )
-        changes["deepspeed"] = placed
-        zero_auto = placed["zero_optimization"]
-        for key in ds_engine.OFFLOAD_SECTIONS:
-            logger.info("DeepSpeed zero_optimization.%s: auto -> %s", key, json.dumps(zero_auto.get(key)))
-    filled, buckets = ds_engine.fill_buckets(changes.get("deepspeed", training_args.deepspeed), arch.hidden)
-    if buckets:
-        changes["deepspeed"] = filled
-    batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
-    if retry is not None:
-        logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
-    logger.info("Parallel sizes: %s", dims.describe())
-    logger.info("Batch plan: %s", batch.describe())
+
+
+def _lever_changes(training_args, micro: int, tools: memplan.Tools, batch: BatchPlan, changes: dict) -> None:
+    """The micro batch, the memory levers and the accumulation as the plan set them."""
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
@@ -185,43 +230,37 @@ def preflight(training_args, model_args, resume: Resume | None = None):
             changes[key] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
-    if resume is not None:
-        expert_parallel.check_resume(resume.autoep, dims.ep, resume.checkpoint)
-        if resume.autoep and dims.ep == 1 and not expert_parallel.on(training_args):
-            changes["deepspeed"] = expert_parallel.keep_layout(changes.get("deepspeed", training_args.deepspeed))
-            logger.info("The checkpoint's experts are in AutoEP's layers: AutoEP stays on, every expert on each GPU")
-    if resume is not None and (resume.world_size, resume.ep) != (dims.world_size, dims.ep):
-        universal = bool(training_args.deepspeed)
-        if universal:
-            changes["deepspeed"] = ds_engine.universal_load_config(changes.get("deepspeed", training_args.deepspeed))
-        logger.warning(
-            "Resuming %s on %d processes%s (was %d%s): global batch %d = %s%s",
-            resume.checkpoint,
-            dims.world_size,
-            f", experts split {dims.ep} ways" if dims.ep > 1 else "",
-            resume.world_size,
-            f", experts split {resume.ep} ways" if resume.ep > 1 else "",
-            batch.global_batch_size,
-            f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
-            ", loading the ZeRO state as a universal checkpoint" if universal else "",
-        )
-    if auto:
-        logger.info(
-            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
-        )
-    planned = dataclasses.replace(training_args, **changes) if changes else training_args
-    failsafe.remember(planned, plan, chosen_by_sft="per_device_train_batch_size" in auto)
-    world = dims.world_size
-    for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
-        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
-    if buckets:
-        logger.info("DeepSpeed %s: auto -> %s elements (hidden %d: hidden^2 = %s would make one collective per %d KB)",
-                    " and ".join(buckets), f"{ds_engine.BUCKET_FLOOR:,}", arch.hidden, f"{arch.hidden**2:,}",
-                    arch.hidden**2 * 4 // 1024)  # fmt: skip
-    return planned
 
 
-def zero2_advice(shape, setting: memplan.Setting, memory: float, headroom: float, host: float | None) -> str | None:
+def _plan_resume(training_args, engine, resume: Resume, dims, batch: BatchPlan, micro: int, config):
+    """A resume's engine configuration: the experts' layout of an AutoEP checkpoint kept, a checkpoint of another
+    process count (or expert split) loaded as a universal one; logged."""
+    keep = resume.autoep and dims.ep == 1 and engine.experts is None
+    if keep:
+        config, _ = engine.written(config, keep_experts=True)
+        logger.info("The checkpoint's experts are in AutoEP's layers: AutoEP stays on, every expert on each GPU")
+    if (resume.world_size, resume.ep) == (dims.world_size, dims.ep):
+        return config
+    universal = bool(training_args.deepspeed)
+    if universal:
+        config, _ = engine.written(config, universal=True)
+    logger.warning(
+        "Resuming %s on %d processes%s (was %d%s): global batch %d = %s%s",
+        resume.checkpoint,
+        dims.world_size,
+        f", experts split {dims.ep} ways" if dims.ep > 1 else "",
+        resume.world_size,
+        f", experts split {resume.ep} ways" if resume.ep > 1 else "",
+        batch.global_batch_size,
+        f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
+        ", loading the ZeRO state as a universal checkpoint" if universal else "",
+    )
+    return config
+
+
+def zero2_advice(
+    shape, setting: memplan.Setting, memory: float, headroom: float, host: float | None, engine
+) -> str | None:
     """For a ZeRO-3 run without offload: if ZeRO-2 fits with the same micro batch and no checkpointing, offloading or
     tiling, say so with what ZeRO-3 cost in the nearest measured setting; else None."""
     if setting.zero_stage != 3 or setting.offload_optimizer or setting.offload_params:
@@ -230,7 +269,9 @@ def zero2_advice(shape, setting: memplan.Setting, memory: float, headroom: float
     estimate = memplan.estimate(shape, zero2)
     if not estimate.fits(memory, headroom, host):
         return None
-    cost = ds_engine.zero3_cost(shape.n_params, setting.gpus)
+    cost = engine.sharded_cost(shape.n_params, setting.gpus)
+    if cost is None:
+        return None
     return (
         f"ZeRO-2 fits here: {zero2.describe()} peaks at {estimate.peak / memplan.GiB:.2f} GiB of "
         f"{memory * (1 - headroom) / memplan.GiB:.2f} GiB usable per GPU. In sft's nearest measured setting, "
@@ -266,7 +307,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
     auto = training_args.auto_settings
     given = _given_levers(training_args)
-    optimizer, params = ds_engine.offload_auto(training_args.deepspeed)
+    optimizer, params = training_args.engine.offload_auto()
     free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
     free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
     levels = []
@@ -279,7 +320,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
 
 def _given_levers(training_args) -> memplan.Tools:
     """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
-    zero = ds_engine.zero_setup(training_args)
+    zero = training_args.engine.sharding
     fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
     return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
 
@@ -348,6 +389,8 @@ def _plan_memory(
     fp8_on: bool = False,
     liger_on: bool | None = None,
     micro_cap: int | None = None,
+    model_config=None,
+    arch: architectures.Architecture | None = None,
 ) -> tuple[int, memplan.Tools, int, str, float]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
     share): the `auto` ones chosen by the memory plan (the smallest sp first, then the cheapest levers; micro batches
@@ -355,7 +398,7 @@ def _plan_memory(
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
     tools = _given_levers(training_args)
-    ratio = ds_engine.zero_setup(training_args).offload_ratio
+    ratio = training_args.engine.sharding.offload_ratio
     sp = training_args.sequence_parallel_size
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
     memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
@@ -376,7 +419,8 @@ def _plan_memory(
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
-    shape = shapes.load_shape(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", False)))
+    remote = bool(getattr(model_args, "trust_remote_code", False))
+    shape = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch)
     base = base_setting(training_args, model_args, fp8_on, liger_on)
     dp = training_args.parallel.dp
     if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
@@ -418,7 +462,7 @@ def _plan_memory(
         usable / memplan.GiB,
     )
     if fits:
-        advice = zero2_advice(shape, setting, memory, headroom, host)
+        advice = zero2_advice(shape, setting, memory, headroom, host, training_args.engine)
         if advice:
             logger.warning(advice)
     if not fits:

@@ -130,18 +130,6 @@ def loading(partitioned: bool):
         Bnb4BitHfQuantizer.update_device_map, Bnb4bitQuantize.convert = update_device_map, convert
 
 
-def partition(model: torch.nn.Module) -> None:
-    """Under ZeRO-3, a model loaded in host memory (`loading`) partitioned now, one weight at a time, as if it had been
-    built inside `deepspeed.zero.Init`. Without this DeepSpeed's engine, finding no parameter ZeRO has seen, moves the
-    whole model to the GPU first (`module.to(device)`; measured: 20.55 GiB per GPU at 40 layers of 70B width on 2
-    GPUs, benchmarks/results/qlora_70b_2gpu/run_40_fit_2x24_2gpu.log)."""
-    import deepspeed
-    from transformers.integrations.deepspeed import deepspeed_config
-
-    # mem_efficient_linear off: with `module` given, zero.Init would patch torch's linear for good
-    deepspeed.zero.Init(module=model, config_dict_or_path=deepspeed_config(), mem_efficient_linear=False)
-
-
 def place_quant_states(model: torch.nn.Module) -> int:
     """After DeepSpeed's engine has placed the 4-bit weights: their quantization constants (bitsandbytes keeps them
     beside the parameter, whole on every rank) onto this rank's GPU, where the weights are used; the number moved."""

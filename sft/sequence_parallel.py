@@ -96,7 +96,7 @@ def splits_heads(heads: int, kv_heads: int, sp: int) -> bool:
     return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
 
 
-def check_model(config, sp: int, attn_implementation: str | None) -> None:
+def check_model(config, sp: int, attn_implementation: str | None, arch=None) -> None:
     """The model's attention can be split over `sp` ranks by heads, with a backend that keeps samples apart."""
     if sp == 1:
         return
@@ -115,7 +115,7 @@ def check_model(config, sp: int, attn_implementation: str | None) -> None:
             f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
             "sequence_parallel_size: 1."
         )
-    recurrent = architectures.of(config).attention.other_layers
+    recurrent = (arch or architectures.of(config)).attention.other_layers
     if recurrent:
         raise ConfigError(
             f"sequence parallelism: {getattr(config, 'model_type', '?')} has {list(recurrent)} layers, which "
@@ -200,7 +200,7 @@ def loss_scale(divisor: int, step_targets) -> torch.Tensor:
     Without SP, TRL's loss is the sum of token losses over the trained tokens of the whole optimizer step
     (`step_targets`: every replica, every accumulation step), and DeepSpeed averages the replicas' gradients. Under
     SP every rank holds a slice of a row: DeepSpeed sums all ranks' gradients and divides by `divisor`
-    (`sft.engines.deepspeed.gradient_divisor`: the data-parallel size, or the world size on ZeRO-3's reduce-scatter
+    (`Engine.gradient_divisor`: the data-parallel size, or the world size on ZeRO-3's reduce-scatter
     path), so each rank's summed loss is multiplied by divisor / step_targets. No collective enters the backward
     (transformers' Ulysses loss all-gathers the ranks' losses differentiably, which on gloo fails for any sp group
     but the first: torch's all-to-all fallback scatters from group ranks as if they were global ranks). The Trainer
@@ -208,63 +208,3 @@ def loss_scale(divisor: int, step_targets) -> torch.Tensor:
     x world / divisor.
     """
     return divisor / torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
-
-
-def uneven_rows_adapter(adapter):
-    """DeepSpeed's `UlyssesSPDataLoaderAdapter` (as transformers' Trainer made it), gathering the sp ranks' rows of
-    different lengths on any backend. DeepSpeed's `refill` all-gathers each rank's batch with rank-sized receive
-    buffers, which NCCL accepts and gloo refuses ("invalid tensor size"); here each rank's tensors are padded to the
-    longest row of the group for the gather and cut back to their own length after it. Everything else is
-    DeepSpeed's: each batch is split into sp contiguous slices, `labels` become pre-shifted `shift_labels`."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-
-    class UnevenRowsAdapter(UlyssesSPDataLoaderAdapter):
-        def skip(self, micro_batches: int) -> None:
-            """Drop the first `micro_batches` (a resume): whole batches of the wrapped loader are skipped without
-            being gathered, the remainder out of the next refill. accelerate's `skip_first_batches`, which
-            transformers uses, rebuilds a plain DataLoader from a loader's sampler and so cannot skip through an
-            adapter."""
-            whole, rest = divmod(micro_batches, self.sp_world_size)
-            for _ in range(whole):
-                next(self.iter)
-            for _ in range(rest):
-                next(self)
-
-        def refill(self):
-            import torch.distributed as dist
-
-            try:
-                batch = next(self.iter)
-            except StopIteration:
-                self.iter = iter(self.dl)
-                raise
-            if "position_ids" not in batch:
-                raise ConfigError("sequence parallelism needs `position_ids` in every batch (padding-free batches).")
-            length = torch.tensor([batch["input_ids"].shape[1]], device=self.device)
-            lengths = [torch.zeros_like(length) for _ in range(self.sp_world_size)]
-            dist.all_gather(lengths, length, group=self.sp_group)
-            lengths = [int(x) for x in lengths]
-            longest = max(lengths)
-            rows: list[dict] = [{} for _ in range(self.sp_world_size)]
-            for key, value in batch.items():
-                if torch.is_tensor(value):
-                    value = torch.nn.functional.pad(value.to(self.device), (0, longest - value.shape[1]))
-                    gathered = [torch.empty_like(value) for _ in range(self.sp_world_size)]
-                    dist.all_gather(gathered, value, group=self.sp_group)
-                    gathered = [t[:, :n] for t, n in zip(gathered, lengths, strict=True)]
-                else:
-                    gathered = [None] * self.sp_world_size
-                    dist.all_gather_object(gathered, value, group=self.sp_group)
-                for row, item in zip(rows, gathered, strict=True):
-                    row[key] = item
-            for row in rows:
-                seq = row["input_ids"].shape[1]
-                if seq % self.sp_world_size:
-                    raise ConfigError(f"a row of {seq} tokens is not a multiple of sequence_parallel_size.")
-                chunk = seq // self.sp_world_size
-                labels = torch.nn.functional.pad(row.pop("labels"), (0, 1), value=-100)
-                row["shift_labels"] = labels[..., 1:].contiguous()
-                part = slice(chunk * self.sp_rank, chunk * (self.sp_rank + 1))
-                self.micro_batches.append({k: v[:, part].cpu() if torch.is_tensor(v) else v for k, v in row.items()})
-
-    return UnevenRowsAdapter(adapter.dl, adapter.sp_rank, adapter.sp_group, adapter.sp_world_size, adapter.device)

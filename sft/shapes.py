@@ -122,17 +122,18 @@ def load_config(model: str, trust_remote_code: bool = False):
         raise ConfigError(f"memory plan: the hub has no readable config for {model!r} ({e}).") from e
 
 
-def load_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
-    """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read)."""
+def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=None) -> ModelShape:
+    """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read); a run
+    passes the `config` and `arch` it has decided already."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from sft import architectures
-    from sft.engines.deepspeed import outside_zero_init
+    from sft.engines import outside_sharded_init
 
-    config = load_config(model, trust_remote_code)
-    arch = architectures.of(config)
-    with outside_zero_init(), torch.device("meta"):
+    config = config if config is not None else load_config(model, trust_remote_code)
+    arch = arch if arch is not None else architectures.of(config)
+    with outside_sharded_init(), torch.device("meta"):
         built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     unique = {id(p): p.numel() for p in built.parameters()}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())

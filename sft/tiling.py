@@ -41,7 +41,9 @@ def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
 def apply_tiled_mlp(model: torch.nn.Module, tiles: int, multiple: int = 1) -> int:
     """Make every decoder layer's MLP run in `tiles` tiles along the sequence, each a multiple of `multiple` tokens
     (16 with FP8: `sft.fp8`); returns how many were changed."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from sft.engines import tiled_mlp
+
+    TiledMLP = tiled_mlp()
 
     mlps = decoder_mlps(model)
     if not mlps:

@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
     from sft import datastats
     from sft import plan as memplan
     from sft.data import check_tokenizer, load_datasets
-    from sft.engines import deepspeed as ds_engine
     from sft.model import load_model, load_tokenizer
     from sft.preflight import Resume, preflight
     from sft.trainer import Trainer
@@ -41,13 +40,14 @@ def main(argv: list[str] | None = None) -> None:
     resume_from = ckpt.resolve_resume(training_args)
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
-    training_args = preflight(training_args, model_args, resume)  # batch, memory and resume plan, before any work
+    plan = preflight(training_args, model_args, resume)  # the run decided once, before any work (sft.runplan)
+    training_args = plan.training_args
     if memplan.cap_gpu_memory(training_args.max_gpu_memory_gib):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
     check_tokenizer(train_dataset, tokenizer, training_args)
-    fingerprint = ckpt.fingerprint(script_args, data_args, training_args, model_args, tokenizer, len(train_dataset))
+    fingerprint = ckpt.fingerprint(script_args, data_args, plan, model_args, tokenizer, len(train_dataset))
     check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
     if resume_from:  # a checkpoint of another run (or model) is refused before anything in output_dir changes
         ckpt.compare_fingerprints(saved, fingerprint, resume_from)
@@ -58,15 +58,15 @@ def main(argv: list[str] | None = None) -> None:
         ckpt.record_settings(training_args.output_dir, fingerprint)
     training_args.distributed_state.wait_for_everyone()
     if resume_from:
-        ds_engine.convert_for_resume(training_args, resume_from)
+        plan.engine.convert_for_resume(training_args, resume_from)
     # tokenised by TRL's own steps on every rank (their main-process-first barriers must match), which the trainer
     # below then finds in the datasets cache
-    stats = datastats.for_training(train_dataset, tokenizer, training_args)
+    stats = datastats.for_training(train_dataset, tokenizer, plan)
     if stats is not None:
         logger.info("%s", datastats.describe(stats, long=False))
     else:
         logger.info("No data figures at the start: %s", datastats.skipped(train_dataset, training_args))
-    model = load_model(model_args, training_args)
+    model = load_model(model_args, plan)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        plan=plan,
         fingerprint=fingerprint,
     )
     trainer.train(resume_from_checkpoint=resume_from)

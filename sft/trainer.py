@@ -2,7 +2,7 @@
 
 - checkpoints (`sft.checkpoint`): complete-marked saves with sft_state.json, rotation after the marker, pre-emption;
 - metrics (`sft.metrics`): metrics.jsonl, throughput/MFU/memory in every training log, the data trace, the wandb link;
-- the DeepSpeed engine (`sft.engines.deepspeed`): optimizer state placed after a universal-checkpoint load;
+- the engine (`sft.engines`, the run plan's): the checkpoint load, the optimizer state placed after it;
 - packing (`sft.attention`): every padding-free micro-batch checked to keep its samples apart;
 - sequence parallelism (`sft.sequence_parallel`): accelerate's Ulysses config, sliceable batches, the loss without
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from trl import SFTTrainer
 
-from sft import architectures, checkpointing, expert_parallel, failsafe, fp8, metrics, quantization, tiling
 from sft import checkpoint as ckpt
+from sft import converters, failsafe, fp8, metrics, quantization
 from sft import sequence_parallel as seqpar
 from sft.attention import check_batch
-from sft.engines import deepspeed as ds_engine
+from sft.batch import steps_per_epoch
 from sft.errors import ConfigError
+from sft.runplan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +61,16 @@ class Trainer(SFTTrainer):
     micro-batch.
     """
 
-    def __init__(self, *args, fingerprint: dict | None = None, **kwargs):
-        args_ = kwargs["args"]
-        dims = args_.parallel
+    def __init__(self, *args, plan: RunPlan, fingerprint: dict | None = None, **kwargs):
+        self.plan = plan
+        dims = plan.dims
         if dims.sp > 1:
-            args_.parallelism_config = seqpar.parallelism_config(dims, kwargs["model"].config._attn_implementation)
+            kwargs["args"].parallelism_config = seqpar.parallelism_config(dims, plan.attn_implementation)
         super().__init__(*args, **kwargs)
         self.fingerprint = fingerprint or {}
         self._shard_info: seqpar.ShardInfo | None = None
         if dims.sp > 1:
-            self._gradient_divisor = ds_engine.gradient_divisor(self.args)  # fixed for the run: read its config once
+            self._gradient_divisor = plan.engine.gradient_divisor()  # fixed for the run
             pad = self.processing_class.pad_token_id
             self.data_collator = seqpar.ShardableCollator(
                 self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
@@ -79,7 +80,7 @@ class Trainer(SFTTrainer):
         if warning:
             logger.warning(warning)
         self.metrics_log = metrics.MetricsLog(self.args.output_dir)
-        self.throughput = metrics.Throughput(self.model, getattr(self.args, "peak_tflops", None), dims.world_size)
+        self.throughput = metrics.Throughput(self.model, self.args.peak_tflops, dims.world_size, plan.arch)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)
         self.preemption = ckpt.PreemptionCallback()
         for callback in (self.metrics_log, self.throughput, self.preemption):
@@ -89,9 +90,10 @@ class Trainer(SFTTrainer):
         self.guard = failsafe.StepGuard(self.args)
         self.zero_loss = failsafe.ZeroLoss()
         self._hf_shapes = None  # expert parallelism: the layout the model is saved in (AutoEP replaces its layers)
-        if expert_parallel.on(self.args):
-            expert_parallel.compatible_output_registry()
-            self._hf_shapes = expert_parallel.hf_shapes(self.model)
+        self.experts = plan.engine.experts  # the engine's expert-parallel component, or None
+        if self.experts is not None:
+            self.experts.compatible_output_registry()
+            self._hf_shapes = self.experts.hf_shapes(self.model)
 
     @property
     def preempted(self) -> bool:
@@ -127,7 +129,7 @@ class Trainer(SFTTrainer):
             logger.info(
                 "Starting the DeepSpeed engine (ZeRO-%d), then training (torch's FutureWarning that the collectives "
                 "DeepSpeed calls are deprecated is not shown: harmless, sft.logs)",
-                ds_engine.zero_setup(self.args).stage,
+                self.plan.engine.sharding.stage,
             )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
@@ -135,51 +137,28 @@ class Trainer(SFTTrainer):
         """transformers loads the checkpoint here. After any DeepSpeed load the optimizer state is placed as torch's
         `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
         moves. The tiled MLP goes on first: Liger has patched the MLPs by now (in `train`), and the tiles wrap it."""
-        if self.args.tiled_mlp:
-            hidden = self.model.config.get_text_config().hidden_size
-            tiles = tiling.tiles_for(self.args.max_length, self.args.parallel.sp, hidden)
-            changed = tiling.apply_tiled_mlp(self.model, tiles, fp8.token_multiple(self.args.fp8))
-            if changed:
-                logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
-        if self.args.activation_checkpointing and self.args.keep_attention_outputs:
-            checkpointing.keep_attention_outputs(self.model, self.args.activation_checkpointing_kwargs)
-            logger.info("Activation checkpointing keeps the attention kernels' outputs (sft.checkpointing): the "
-                        "recomputation skips the attention kernel")  # fmt: skip
-        if self.args.offload_checkpoints:
-            offloaded = (self.args.activation_checkpointing_kwargs or {}).get("offload")
-            logger.info(
-                "Activation checkpoints %s",
-                "offloaded to pinned CPU memory" if offloaded else "not offloaded: no GPU, they are in host memory",
-            )
-            if offloaded and checkpointing.expandable_segments():
-                logger.info("GPU memory in expandable segments from here on (long rows; %s sets it otherwise)",
-                            checkpointing.ALLOC_CONF_ENV)  # fmt: skip
-        with ds_engine.universal_load(self.args):
+        converters.apply("prepare", self.model, self.plan)
+        with self.plan.engine.loading_checkpoint():
             model, train_dataloader = super()._prepare_for_training(
                 max_steps, train_dataloader, resume_from_checkpoint
             )
         moved = quantization.place_quant_states(self.model)  # QLoRA loaded in host memory under ZeRO-3
         if moved:
             logger.info("QLoRA: the quantization constants of %d layers moved to this GPU", moved)
-        if self.args.compile_decoder_layers and ds_engine.zero_setup(self.args).stage == 3:
-            wrapped = ds_engine.hooks_outside_compile(architectures.decoder_layers(self.model))
-            logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
+        converters.apply("wrapped", self.model, self.plan)
         if self.args.parallel.sp > 1:
-            train_dataloader = seqpar.uneven_rows_adapter(train_dataloader)
+            train_dataloader = self.plan.engine.sequence_parallel_loader(train_dataloader)
             if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:
                 # transformers' skip (accelerate's skip_first_batches) cannot go through the adapter: skip here, as
                 # many micro-batches as transformers would, and tell transformers not to skip again
-                per_epoch = max(len(train_dataloader) // self.args.gradient_accumulation_steps, 1)
+                per_epoch = steps_per_epoch(len(train_dataloader), self.args.gradient_accumulation_steps)
                 skipped = self.state.global_step % per_epoch * self.args.gradient_accumulation_steps
                 train_dataloader.skip(skipped)
                 self.args.ignore_data_skip = True
                 self._load_rng_state(resume_from_checkpoint)  # what transformers does after its own skip
                 logger.info("Sequence parallel resume: skipped %d micro-batches of this epoch", skipped)
-        optimizer = ds_engine.base_optimizer(self.model_wrapped) if resume_from_checkpoint else None
-        if optimizer is not None:
-            moved = ds_engine.place_optimizer_state(optimizer)
-            if moved:
-                logger.info("Placed %d optimizer-state tensors as %s expects them", moved, type(optimizer).__name__)
+        if resume_from_checkpoint:
+            self.plan.engine.after_load(self.model_wrapped)
         return model, train_dataloader
 
     def _refuse_finished(self, step: int, checkpoint: str) -> None:
@@ -188,7 +167,7 @@ class Trainer(SFTTrainer):
             total, what = self.args.max_steps, f"max_steps {self.args.max_steps}"
         else:
             batches = len(self.get_train_dataloader()) * self.args.parallel.sp  # each sp rank's batch is a micro-step
-            per_epoch = max(batches // self.args.gradient_accumulation_steps, 1)
+            per_epoch = steps_per_epoch(batches, self.args.gradient_accumulation_steps)
             total = math.ceil(per_epoch * self.args.num_train_epochs)
             what = f"num_train_epochs {self.args.num_train_epochs} ({total} steps)"
         if step >= total:
@@ -204,15 +183,15 @@ class Trainer(SFTTrainer):
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.expert_parallel`)
-            expert_parallel.group_experts(optimizer, self.model, self.args.parallel.ep)
+            self.experts.group_experts(optimizer, self.model, self.args.parallel.ep)
         return optimizer
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Under expert parallelism the model (and each checkpoint's copy) is saved in Hugging Face's layout, its
         experts gathered from the expert ranks (`sft.expert_parallel.hf_state_dict`, collective)."""
-        if self._hf_shapes is None or not expert_parallel.layers(self.model):
+        if self._hf_shapes is None or not self.experts.layers(self.model):
             return super().save_model(output_dir, _internal_call)
-        self._save(output_dir, state_dict=expert_parallel.hf_state_dict(self.model, self._hf_shapes))
+        self._save(output_dir, state_dict=self.experts.hf_state_dict(self.model, self._hf_shapes))
 
     def _save_checkpoint(self, model, trial):
         step = self.state.global_step

@@ -139,7 +139,7 @@ def test_auto_bucket_sizes_of_a_narrow_model_get_the_floor(tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = ["--config", "recipes/demo.yaml", "--output_dir", str(tmp_path / "out"), "--deepspeed"]
     _, _, training_args, model_args = parse_args([*args, "ds_configs/zero3.json"])
-    planned = preflight(training_args, model_args)
+    planned = preflight(training_args, model_args).training_args
     zero = planned.hf_deepspeed_config.config["zero_optimization"]
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 2**20
 

@@ -92,10 +92,11 @@ def test_training_skips_the_figures_for_streamed_data(tmp_path):
     """A streamed source is not read through at the start (nor data TRL does not prepare); training says why."""
     import datasets
 
+    from sft.preflight import preflight
     from tests.test_plan import demo_args
 
-    _, _, args, _ = demo_args(tmp_path, "--output_dir", str(tmp_path / "out"))
+    _, _, args, model_args = demo_args(tmp_path, "--output_dir", str(tmp_path / "out"))
     streamed = datasets.load_dataset("json", data_files=str(ROOT / "recipes/demo/data/train.jsonl"), split="train",
                                      streaming=True)  # fmt: skip
-    assert datastats.for_training(streamed, None, args) is None
+    assert datastats.for_training(streamed, None, preflight(args, model_args)) is None
     assert "streamed" in datastats.skipped(streamed, args)

@@ -11,8 +11,9 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft import expert_parallel, plan, shapes
+from sft import plan, shapes
 from sft.engines import deepspeed as ds_engine
+from sft.engines.deepspeed import autoep as expert_parallel
 from sft.errors import ConfigError
 from sft.parallel import ParallelDims
 from tests.conftest import DEMO, ROOT, run_cli_in_process

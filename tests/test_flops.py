@@ -71,8 +71,8 @@ def test_peak_is_detected_from_the_device_name(name, peak):
 
 def test_compiled_decoder_layers_match_eager():
     """`compile_decoder_layers`: each decoder layer compiled; logits and gradients equal eager (fp32, CPU)."""
+    from sft.converters import compile_decoder_layers
     from sft.errors import ConfigError
-    from sft.model import compile_decoder_layers
 
     torch.manual_seed(0)
     eager = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL, attn_implementation="sdpa"))

@@ -52,7 +52,7 @@ def test_preflight_without_fp8_gpu_turns_auto_off_and_true_is_refused(tmp_path, 
     monkeypatch.delenv(fp8.CPU_ENV, raising=False)
     _, _, args, model_args = demo_args(tmp_path)
     with caplog.at_level(logging.INFO, logger="sft.preflight"):
-        resolved = preflight(args, model_args)
+        resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is False and resolved.compile_decoder_layers is False
     assert resolved.pad_to_multiple_of is None
     assert "FP8: off (no GPU with FP8 tensor cores)" in caplog.text
@@ -73,7 +73,7 @@ def test_fp8_pads_packed_rows_to_a_multiple_of_16(tmp_path, monkeypatch):
 
     monkeypatch.setenv(fp8.CPU_ENV, "1")
     _, _, args, model_args = demo_args(tmp_path, "--fp8", "true", "--pad_to_multiple_of", "8")
-    resolved = preflight(args, model_args)
+    resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is True and resolved.compile_decoder_layers is True
     assert resolved.pad_to_multiple_of == 16  # lcm(8, 16)
     collator = DataCollatorForLanguageModeling(pad_token_id=1, padding_free=True, pad_to_multiple_of=16)
@@ -199,7 +199,7 @@ def test_fp8_under_zero3_is_compiled_and_says_it_measured_slower(tmp_path, monke
     monkeypatch.setenv(fp8.CPU_ENV, "1")
     _, _, args, model_args = demo_args(tmp_path, "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero3.json"))
     with caplog.at_level(logging.INFO, logger="sft.preflight"):
-        resolved = preflight(args, model_args)
+        resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is True and resolved.compile_decoder_layers is True
     assert fp8.ZERO3_SLOWER in caplog.text and "0.875x" in caplog.text
 

@@ -120,8 +120,9 @@ def test_assistant_only_mask_survives_packing(tmp_path):
     from trl import ScriptArguments
     from trl.scripts.utils import DatasetConfig
 
-    from sft.config import DataArguments, TrainConfig
+    from sft.config import DataArguments, ModelArguments, TrainConfig
     from sft.data import load_datasets
+    from sft.preflight import preflight
     from sft.trainer import Trainer
 
     records = [json.loads(line) for line in (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]]
@@ -132,7 +133,10 @@ def test_assistant_only_mask_survives_packing(tmp_path):
     )
     train, _ = load_datasets(ScriptArguments(), DataArguments(datasets=[DatasetConfig(path=str(path))]), args)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=train, processing_class=tokenizer)
+    model = tiny_model("llama")
+    model.config.save_pretrained(tmp_path / "model")
+    plan = preflight(args, ModelArguments(model_name_or_path=str(tmp_path / "model")))
+    trainer = Trainer(model=model, args=plan.training_args, train_dataset=train, processing_class=tokenizer, plan=plan)
     rows = trainer.train_dataset
     assert len(rows) < len(records)  # packed
     answers = []

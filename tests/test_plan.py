@@ -268,7 +268,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
         "keep_attention_outputs",
         "compile_decoder_layers", "use_liger_kernel",
     }  # fmt: skip
-    resolved = preflight(training_args, model_args)
+    resolved = preflight(training_args, model_args).training_args
     shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4)
     expected = plan.suggest(shape, base, float(memory_gib) * plan.GiB, candidates=[base])
@@ -286,15 +286,15 @@ def test_preflight_refuses_a_plan_that_does_not_fit(tmp_path):
     with pytest.raises(ConfigError, match=r"does not fit: ZeRO-2, 1 GPU\(s\), micro batch 2 .* plan_check: false"):
         preflight(training_args, model_args)
     _, _, training_args, model_args = demo_args(tmp_path, "--plan_gpu_memory_gib", "0.001", "--plan_check", "false")
-    assert preflight(training_args, model_args).per_device_train_batch_size == 2  # warned, not refused
+    assert preflight(training_args, model_args).training_args.per_device_train_batch_size == 2  # warned, not refused
 
 
 def test_preflight_global_batch_sets_accumulation(tmp_path):
     _, _, training_args, model_args = demo_args(tmp_path, "--global_batch_size", "12")
-    resolved = preflight(training_args, model_args)
+    resolved = preflight(training_args, model_args).training_args
     assert (resolved.per_device_train_batch_size, resolved.gradient_accumulation_steps) == (2, 6)
     _, _, training_args, model_args = demo_args(tmp_path, "--tokens_per_step", str(8 * 512))
-    assert preflight(training_args, model_args).gradient_accumulation_steps == 4
+    assert preflight(training_args, model_args).training_args.gradient_accumulation_steps == 4
     _, _, training_args, model_args = demo_args(
         tmp_path, "--global_batch_size", "12", "--gradient_accumulation_steps", "3"
     )
@@ -307,7 +307,7 @@ def test_preflight_global_batch_sets_accumulation(tmp_path):
 
 def test_auto_without_a_gpu_to_plan_for_is_micro_batch_one(tmp_path):
     _, _, training_args, model_args = demo_args(tmp_path, "--per_device_train_batch_size", "auto")
-    assert preflight(training_args, model_args).per_device_train_batch_size == 1
+    assert preflight(training_args, model_args).training_args.per_device_train_batch_size == 1
 
 
 def test_zero3_offload_auto_is_the_plans_last_levers(tmp_path):
@@ -329,7 +329,7 @@ def test_zero3_offload_auto_is_the_plans_last_levers(tmp_path):
             "--activation_checkpointing", "auto",
         )  # fmt: skip
         assert ds_engine.offload_auto(training_args.deepspeed) == (True, True)
-        resolved = preflight(training_args, model_args)
+        resolved = preflight(training_args, model_args).training_args
         zero = resolved.deepspeed["zero_optimization"]
         setup = ds_engine.zero_setup(resolved)
         assert (setup.offload_optimizer, setup.offload_params) == (on, False)
@@ -344,7 +344,7 @@ def test_zero3_config_does_not_disturb_the_meta_build(tmp_path):
     _, _, training_args, model_args = demo_args(
         tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "1"
     )
-    resolved = preflight(training_args, model_args)
+    resolved = preflight(training_args, model_args).training_args
     assert resolved.per_device_train_batch_size == 2
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
@@ -390,8 +390,10 @@ def test_one_zero3_process_gathers_nothing(tmp_path):
 def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog):
     """A ZeRO-3 run whose plan shows ZeRO-2 fitting (same micro batch, no checkpointing) is told so at start, with
     the nearest measured ZeRO-3 / ZeRO-2 ratio; where ZeRO-2 would not fit, or ZeRO-3 offloads, nothing is said."""
+    from sft.config import TrainConfig
     from sft.preflight import zero2_advice
 
+    engine = TrainConfig(output_dir=str(tmp_path / "out"), deepspeed=str(ROOT / "ds_configs" / "zero3.json")).engine
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     zero3 = plan.Setting(gpus=2, zero_stage=3, micro_batch=2, seq_len=4096, liger=True)
     zero2 = dataclasses.replace(zero3, zero_stage=2)
@@ -399,7 +401,7 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     assert zero3_peak < zero2_peak
     roomy = 141 * plan.GiB
     assert plan.estimate(shape, zero2).fits(roomy, 0.1)
-    advice = zero2_advice(shape, zero3, roomy, 0.1, None)
+    advice = zero2_advice(shape, zero3, roomy, 0.1, None, engine)
     assert advice.startswith(
         "ZeRO-2 fits here: ZeRO-2, 2 GPU(s), micro batch 2 x 4096 tokens, activation checkpointing off"
     )
@@ -409,12 +411,12 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
         "was 50% faster" in advice
     )
     # checkpointing on under ZeRO-3: still advised, as ZeRO-2 without it fits
-    assert zero2_advice(shape, dataclasses.replace(zero3, activation_checkpointing=True), roomy, 0.1, None) == advice
+    assert zero2_advice(shape, dataclasses.replace(zero3, activation_checkpointing=True), roomy, 0.1, None, engine) == advice
     between = (zero2_peak + zero3_peak) / 2 / 0.9  # ZeRO-3 fits, ZeRO-2 does not
     assert plan.estimate(shape, zero3).fits(between, 0.1) and not plan.estimate(shape, zero2).fits(between, 0.1)
-    assert zero2_advice(shape, zero3, between, 0.1, None) is None
-    assert zero2_advice(shape, dataclasses.replace(zero3, offload_optimizer=True), roomy, 0.1, None) is None
-    assert zero2_advice(shape, zero2, roomy, 0.1, None) is None
+    assert zero2_advice(shape, zero3, between, 0.1, None, engine) is None
+    assert zero2_advice(shape, dataclasses.replace(zero3, offload_optimizer=True), roomy, 0.1, None, engine) is None
+    assert zero2_advice(shape, zero2, roomy, 0.1, None, engine) is None
     # at start: the demo under ZeRO-3 with a GPU to plan for; the nearest measurement is one GPU's
     _, _, training_args, model_args = demo_args(
         tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "1"
@@ -448,7 +450,7 @@ def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
     )  # fmt: skip
     training_args.use_liger_kernel = True  # what `auto` gives on a GPU with liger-kernel installed
     assert "use_liger_kernel" in training_args.auto_settings
-    resolved = preflight(training_args, model_args)
+    resolved = preflight(training_args, model_args).training_args
     assert resolved.use_liger_kernel is False
     shape = shapes.load_shape(str(model))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)

@@ -1,52 +1,33 @@
-"""DeepSpeed, the engine that shards and steps the model: everything sft asks of it, behind one narrow interface.
+"""DeepSpeed's configuration: the `--deepspeed` JSON checked and resolved once, and what the plan decides written in.
 
 - `prepare_config`: the `--deepspeed` JSON checked (exists, is an object, no DeepCompile: refused with what was
-  measured) and sft's own `"auto"` values resolved
-  (`unresolved_config` gives them back as `"auto"` when the plan changes what they depend on);
-  `check_agrees`: after transformers has filled its `"auto"` values, a DeepSpeed value that contradicts a training
-  argument is an error naming both.
+  measured) and sft's own `"auto"` values resolved (`unresolved_config` gives them back as `"auto"` when the plan
+  changes what they depend on); `check_agrees`: after transformers has filled its `"auto"` values, a DeepSpeed value
+  that contradicts a training argument is an error naming both.
 - `zero_setup`: the ZeRO stage and what is offloaded (for the memory plan and the model build).
-- `prepare_model_build`: DeepSpeed's process group before a ZeRO-3 model is built inside `zero.Init`;
-  `outside_zero_init`: a model built normally (the planner's meta-device shapes) while a ZeRO-3 config is live.
-- `universal_load_config` / `convert_for_resume` / `universal_load`: a ZeRO checkpoint of another process count
-  loaded as a universal checkpoint, converted once with DeepSpeed's own `ds_to_universal` (sequence-parallel ones
-  included); `place_optimizer_state` mends the load.
-- `lora_state_from_checkpoint`: LoRA weights rebuilt from ZeRO shards with DeepSpeed's `zero_to_fp32`.
+- `offload_auto` / `place_offload`, `fill_buckets`, `universal_load_config`: the plan's decisions written into the
+  config (ZeRO's offload devices, bucket sizes for narrow models, a universal-checkpoint load).
 - `ZERO3_MEASURED` / `zero3_cost`: what ZeRO-3 cost against ZeRO-2 in sft's own benchmarks, for the advice at start
   when the plan shows ZeRO-2 fits.
-- `hooks_outside_compile`: ZeRO-3's module hooks kept out of the compiled decoder layers (run eagerly between the
-  compiled pieces), as DeepSpeed's own `engine.compile` keeps its NVTX wrappers out.
-
-A second engine (FSDP2) would be a sibling module with the same functions; the planner, preflight, the model build,
-resume and merge call these, never DeepSpeed's config or modules directly.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import copy
+import functools
 import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from sft.engines.base import Sharding
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ZeroSetup:
-    """The ZeRO stage (None: no DeepSpeed) and what is offloaded to the CPU."""
-
-    stage: int | None = None
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    offload_ratio: float = 1.0  # ZeRO-3 optimizer offload: the share of the states on the CPU
+ZeroSetup = Sharding  # the ZeRO stage (None: no DeepSpeed) and what is offloaded to the CPU
 
 
 @dataclass(frozen=True)
@@ -110,7 +91,7 @@ def _check_file(path: str) -> Path:
             "to your own DeepSpeed JSON."
         )
     try:
-        config = json.loads(ds_path.read_text())
+        config = _parsed(ds_path)
     except json.JSONDecodeError as e:
         raise ConfigError(
             f"`deepspeed`: {path} is not valid JSON ({e}). Fix the file or pick one of ds_configs/."
@@ -120,9 +101,21 @@ def _check_file(path: str) -> Path:
     return ds_path
 
 
+@functools.lru_cache(maxsize=8)
+def _parse_file(path: str, mtime_ns: int, size: int) -> dict:
+    """A DeepSpeed JSON file parsed, once per process for each version of the file (the cache key)."""
+    return json.loads(Path(path).read_text())
+
+
+def _parsed(path: str | Path) -> dict:
+    stat = Path(path).stat()
+    return _parse_file(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
 def read_config(deepspeed: str | dict) -> dict:
-    """A fresh copy of the DeepSpeed config, whether `deepspeed` is a JSON path or an already-loaded dict."""
-    return copy.deepcopy(deepspeed) if isinstance(deepspeed, dict) else json.loads(Path(deepspeed).read_text())
+    """A fresh copy of the DeepSpeed config, whether `deepspeed` is a JSON path (parsed once, `_parse_file`) or an
+    already-loaded dict."""
+    return copy.deepcopy(deepspeed if isinstance(deepspeed, dict) else _parsed(deepspeed))
 
 
 def prepare_config(
@@ -166,9 +159,9 @@ def prepare_config(
             '(measured on GPUs, benchmarks/results/sp_gradients). Set it to "auto" or false.'
         )
     if ep > 1 or config.get("expert_parallel") is not None:
-        from sft import expert_parallel
+        from sft.engines.deepspeed import autoep
 
-        deepspeed = expert_parallel.prepare_config(config, ep, where)
+        deepspeed = autoep.prepare_config(config, ep, where)
     if value is None or isinstance(value, bool):
         return deepspeed, {}
     if value != "auto":
@@ -310,227 +303,8 @@ def zero_setup(training_args) -> ZeroSetup:
     return ZeroSetup(int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param"), ratio)
 
 
-def prepare_model_build(training_args) -> bool:
-    """Before the model is built: under ZeRO-3 or sequence parallelism start DeepSpeed's process group, which
-    `zero.Init` and the Ulysses groups need (on CPU it must be gloo: without it `zero.Init` starts one itself and
-    fails with a batch-size/world-size mismatch). Returns whether the model is built partitioned (inside
-    `zero.Init`)."""
-    stage3 = zero_setup(training_args).stage == 3
-    if not stage3 and training_args.parallel.sp == 1:
-        return False
-    import deepspeed
-
-    logger.info(
-        "Starting DeepSpeed's process group, then building the model%s%s",
-        " inside deepspeed.zero.Init (ZeRO-3 partitions the weights as they are made)" if stage3 else "",
-        ""
-        if torch.cuda.is_available()
-        else "; a first run on a machine compiles DeepSpeed's CPU communication op (about 30 s)",
-    )
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return stage3
-
-
-def hooks_outside_compile(layers) -> int:
-    """Under ZeRO-3 with compiled decoder layers: every ZeRO-3 forward hook inside `layers` (gather before, release
-    and the backward hooks after each submodule) runs eagerly, outside torch.compile; the number of hooks wrapped.
-
-    Traced, these hooks are Python bookkeeping keyed on each module (its `ds_id`, type, the stack depth): dynamo
-    recompiles them per module until its recompile limit (measured on the demo: 1,012 recompile lines in 3 steps) and
-    failed on the GPU inside Liger's SwiGLU (`benchmarks/results/fp8/call3_zero3`). Eager, each hook is one graph
-    break, and the compiled pieces between them hold the elementwise work (norms, RoPE, float8 casts).
-    """
-    import deepspeed.utils.nvtx
-
-    deepspeed.utils.nvtx.enable_nvtx = False  # what `DeepSpeedEngine.compile` does: its wrapper breaks graphs
-    wrapped = 0
-    for layer in layers:
-        for module in layer.modules():
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                for key, hook in list(hooks.items()):
-                    if not getattr(hook, "_sft_eager", False):
-                        eager = torch.compiler.disable(hook)
-                        eager._sft_eager = True
-                        hooks[key] = eager
-                        wrapped += 1
-    return wrapped
-
-
-def gradient_divisor(training_args) -> int:
-    """What DeepSpeed divides the sum of all ranks' gradients by under sequence parallelism.
-
-    ZeRO-1/2 (`stage_1_and_2.py`) and ZeRO-3's contiguous-bucket path (`__avg_scatter_contiguous_grads`) divide by
-    `world / sequence_parallel_size`, the data-parallel size. ZeRO-3's reduce-scatter path (`__avg_scatter_grads`,
-    taken whenever `reduce_scatter` is on, its default) averages over the whole partition group, the world size,
-    without that correction: measured on the demo, the same step's grad norm is half (sp = 2) of ZeRO-2's.
-    """
-    dims = training_args.parallel
-    zero = read_config(training_args.deepspeed).get("zero_optimization", {}) if training_args.deepspeed else {}
-    if zero_setup(training_args).stage == 3 and zero.get("reduce_scatter", True):
-        return dims.world_size
-    return dims.dp
-
-
-@contextlib.contextmanager
-def outside_zero_init():
-    """Build a model normally even while a ZeRO-3 config is live (transformers would build it inside `zero.Init`):
-    the memory planner builds its shapes on the meta device."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    live = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = live
-
-
-def ensure_universal(checkpoint: str) -> None:
-    """Convert a ZeRO checkpoint with DeepSpeed's `ds_to_universal` (once; the result stays beside the original)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    ckpt = Path(checkpoint)
-    if (ckpt / "latest_universal").is_file():
-        return
-    tag = (ckpt / "latest").read_text().strip()
-    args = argparse.Namespace(  # the options of `python -m deepspeed.checkpoint.ds_to_universal`
-        input_folder=str(ckpt / tag),
-        output_folder=str(ckpt / f"{tag}_universal"),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # plain (non-Megatron) DeepSpeed clients do not write the universal info
-    )
-    logger.info("Converting %s to a universal checkpoint for a different number of processes", ckpt / tag)
-    with _sequence_parallel_topology():
-        ds_to_universal.main(args)
-
-
-@contextlib.contextmanager
-def _sequence_parallel_topology():
-    """Read a sequence-parallel checkpoint's topology from its files. DeepSpeed's Ulysses groups stand in for
-    model-parallel ones (`parallel_state_sp`: get_model_parallel_world_size = the sp size), so the checkpoint of an
-    sp=2 run records tensor-parallel degree 2 next to its one model-state file, and `ds_to_universal` stops:
-    "Checkpoint model-state file count 1 does not match pp_degree=1 * tp_degree=2". Its weights are whole and its ZeRO
-    files are one per rank of the partition group, which is what DeepSpeed's reading without the recorded degrees
-    finds. A real tensor-parallel checkpoint (one model-state file per tp rank) is read as recorded."""
-    from deepspeed.checkpoint import deepspeed_checkpoint
-    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
-
-    recorded = deepspeed_checkpoint.get_model_3d_descriptor_from_metadata
-
-    def topology(file_list, zero_file_list, model_state_metadata):
-        dims = [m.get(CHECKPOINT_PARALLEL_DIMS) or {} for _, m in model_state_metadata]
-        if len(model_state_metadata) == 1 and dims[0].get(CHECKPOINT_TP_DEGREE, 1) > 1:
-            model_state_metadata = [
-                (f, {k: v for k, v in m.items() if k != CHECKPOINT_PARALLEL_DIMS}) for f, m in model_state_metadata
-            ]
-        return recorded(file_list, zero_file_list, model_state_metadata)
-
-    deepspeed_checkpoint.get_model_3d_descriptor_from_metadata = topology
-    try:
-        yield
-    finally:
-        deepspeed_checkpoint.get_model_3d_descriptor_from_metadata = recorded
-
-
 def universal_load_config(deepspeed: str | dict) -> dict:
     """The run's DeepSpeed config set to load its checkpoint as a universal one (written by another process count)."""
     config = read_config(deepspeed)
     config.setdefault("checkpoint", {})["load_universal"] = True
     return config
-
-
-def loads_universal(training_args) -> bool:
-    return bool(
-        training_args.deepspeed and read_config(training_args.deepspeed).get("checkpoint", {}).get("load_universal")
-    )
-
-
-def convert_for_resume(training_args, checkpoint: str) -> None:
-    """If the run loads a universal checkpoint, convert `checkpoint` on the main process while the others wait."""
-    if not loads_universal(training_args):
-        return
-    with training_args.main_process_first(desc="universal checkpoint conversion"):
-        if training_args.process_index == 0:
-            ensure_universal(checkpoint)
-
-
-@contextlib.contextmanager
-def universal_load(training_args):
-    """Around the checkpoint load of a sequence-parallel run that loads a universal checkpoint: DeepSpeed's loader
-    asks its model-parallel unit for the tensor-parallel size, which the Ulysses unit (`parallel_state_sp`) does not
-    have ("AttributeError: ... has no attribute 'get_tensor_model_parallel_world_size'"). Under SP the weights are
-    whole on every rank, so the answer is 1 (each rank loads the full parameters, then its ZeRO partition)."""
-    if training_args.parallel.sp == 1 or not loads_universal(training_args):
-        yield
-        return
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    if hasattr(parallel_state_sp, "get_tensor_model_parallel_world_size"):  # a DeepSpeed that has it
-        yield
-        return
-    parallel_state_sp.get_tensor_model_parallel_world_size = lambda: 1
-    try:
-        yield
-    finally:
-        del parallel_state_sp.get_tensor_model_parallel_world_size
-
-
-def lora_state_from_checkpoint(checkpoint: Path) -> dict:
-    """A LoRA adapter's weights from a DeepSpeed checkpoint (e.g. ZeRO-3 without 16-bit gathering at save), keyed as
-    PEFT saves them; ConfigError if it holds none."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
-    lora = {k: v for k, v in state.items() if "lora_" in k}
-    if not lora:
-        raise ConfigError(f"--adapter {checkpoint}: the DeepSpeed checkpoint holds no LoRA weights (no `lora_` keys).")
-    # PEFT saves keys without the adapter name: base_model.model.<...>.lora_A.weight
-    return {k.replace(".default.", "."): v for k, v in lora.items()}
-
-
-def base_optimizer(engine) -> torch.optim.Optimizer | None:
-    """The optimizer that steps the fp32 weights: DeepSpeed's ZeRO/bf16 wrappers hold it as `.optimizer`."""
-    wrapped = getattr(engine, "optimizer", None)
-    inner = getattr(wrapped, "optimizer", wrapped)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
-def place_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
-    """Put every optimizer-state tensor where the optimizer expects it; returns how many were moved.
-
-    DeepSpeed's universal-checkpoint loaders (`BaseOptimizer.load_hp_checkpoint_state_from_checkpoint_dir` for
-    ZeRO-1/2, `DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) assign the state
-    read from disk straight into `optimizer.state`, and `ds_to_universal` wrote it from shards loaded with
-    `map_location="cpu"`: the `step` counters stay on the CPU. torch's own `Optimizer.load_state_dict`, which a normal
-    ZeRO load goes through, would have applied torch's placement rule
-    (`Optimizer._process_value_according_to_param_policy`), and without it the first step of a fused or capturable
-    AdamW fails ("state_steps is on cpu, different from other tensors on cuda:0"). This applies that rule: for a fused
-    or capturable group, `step` as float32 on the parameter's device; otherwise `step` as it is (torch keeps it on the
-    CPU); every other floating tensor in the parameter's dtype and device. ZeRO-3 keeps its optimizer's `params` lists
-    empty between steps, so a parameter in no group takes the optimizer's defaults. Integer steps (DeepSpeed's CPU
-    Adam) are left alone.
-    """
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    moved = 0
-    for param, state in optimizer.state.items():
-        if not isinstance(param, torch.Tensor):
-            continue
-        group = groups.get(id(param), optimizer.defaults)
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if key == "step":
-                if not (group.get("fused") or group.get("capturable")):
-                    continue
-                placed = value.to(dtype=torch.float32, device=param.device)
-            elif value.is_floating_point() and param.is_floating_point():
-                placed = value.to(dtype=param.dtype, device=param.device)
-            else:
-                placed = value.to(device=param.device)
-            if placed is not value:
-                state[key] = placed
-                moved += 1
-    return moved

@@ -1,0 +1,123 @@
+"""DeepSpeed's ZeRO around the model: the process group and `zero.Init` before the build, a model loaded whole then
+partitioned, ZeRO-3's hooks kept out of compiled layers, the gradient divisor, and DeepSpeed's memory equations for the
+plan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_model_build(stage3: bool, sp: int) -> bool:
+    """Before the model is built: under ZeRO-3 or sequence parallelism start DeepSpeed's process group, which
+    `zero.Init` and the Ulysses groups need (on CPU it must be gloo: without it `zero.Init` starts one itself and
+    fails with a batch-size/world-size mismatch). Returns whether the model is built partitioned (inside
+    `zero.Init`)."""
+    if not stage3 and sp == 1:
+        return False
+    import deepspeed
+
+    logger.info(
+        "Starting DeepSpeed's process group, then building the model%s%s",
+        " inside deepspeed.zero.Init (ZeRO-3 partitions the weights as they are made)" if stage3 else "",
+        ""
+        if torch.cuda.is_available()
+        else "; a first run on a machine compiles DeepSpeed's CPU communication op (about 30 s)",
+    )
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return stage3
+
+
+def hooks_outside_compile(layers) -> int:
+    """Under ZeRO-3 with compiled decoder layers: every ZeRO-3 forward hook inside `layers` (gather before, release
+    and the backward hooks after each submodule) runs eagerly, outside torch.compile; the number of hooks wrapped.
+
+    Traced, these hooks are Python bookkeeping keyed on each module (its `ds_id`, type, the stack depth): dynamo
+    recompiles them per module until its recompile limit (measured on the demo: 1,012 recompile lines in 3 steps) and
+    failed on the GPU inside Liger's SwiGLU (`benchmarks/results/fp8/call3_zero3`). Eager, each hook is one graph
+    break, and the compiled pieces between them hold the elementwise work (norms, RoPE, float8 casts).
+    """
+    import deepspeed.utils.nvtx
+
+    deepspeed.utils.nvtx.enable_nvtx = False  # what `DeepSpeedEngine.compile` does: its wrapper breaks graphs
+    wrapped = 0
+    for layer in layers:
+        for module in layer.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if not getattr(hook, "_sft_eager", False):
+                        eager = torch.compiler.disable(hook)
+                        eager._sft_eager = True
+                        hooks[key] = eager
+                        wrapped += 1
+    return wrapped
+
+
+def gradient_divisor(config: dict | None, stage: int | None, dims) -> int:
+    """What DeepSpeed divides the sum of all ranks' gradients by under sequence parallelism.
+
+    ZeRO-1/2 (`stage_1_and_2.py`) and ZeRO-3's contiguous-bucket path (`__avg_scatter_contiguous_grads`) divide by
+    `world / sequence_parallel_size`, the data-parallel size. ZeRO-3's reduce-scatter path (`__avg_scatter_grads`,
+    taken whenever `reduce_scatter` is on, its default) averages over the whole partition group, the world size,
+    without that correction: measured on the demo, the same step's grad norm is half (sp = 2) of ZeRO-2's.
+    """
+    zero = (config or {}).get("zero_optimization", {})
+    if stage == 3 and zero.get("reduce_scatter", True):
+        return dims.world_size
+    return dims.dp
+
+
+@contextlib.contextmanager
+def outside_zero_init():
+    """Build a model normally even while a ZeRO-3 config is live (transformers would build it inside `zero.Init`):
+    the memory planner builds its shapes on the meta device."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = live
+
+
+def partition(model: torch.nn.Module) -> None:
+    """Under ZeRO-3, a model loaded in host memory (`sft.model.quantization.loading`) partitioned now, one weight at a
+    time, as if it had been built inside `deepspeed.zero.Init`. Without this DeepSpeed's engine, finding no parameter
+    ZeRO has seen, moves the whole model to the GPU first (`module.to(device)`; measured: 20.55 GiB per GPU at 40
+    layers of 70B width on 2 GPUs, benchmarks/results/qlora_70b_2gpu/run_40_fit_2x24_2gpu.log)."""
+    import deepspeed
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    # mem_efficient_linear off: with `module` given, zero.Init would patch torch's linear for good
+    deepspeed.zero.Init(module=model, config_dict_or_path=deepspeed_config(), mem_efficient_linear=False)
+
+
+def model_states(
+    params: float,
+    largest_module: int,
+    per_node: int,
+    nodes: int,
+    stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> tuple[float, float] | None:
+    """DeepSpeed's own equations for the model states of `params` trainable parameters: (GPU, CPU) bytes per process
+    for ZeRO-2 and ZeRO-3; None for other stages (the plan's own terms)."""
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            params, largest_module, per_node, nodes, offload_optimizer, offload_params
+        )
+        return gpu, cpu
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, per_node, nodes, offload_optimizer)
+        return gpu, cpu
+    return None
