@@ -9,8 +9,9 @@ What TRL does not do, and this module does:
   tokenisation, or silently trains on a broken turn);
 - carves the eval split with the run's seed, so every rank gets the same split.
 
-All of it runs on the main process first while the other ranks wait (TRL's `global_then_local_main_first`), and the
-others then read the `datasets` cache that the main process wrote.
+All of it runs on the main process first while the other ranks wait (TRL's `global_then_local_main_first`, through
+`sft.distributed.main_first_together`: an error on one rank stops every rank with it), and the others then read the
+`datasets` cache that the main process wrote.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 import datasets
 from trl import ScriptArguments
 from trl.scripts.utils import DatasetConfig
-from trl.trainer.utils import global_then_local_main_first
 
 from sft.config import DataArguments, TrainConfig
+from sft.distributed import main_first_together
 from sft.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -327,7 +328,7 @@ def load_datasets(
         ]
     streaming = data_args.streaming or script_args.dataset_streaming
     only = bool(training_args.assistant_only_loss)
-    with global_then_local_main_first():
+    with main_first_together():  # an error on one rank stops every rank with it
         train = mix([prepare_source(s, text_field, streaming, only) for s in sources], sources, training_args.seed)
         eval_set = None
         if eval_sources:

@@ -12,6 +12,7 @@ the initialised group instead of creating their own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -20,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from sft.errors import ConfigError
+from sft.errors import ConfigError, SFTError
 
 # What a launcher gives each process; a process started without one (`python sft/train.py`, `sft train` without
 # `--nproc-per-node`) gets the values of a one-process launch, as accelerate gives a lone process
@@ -38,6 +39,14 @@ def lone_process_environment() -> dict[str, str]:
         port = s.getsockname()[1]
     values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": str(port)}  # fmt: skip
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        # what accelerate sets on a CPU (a thread per physical core), said once here instead of in a UserWarning each
+        # time the training arguments are built (twice in a run: parsed, then planned)
+        import psutil
+
+        threads = max(psutil.cpu_count(logical=False) or 1, 1)
+        torch.set_num_threads(threads)
+        values["OMP_NUM_THREADS"] = str(threads)
     os.environ.update(values)
     return values
 
@@ -98,6 +107,40 @@ def timeout_seconds() -> int:
 
 
 PER_RANK_FIELDS = {"local_rank", "logging_dir", "disable_tqdm"}  # disable_tqdm: sft.logs, by terminal
+
+
+@contextlib.contextmanager
+def main_first_together():
+    """TRL's main-process-first (globally, then on each node) around work that checks the user's input, where an sft
+    error found on one rank stops every rank with that error.
+
+    The main process works first while the others wait in a barrier; an error that ended it there left the others in
+    that barrier until gloo's "Connection closed by peer" ended them with a traceback. Here the error is held until
+    every rank has had its turn, then shared (`raise_shared`), so each rank stops with the one paragraph.
+    """
+    from trl.trainer.utils import global_then_local_main_first
+
+    failure = None
+    with global_then_local_main_first():
+        try:
+            yield
+        except SFTError as e:
+            failure = e
+    raise_shared(failure)
+
+
+def raise_shared(failure: SFTError | None) -> None:
+    """Every rank: if any rank has a failure, raise the first rank's (a collective: every rank must call it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if failure is None else str(failure))
+    first = next((message for message in everyone if message is not None), None)
+    if first is None:
+        return
+    raise failure if failure is not None and str(failure) == first else type(failure or SFTError)(first)
 
 
 def check_ranks_agree(fingerprint: dict, *arguments) -> None:

@@ -36,6 +36,8 @@ HARMLESS_WARNINGS = (
     # torch's barrier, called by accelerate and DeepSpeed in a group made without `device_id` (one process without a
     # launcher, measured on 1 x H200: benchmarks/results/one_process): it uses the current GPU, the one sft set
     (UserWarning, r"barrier\(\): using the device under current context"),
+    # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model (every LoRA run)
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
 )
 # messages of other libraries that are harmless, with tracebacks, printed at WARNING: (logger, message start) dropped
 # by a filter on that logger (measured on the GPU machine, benchmarks/results/fp8/call4_8b_2gpu: 7,292 log lines for a

@@ -58,10 +58,10 @@ class ParallelDims:
         """The dimensions of `world_size` processes with `sp` sequence-parallel ranks (data parallelism fills the
         rest); a ConfigError names the values when `sp` does not divide the world size."""
         if not isinstance(sp, int) or sp < 1:
-            raise ConfigError(f"Parallel size `sp` must be a whole number >= 1, got {sp!r}.")
+            raise ConfigError(f"`sequence_parallel_size` must be a whole number >= 1, got {sp!r}.")
         if world_size % sp:
             raise ConfigError(
-                f"Sequence-parallel size {sp} does not divide the {world_size} processes of this run. Use one of "
+                f"`sequence_parallel_size: {sp}` does not divide the {world_size} processes of this run. Use one of "
                 f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}, or launch a multiple of {sp} "
                 "processes."
             )

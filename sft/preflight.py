@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 
 import torch
 
@@ -106,6 +107,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     dims, engine = training_args.parallel, training_args.engine
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
+    check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
     micro, tools, sp, sentence, ratio = _plan_memory(
         training_args, model_args, target, kernels["FP8"].on, kernels["Liger"].on, retry.micro_cap if retry else None,
@@ -154,6 +156,25 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     for line in buckets:
         logger.info("%s", line)
     return plan
+
+
+def check_lora_parameters(model_args, model_config, trust_remote_code: bool = False) -> None:
+    """`lora_target_parameters` must each name parameters of the model, as PEFT matches them (a parameter's name, or
+    its end after a dot): PEFT only warns when none matches and trains an adapter that is not what was asked for."""
+    targets = list(model_args.lora_target_parameters or []) if model_args.use_peft else []
+    if not targets:
+        return
+    names = shapes.parameter_names(model_config, trust_remote_code)
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not missing:
+        return
+    # the model's parameters with layer numbers taken out, as a target would name them
+    kinds = sorted({re.sub(r"^.*?\.\d+\.", "", n) for n in names})
+    raise ConfigError(
+        f"`lora_target_parameters`: {', '.join(missing)} matches no parameter of {model_args.model_name_or_path} "
+        f"({model_config.model_type}), so PEFT would train an adapter without it. Its parameters (per layer): "
+        f"{', '.join(kinds)}. Name some of those, or use `lora_target_modules` for its linear layers."
+    )
 
 
 def _target(training_args, resume: Resume | None, retry) -> int | None:

@@ -162,3 +162,15 @@ def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=No
         mlp_kept=arch.mlp_kept,
         param_sizes=tuple(unique.values()),
     )
+
+
+def parameter_names(config, trust_remote_code: bool = False) -> list[str]:
+    """The names of a model's parameters, from a model built on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sft.engines import outside_sharded_init
+
+    with outside_sharded_init(), torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return [name for name, _ in built.named_parameters()]

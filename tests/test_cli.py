@@ -171,13 +171,20 @@ def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
     would otherwise look for MPI); a launcher's variables, even some of them, are never changed."""
     import socket
 
+    import psutil
+    import torch
+
     from sft.distributed import LAUNCH_VARIABLES, lone_process_environment
 
-    for name in LAUNCH_VARIABLES:  # set, then removed: monkeypatch puts back what was there (nothing) afterwards
+    threads = torch.get_num_threads()
+    for name in (*LAUNCH_VARIABLES, "OMP_NUM_THREADS"):  # set, then removed: monkeypatch puts back what was there
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     values = lone_process_environment()
-    expected = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    torch.set_num_threads(threads)
+    expected = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                # on a CPU, accelerate's thread count (a thread per physical core), set before it warns about it
+                "OMP_NUM_THREADS": str(psutil.cpu_count(logical=False))}  # fmt: skip
     assert {k: v for k, v in values.items() if k != "MASTER_PORT"} == expected
     with socket.socket() as s:  # the port is free to take
         s.bind(("127.0.0.1", int(values["MASTER_PORT"])))

@@ -39,7 +39,7 @@ def test_recipe_parses(recipe, tmp_path, monkeypatch):
     args = ["--config", str(recipe), "--output_dir", str(tmp_path)]
     sp = yaml.safe_load(recipe.read_text()).get("sequence_parallel_size", 1)
     if sp != 1 and sp != "auto":  # a recipe for a launch of several processes: this test is one
-        with pytest.raises(ConfigError, match=f"Sequence-parallel size {sp} does not divide the 1 processes"):
+        with pytest.raises(ConfigError, match=f"`sequence_parallel_size: {sp}` does not divide the 1 processes"):
             parse_args(args)
         args += ["--sequence_parallel_size", "1"]
     _, data_args, training_args, model_args = parse_args(args)

@@ -28,7 +28,7 @@ def test_the_product_must_be_the_world_size():
     assert "data-parallel 3 x sequence-parallel 2 = 6, but the run has 8 processes" in str(e.value)
     with pytest.raises(ConfigError) as e:
         ParallelDims.build(6, sp=4)
-    assert "Sequence-parallel size 4 does not divide the 6 processes" in str(e.value) and "[1, 2, 3, 6]" in str(
+    assert "`sequence_parallel_size: 4` does not divide the 6 processes" in str(e.value) and "[1, 2, 3, 6]" in str(
         e.value
     )
     with pytest.raises(ConfigError, match="`sp` must be a whole number >= 1, got 0"):

@@ -411,7 +411,8 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
         "was 50% faster" in advice
     )
     # checkpointing on under ZeRO-3: still advised, as ZeRO-2 without it fits
-    assert zero2_advice(shape, dataclasses.replace(zero3, activation_checkpointing=True), roomy, 0.1, None, engine) == advice
+    checkpointed = dataclasses.replace(zero3, activation_checkpointing=True)
+    assert zero2_advice(shape, checkpointed, roomy, 0.1, None, engine) == advice
     between = (zero2_peak + zero3_peak) / 2 / 0.9  # ZeRO-3 fits, ZeRO-2 does not
     assert plan.estimate(shape, zero3).fits(between, 0.1) and not plan.estimate(shape, zero2).fits(between, 0.1)
     assert zero2_advice(shape, zero3, between, 0.1, None, engine) is None

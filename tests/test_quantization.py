@@ -78,3 +78,20 @@ def test_qlora_on_a_mixture_of_experts_is_refused_and_parameter_adapters_need_no
         args(tmp_path, *moe, *experts, "--lora_dropout", "0.05")
     _, _, _, model_args = args(tmp_path, *moe, *experts, "--lora_dropout", "0")
     assert model_args.lora_target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_lora_target_parameters_that_match_nothing_are_refused_with_the_models_parameters(tmp_path):
+    """PEFT only warns when `lora_target_parameters` matches no parameter and then trains an adapter without it: sft
+    refuses before the model loads, naming the target, the model's parameters per layer and the fix. On a MoE whose
+    experts are 3-D parameters the same targets are what PEFT adapts, and the plan takes them."""
+    from tests.test_architectures import config_of
+
+    experts = ("--lora_target_parameters", "mlp.experts.gate_up_proj", "--lora_dropout", "0")
+    _, _, training_args, model_args = args(tmp_path, *experts)  # the demo: a dense Llama
+    with pytest.raises(ConfigError, match=r"`lora_target_parameters`: mlp.experts.gate_up_proj matches no parameter "
+                       r"of .*demo/model \(llama\).* Its parameters \(per layer\): .*mlp.gate_proj.weight.*"
+                       r"self_attn.q_proj.weight.*`lora_target_modules`"):  # fmt: skip
+        preflight(training_args, model_args)
+    config_of("qwen3_moe").save_pretrained(tmp_path / "moe")
+    _, _, training_args, model_args = args(tmp_path, "--model_name_or_path", str(tmp_path / "moe"), *experts)
+    assert preflight(training_args, model_args).lora

@@ -209,3 +209,29 @@ def test_the_run_ends_with_its_report_and_data_figures(zero_runs, tmp_path):
     assert sorted(overlay["grad_norm"]) == sorted(names)
     assert overlay["grad_norm"][names[1]][1] == [r["grad_norm"] for r in read_jsonl(zero_runs[3] / "metrics.jsonl")
                                                  if "loss" in r]  # fmt: skip
+
+
+def test_a_bad_record_found_by_one_rank_stops_every_rank_with_its_paragraph(tmp_path):
+    """Under torchrun with 2 processes the main process checks the data first while rank 1 waits in a barrier; a bad
+    record it finds stops both ranks with exit code 2 and the one paragraph, and no rank prints a traceback (before,
+    rank 1 waited until gloo's "Connection closed by peer" ended it with one; `sft.distributed.main_first_together`).
+    """
+    import json
+
+    import yaml
+
+    demo_data = ROOT / "recipes" / "demo" / "data" / "train.jsonl"
+    records = [json.loads(line) for line in demo_data.read_text().splitlines()[:200]]
+    records.insert(150, {"messages": "repeat: abc"})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
+    recipe.update(output_dir=str(tmp_path / "out"), datasets=[{"path": str(data)}], eval_datasets=[])
+    recipe["eval_strategy"] = "no"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = run_cli(["--config", str(path)], nproc=2, tmp_path=tmp_path, timeout=300)
+    assert result.returncode != 0
+    assert f"sft: error: {data}: record 150: `messages` must be a list of turns, got str" in result.stderr
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("exitcode  : 2 ") == 2, result.stderr[-3000:]  # torchrun's summary: both ranks, 2
