@@ -10,9 +10,9 @@ For every family of the model matrix, at real widths (hidden >= 2048, `--layers`
    time through transformers' `eager` attention: max per-token loss difference in bf16 (Llama's is bf16's own noise);
 2. **fast paths**: a few optimizer steps (AdamW, packed rows of 4096 tokens, the same data for every variant) of
    `plain` (bf16, sft's attention, nothing else), `liger` (Liger's patches for the family, as transformers applies
-   them), `fp8` (torchao float8 on the decoder linears, `sft.fp8.convert`) and `liger_fp8`; with `--compile` also
+   them), `fp8` (torchao float8 on the decoder linears, `sft.model.fp8.convert`) and `liger_fp8`; with `--compile` also
    each of those with compiled decoder layers. Per variant: grad norms finite, per-step loss against `plain`, tokens/s
-   after the first steps, MFU on active parameters (`sft.architectures`), peak memory.
+   after the first steps, MFU on active parameters (`sft.model.architectures`), peak memory.
 
 Parts 1 and 2 run in-process (no launcher, no DeepSpeed: their cost is the same for every family and measured
 elsewhere); the kernels are the ones sft's trainer applies. With `--cli`, instead:
@@ -144,8 +144,8 @@ def build(config, device, dtype):
 
 def exactness(name: str, config, device, dtype) -> dict:
     """Packed through sft's `auto` backend vs eager one sample at a time: max per-token loss difference."""
-    from sft import architectures
-    from sft.attention import resolve_attn_implementation
+    from sft.model import architectures
+    from sft.model.attention import resolve_attn_implementation
 
     model = build(config, device, dtype).eval()
     arch = architectures.of(config)
@@ -184,10 +184,10 @@ COMPILED = {f"{k}_compiled": (liger, fp8, True) for k, (liger, fp8, _) in VARIAN
 
 
 def train(name: str, config, variant: str, device, dtype, steps: int, tokens: int, peak: float) -> dict:
-    from sft import architectures, fp8
-    from sft.attention import resolve_attn_implementation
-    from sft.converters import compile_decoder_layers
-    from sft.flops import FlopCounter
+    from sft.model import architectures, fp8
+    from sft.model.attention import resolve_attn_implementation
+    from sft.model.converters import compile_decoder_layers
+    from sft.model.flops import FlopCounter
 
     liger, fp8_on, compiled = {**VARIANTS, **COMPILED}[variant]
     model = build(config, device, dtype)
@@ -290,7 +290,7 @@ def cli_runs(args, work: Path, results: dict) -> None:
         lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()] if (
             work / name / "metrics.jsonl").exists() else []  # fmt: skip
         steps = [r for r in lines if "loss" in r and "grad_norm" in r]
-        said = [x.split(": ", 1)[1] for x in text.splitlines() if "sft.architectures: Model:" in x
+        said = [x.split(": ", 1)[1] for x in text.splitlines() if "sft.model.architectures: Model:" in x
                 or "Attention backend:" in x]  # fmt: skip
         entry = out[name] = {
             "exit_code": rc,
@@ -327,8 +327,8 @@ def main() -> None:
     parser.add_argument("--cli", action="store_true", help="part 3 only: sft's defaults through sft/train.py")
     args = parser.parse_args()
     from benchmarks.common import environment
-    from sft.attention import register_varlen
-    from sft.flops import detect_peak_tflops
+    from sft.model.attention import register_varlen
+    from sft.model.flops import detect_peak_tflops
 
     register_varlen()
     device = "cpu" if args.tiny else "cuda"

@@ -108,7 +108,7 @@ def agreement(seq: int, heads: int, kv_heads: int, dim: int) -> dict:
     outputs and input gradients (bf16), as max |difference| / max |value|."""
     import torch
 
-    from sft.attention import varlen_attention_forward
+    from sft.model.attention import varlen_attention_forward
 
     torch.manual_seed(0)
     q = torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -117,7 +117,7 @@ def speed(work: Path, model: Path, data: Path, args) -> tuple[dict, str]:
 
 
 def resume(work: Path, model: Path, data: Path, args) -> tuple[dict, str]:
-    from sft.checkpoint import KILL_DURING_SAVE_ENV
+    from sft.run.checkpoint import KILL_DURING_SAVE_ENV
 
     path = recipe(work, "ep2", model, data, args, expert_parallel_size=2)
     reference = train(work, "ep2", path, 2)
@@ -172,7 +172,7 @@ def determinism(work: Path, model: Path, data: Path, args) -> tuple[dict, str]:
     """Two identical ep=2 runs with sft's defaults, then with transformers' `full_determinism` (deterministic torch
     algorithms): are they bit-identical? With full_determinism, also killed while writing checkpoint-8 and run
     again, against the uninterrupted run."""
-    from sft.checkpoint import KILL_DURING_SAVE_ENV
+    from sft.run.checkpoint import KILL_DURING_SAVE_ENV
 
     runs = {}
     for name, extra in (("default-a", {}), ("default-b", {}), ("determ-a", {"full_determinism": True})):

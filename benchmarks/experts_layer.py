@@ -5,8 +5,8 @@
 
 For each shape, the experts module of transformers' own model class at those widths (bf16 on a GPU), `--tokens`
 tokens routed by a softmax top-k of random logits, the same inputs for every implementation: transformers'
-`grouped_mm` (its default), sft's `sft_grouped` and `sft_grouped_fp8` (`sft.experts`; on the CPU and for gpt-oss's
-layout the latter runs its bf16 path), and the per-expert loop
+`grouped_mm` (its default), sft's `sft_grouped` and `sft_grouped_fp8` (`sft.model.experts`; on the CPU and for
+gpt-oss's layout the latter runs its bf16 path), and the per-expert loop
 (`eager`) as the reference. Per implementation: median milliseconds of forward + backward over `--iters` after warm-up,
 peak memory above the inputs, and the largest difference from the per-expert loop of the output and of every gradient,
 relative to that tensor's largest magnitude. Output: experts_layer.json and experts_layer.md.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment
-from sft import architectures, experts
+from sft.model import architectures, experts
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", experts.NAME, experts.NAME_FP8)
 

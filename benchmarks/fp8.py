@@ -1,4 +1,4 @@
-"""FP8 (torchao float8, `sft.fp8`) against sft's bf16 default: throughput, loss curves, resume; one script.
+"""FP8 (torchao float8, `sft.model.fp8`) against sft's bf16 default: throughput, loss curves, resume; one script.
 
     python -m benchmarks.fp8 --parts throughput --out $OUT                  # 1B and 3B shapes, 1 GPU, ZeRO-2
     python -m benchmarks.fp8 --parts 8b_2gpu --out $OUT                     # Llama-3.1-8B on 2 GPUs, ZeRO-2 and ZeRO-3
@@ -132,7 +132,7 @@ def speed_part(args, work: Path, part: str) -> None:
 
 
 def demo_data(path: Path, n: int) -> None:
-    from sft.demo import make_records
+    from sft.tools.demo import make_records
 
     train, _ = make_records(n, 0, seed=1)
     with open(path, "w") as f:
@@ -232,7 +232,8 @@ def resume_part(args, work: Path) -> None:
 
 
 def plan_rows(runs: dict) -> list[str]:
-    from sft import plan, shapes
+    from sft.model import shapes
+    from sft.plan import memory as plan
 
     rows = ["| run | micro batch | plan GiB | measured GiB | error |", "| --- | --- | --- | --- | --- |"]
     work = Path(tempfile.mkdtemp())
@@ -287,8 +288,8 @@ def report(args, dirs: list[Path]) -> None:
             f"{100 * (r['mfu'] or 0):.1f}% | {r['peak_memory_gib']:.1f} | {chosen} |"
         )
     lines += ["", "## Memory plan vs measured peak", "",
-              "`sft.plan` for each run's setting (stage, GPUs, the plan's micro batch, Liger, FP8 as run) against "
-              "`max_memory_allocated`:", ""] + plan_rows(runs)  # fmt: skip
+              "`sft.plan.memory` for each run's setting (stage, GPUs, the plan's micro batch, Liger, FP8 as run) "
+              "against `max_memory_allocated`:", ""] + plan_rows(runs)  # fmt: skip
     for d in dirs:
         for name in ("accuracy.json", "resume.json"):
             if (d / name).exists():

@@ -42,7 +42,7 @@ from benchmarks.common import (
     torchrun,
     write_results,
 )
-from sft.metrics import samples_per_step
+from sft.run.metrics import samples_per_step
 
 
 def on_gpus(n: int) -> dict:
@@ -100,7 +100,7 @@ def train(work: Path, name: str, nproc: int, model: Path, data: Path, extra: lis
     return {"name": name, "rc": rc, "seconds": round(time.time() - start, 1), "records": records, "out": str(out),
             "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log,
             "profile": json.loads(trace.read_text()) if profile and trace.exists() else None,
-            "plan": [line.split("INFO sft.preflight: ")[-1] for line in log.splitlines() if "Memory plan" in line
+            "plan": [line.split("INFO sft.plan.preflight: ")[-1] for line in log.splitlines() if "Memory plan" in line
                      or "peak per GPU" in line or "fits" in line][:3]}  # fmt: skip
 
 
@@ -168,7 +168,7 @@ def eight_b(work: Path, name: str, length: int, steps: int, profile: int = 0, mo
 def tools(work: Path, length: int) -> dict:
     """The memory tools' cost: the 1B shape on 1 GPU (ZeRO-2), rows of `length` tokens, each level of the plan's
     ladder with checkpointing forced on, 5 steps."""
-    from sft.plan import MEMORY_LEVELS
+    from sft.plan.memory import MEMORY_LEVELS
 
     result = {}
     for level in MEMORY_LEVELS[1:]:

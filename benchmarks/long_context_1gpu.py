@@ -7,11 +7,11 @@
 
 Every sft run is the real CLI (`sft/train.py`, one process) on a random-weight shape (bf16, one sample of L random
 token ids per row, global batch 1 row), `ds_configs/zero3.json` or `zero2.json` with every memory lever `auto`
-(activation checkpointing, its offload, the tiled MLP, ZeRO's optimizer and weight offload: `sft.plan` decides).
+(activation checkpointing, its offload, the tiled MLP, ZeRO's optimizer and weight offload: `sft.plan.memory` decides).
 
 - `longest`: for each `shape:cap` of `--longest` (cap: GiB the GPU is capped at with `max_gpu_memory_gib`, 0: the
-  whole GPU), the plan's longest row for this GPU and this machine's host memory (`sft.plan.longest`, ZeRO-3), then
-  sft trained at that length for `--steps` optimizer steps (3) and, with `--over` (1.1), at that factor of it with
+  whole GPU), the plan's longest row for this GPU and this machine's host memory (`sft.plan.memory.longest`, ZeRO-3),
+  then sft trained at that length for `--steps` optimizer steps (3) and, with `--over` (1.1), at that factor of it with
   the plan check off. Peak GPU memory (allocated, the metrics' `peak_memory_gib`) and peak host memory (the
   machine's MemTotal - MemAvailable above its level before the run, sampled every 0.2 s) next to the plan's lines.
   The run is stopped once its last step is logged (the final save of an 8B model is not what is measured).
@@ -56,7 +56,7 @@ def shape_config(name: str) -> dict:
     """A Llama shape of `benchmarks.common`, or `qwen3-4b` (sft's shipped Qwen3-4B config with the demo's ids)."""
     if name in LLAMA_SHAPES:
         return LLAMA_SHAPES[name]
-    from sft.shapes import shipped_config
+    from sft.model.shapes import shipped_config
 
     config = shipped_config({"qwen3-4b": "Qwen/Qwen3-4B"}[name])
     return {**config, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3, "dtype": "bfloat16"}
@@ -152,8 +152,9 @@ def sft_run(
     host_gib = host.stop()
     records = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
     text = log.read_text()
-    plan = [line.split("INFO sft.preflight: ")[-1] for line in text.splitlines() if "sft.preflight" in line and (
-        "Memory plan" in line or "auto ->" in line or "auto settings" in line)]  # fmt: skip
+    wanted = ("Memory plan", "auto ->", "auto settings")
+    plan = [line.split("INFO sft.plan.preflight: ")[-1] for line in text.splitlines()
+            if "sft.plan.preflight" in line and any(w in line for w in wanted)]  # fmt: skip
     table = text.split("Memory plan for", 1)[1].split("usable per GPU", 1)[0].splitlines()[1:] if plan else []
     tail = records[-3:]
     return {
@@ -177,7 +178,8 @@ def planned(work: Path, spec: str):
     figures)."""
     import torch
 
-    from sft import architectures, plan, shapes
+    from sft.model import architectures, shapes
+    from sft.plan import memory as plan
 
     model, cap = spec.split(":")
     cap = float(cap)

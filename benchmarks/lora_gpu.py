@@ -6,8 +6,8 @@
 
 The base is the demo model trained for 150 steps (so it is partly trained); LoRA and QLoRA then train 150 steps on
 the demo data from it with recipes/demo-lora.yaml (QLoRA: `load_in_4bit`, bf16 compute). Each adapter is merged with
-`python -m sft.merge`, and `sft eval` (`sft.evaluation`) scores the base and both merged models on `sft_demo` (exact
-match).
+`python -m sft.tools.merge`, and `sft eval` (`sft.tools.evaluation`) scores the base and both merged models on
+`sft_demo` (exact match).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def train(work: Path, out: Path) -> None:
         }  # fmt: skip
         if name != "base":
             merged = work / f"{name}-merged"
-            mrc = run([sys.executable, "-m", "sft.merge", "--adapter", str(work / name), "--output", str(merged),
+            mrc = run([sys.executable, "-m", "sft.tools.merge", "--adapter", str(work / name), "--output", str(merged),
                        "--dtype", "float32"], out / f"{name}-merge.log")  # fmt: skip
             report["runs"][name]["merge_exit_code"] = mrc
         print(name, report["runs"][name]["exit_code"], report["runs"][name]["losses"][:1],

@@ -1,19 +1,19 @@
-"""Predicted (`sft.plan`) vs measured peak GPU memory of real sft training steps; JSON + markdown out.
+"""Predicted (`sft.plan.memory`) vs measured peak GPU memory of real sft training steps; JSON + markdown out.
 
     python -m benchmarks.memory_plan --set calibration --out benchmarks/results    # measure (GPUs), then compare
     python -m benchmarks.memory_plan --report benchmarks/results/memory_plan_calibration_measured.json  # again
 
 Each group (model shape, ZeRO stage, GPU count, Liger) is one `torchrun` launch of the real trainer: the recipe goes
-through `sft.config.parse_args`, the data through `sft.data`, the model through `sft.model`, training through
-`sft.trainer.Trainer` with DeepSpeed. The run is cut into phases of a few optimizer steps; a callback switches
-activation checkpointing and the data holds micro-batches of the phase's token count (padding-free: one row of
+through `sft.config.parse_args`, the data through `sft.data.load`, the model through `sft.model.build`, training
+through `sft.run.trainer.Trainer` with DeepSpeed. The run is cut into phases of a few optimizer steps; a callback
+switches activation checkpointing and the data holds micro-batches of the phase's token count (padding-free: one row of
 micro_batch x max_length tokens), so one model build measures many settings. For every step it records
 `torch.cuda.max_memory_allocated()` over forward + backward and over DeepSpeed's optimizer step, the maximum over
 ranks. Models are built from their config (random weights): memory does not depend on the weights' values.
 
 The measured rows are written first (`memory_plan_<set>_measured.json`), then each row is compared with
-`sft.plan.estimate` for the same setting (`memory_plan_<set>.{json,md}`); `--auto-check` checks the CLI's `auto` choice
-(`memory_plan_auto.json`).
+`sft.plan.memory.estimate` for the same setting (`memory_plan_<set>.{json,md}`); `--auto-check` checks the CLI's `auto`
+choice (`memory_plan_auto.json`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from benchmarks.common import LLAMA_SHAPES, ROOT, model_dir, random_checkpoint, 
 
 SHAPES = dict(LLAMA_SHAPES)
 # (shape, zero stage, GPUs, liger, max_length, phases as (activation checkpointing, micro batch)); a phase of micro
-# batch m trains micro-batches of m x max_length tokens. `calibration` is what sft.plan's per-token allowance was
-# fitted on; `validation` was measured afterwards, with shapes, lengths and GPU counts the fit never saw.
+# batch m trains micro-batches of m x max_length tokens. `calibration` is what sft.plan.memory's per-token allowance
+# was fitted on; `validation` was measured afterwards, with shapes, lengths and GPU counts the fit never saw.
 SETS = {
     "calibration": [
         ("llama-1b", 2, 2, True, 2048, [(False, 1), (False, 2), (False, 4), (True, 1), (True, 4), (True, 8)]),
@@ -67,12 +67,12 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    from sft import logs
     from sft.config import parse_args
-    from sft.data import load_datasets
-    from sft.distributed import init_process_group
-    from sft.model import load_model, load_tokenizer
-    from sft.trainer import Trainer
+    from sft.data.load import load_datasets
+    from sft.model.build import load_model, load_tokenizer
+    from sft.parallel.distributed import init_process_group
+    from sft.run import logs
+    from sft.run.trainer import Trainer
 
     cuda = torch.cuda.is_available()  # on CPU (a smoke test of this script) every figure reads 0
     sync = torch.cuda.synchronize if cuda else lambda: None
@@ -272,7 +272,9 @@ def auto_check(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--report", type=Path, help="Compare an existing measured JSON with sft.plan, no GPU needed")
+    parser.add_argument(
+        "--report", type=Path, help="Compare an existing measured JSON with sft.plan.memory, no GPU needed"
+    )
     parser.add_argument("--auto-check", action="store_true", help="Run sft/train.py with auto micro batch/ckpt")
     parser.add_argument("--set", choices=sorted(SETS), default="validation", help="Which matrix to measure")
     parser.add_argument("--match", help="Only the groups whose name holds this, e.g. zero3_1gpu_liger1_lora_")
@@ -297,8 +299,9 @@ def main() -> None:
 
 
 def report(measured: dict, out: Path, tag: str) -> None:
-    """Compare every measured phase with sft.plan's prediction; write <tag>.json and <tag>.md."""
-    from sft import plan, shapes
+    """Compare every measured phase with sft.plan.memory's prediction; write <tag>.json and <tag>.md."""
+    from sft.model import shapes
+    from sft.plan import memory as plan
 
     rows = []
     for group in measured["groups"]:
@@ -343,7 +346,8 @@ def report(measured: dict, out: Path, tag: str) -> None:
         f"# Memory plan vs measured peak ({tag}): {measured['device']}, bf16, AdamW",
         "",
         f"Measured: `torch.cuda.max_memory_allocated()`, max over ranks and over the {measured['steps_per_phase']} "
-        "optimizer steps of each setting, through sft's trainer with DeepSpeed. Predicted: `sft.plan.estimate`. "
+        "optimizer steps of each setting, through sft's trainer with DeepSpeed. Predicted: "
+        "`sft.plan.memory.estimate`. "
         f"Versions: {measured['versions']}.",
         "",
         "| model | method | ZeRO | GPUs | Liger | act. ckpt | micro x max_length | measured GiB | predicted GiB | "

@@ -1,5 +1,5 @@
 """sft's defaults on this GPU: the micro batch the memory plan chose against the memory the run used, and what the
-out-of-memory retry did (`sft.failsafe`); JSON + markdown out.
+out-of-memory retry did (`sft.run.failsafe`); JSON + markdown out.
 
     python -m benchmarks.plan_defaults --out $OUT/plan_defaults [--cases 3b-zero2 ...] [--steps 6]
 

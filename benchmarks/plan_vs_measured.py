@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import LLAMA_SHAPES
-from sft import plan, shapes
+from sft.model import shapes
+from sft.plan import memory as plan
 
 
 def rows(path: Path) -> list[str]:

@@ -23,9 +23,9 @@ With `--shape qwen3_moe` or `gpt_oss` (Qwen3-30B-A3B's widths: 128 experts, 8 ac
 benchmarks/architectures.py) the global batch is 16 rows and the variants are MoE_VARIANTS: `trl` is what plain TRL
 runs (transformers' defaults: its grouped_mm experts, packing on sft's varlen attention, no Liger, no FP8, no
 compile, no DeepSpeed, bf16 weights, micro batch 4 x 4 accumulation), `sft` sft's defaults, and one change each (the
-experts implementation, `sft.experts`; compiled layers; FP8 expert GEMMs; DeepSpeed's fp32 master weights) to find
-which of sft's choices costs or gains what. `--shape dense:<moe>` is the dense Llama of the same widths with its MLP
-as wide as the active experts (`trl` and `sft` only): the MFU a MoE is compared against.
+experts implementation, `sft.model.experts`; compiled layers; FP8 expert GEMMs; DeepSpeed's fp32 master weights) to
+find which of sft's choices costs or gains what. `--shape dense:<moe>` is the dense Llama of the same widths with its
+MLP as wide as the active experts (`trl` and `sft` only): the MFU a MoE is compared against.
 benchmarks/results/moe_h100/ holds the runs of issue #38 (1 x H100).
 
 benchmarks/results/profile_step_1b_h100/ was run (1 x H100, `--only sft sft_nods sft_no_overlap`) while zero2.json
@@ -49,7 +49,7 @@ import yaml
 
 from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, run, torchrun
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, SETTINGS
-from sft import architectures
+from sft.model import architectures
 
 VARIANTS = {
     "sft": {"deepspeed": "ds_configs/zero2.json"},
@@ -65,14 +65,15 @@ TRL = {"deepspeed": None, "use_liger_kernel": False, "fp8": False, "compile_deco
 MOE_VARIANTS = {
     "trl": {**TRL, **HF_EXPERTS},
     "sft": {"deepspeed": "ds_configs/zero2.json"},
-    # one change each of the experts implementation (`sft.experts`): sft's defaults with transformers' own, and plain
-    # TRL's settings with sft's
+    # one change each of the experts implementation (`sft.model.experts`): sft's defaults with transformers' own, and
+    # plain TRL's settings with sft's
     "sft_hf_experts": {"deepspeed": "ds_configs/zero2.json", **HF_EXPERTS},
     "trl_sft_experts": {**TRL, "model_init_kwargs": {"experts_implementation": "sft_grouped"}},
     # sft's defaults with compiled decoder layers, and without
     "sft_compile": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": True},
     "sft_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False},
-    # sft's experts with torchao's float8 grouped GEMMs (`sft.experts.NAME_FP8`), compiled layers (the default) or not
+    # sft's experts with torchao's float8 grouped GEMMs (`sft.model.experts.NAME_FP8`), compiled layers (the default)
+    # or not
     "sft_fp8_experts": {"deepspeed": "ds_configs/zero2.json",
                         "model_init_kwargs": {"experts_implementation": "sft_grouped_fp8"}},
     "sft_fp8_experts_eager": {"deepspeed": "ds_configs/zero2.json", "compile_decoder_layers": False,
@@ -218,16 +219,16 @@ def step_profiler(step: int, out: Path):
 
 def inner(args) -> None:
     """Inside torchrun: sft's CLI (`--config` plus any further flags) with a callback that profiles one step."""
-    import sft.trainer
+    import sft.run.trainer
     from sft.train import main
 
-    init = sft.trainer.Trainer.__init__
+    init = sft.run.trainer.Trainer.__init__
 
     def patched(self, *a, **kw):
         init(self, *a, **kw)
         self.add_callback(step_profiler(args.profile_step, args.out))
 
-    sft.trainer.Trainer.__init__ = patched
+    sft.run.trainer.Trainer.__init__ = patched
     main(["--config", str(args.inner), *args.rest])
 
 

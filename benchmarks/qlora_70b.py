@@ -11,9 +11,9 @@ in memory at a time); smaller counts link its first layers. Each count trains wi
 (LoRA r=16 on all linear layers, the demo's learnable synthetic tasks packed into rows of 2048 tokens),
 `load_in_4bit` (NF4, bf16 compute), ds_configs/zero3.json, activation checkpointing, micro batch 1, and
 `max_gpu_memory_gib: 24` (every allocation past 24 GiB fails as on a 24 GB card). Recorded per run: the loss curve,
-peak allocated memory and tokens/s from metrics.jsonl, and `sft.plan`'s peak for the same setting. The plan's figure
-for the full 80 layers on 2 GPUs (`python -m sft.plan ... --gpus 2 --gpu-memory-gib 24 --suggest`) is written beside
-them. The whole 70B does not fit this machine's disk as a bf16 checkpoint (140 GB); the layer counts that do are
+peak allocated memory and tokens/s from metrics.jsonl, and `sft.plan.memory`'s peak for the same setting. The plan's
+figure for the full 80 layers on 2 GPUs (`python -m sft.plan ... --gpus 2 --gpu-memory-gib 24 --suggest`) is written
+beside them. The whole 70B does not fit this machine's disk as a bf16 checkpoint (140 GB); the layer counts that do are
 measured, and the plan's per-layer terms checked against them.
 """
 
@@ -81,7 +81,8 @@ def train_args(model: Path, out: Path, ds: Path, extra: list[str], steps: int = 
 
 
 def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dict:
-    from sft import plan, shapes
+    from sft.model import shapes
+    from sft.plan import memory as plan
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = shapes.load_shape(str(write_config(Path(tmp), config, layers)))
@@ -146,11 +147,11 @@ def write_config(work: Path, config: dict, layers: int) -> Path:
 
 
 def report(result: dict, out: Path) -> None:
-    """The table, with the plan figures of this commit's `sft.plan` (they are recomputed, not read back)."""
+    """The table, with the plan figures of this commit's `sft.plan.memory` (they are recomputed, not read back)."""
     config = LLAMA_SHAPES["llama-70b"]
     for r in result["runs"]:
         r["plan"] = planned(config, r["layers"], r.get("gpus", 1), r["variant"])
-    if "plan_80_layers_2_gpus" in result:  # the full model on 2 GPUs of 24 GiB, as `sft.plan` answers today
+    if "plan_80_layers_2_gpus" in result:  # the full model on 2 GPUs of 24 GiB, as `sft.plan.memory` answers today
         with tempfile.TemporaryDirectory() as tmp:
             cli = subprocess.run(
                 [sys.executable, "-m", "sft.plan", "--model", str(write_config(Path(tmp), config, 80)), "--gpus",
@@ -165,10 +166,10 @@ def report(result: dict, out: Path) -> None:
         "",
         f"LoRA r={result['lora_r']} on all linear layers over NF4 weights (bf16 compute, packed in bf16), rows of "
         f"{result['seq_len']} tokens, activation checkpointing, micro batch 1, {result['steps']} steps on the demo's "
-        "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: `sft.plan` for "
-        "the same setting (this commit's). Variants: `zero3` ds_configs/zero3.json; `nested` the same with "
-        "`use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in CPU memory); "
-        "`offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
+        "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: "
+        "`sft.plan.memory` for the same setting (this commit's). Variants: `zero3` ds_configs/zero3.json; `nested` "
+        "the same with `use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in CPU "
+        "memory); `offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
         "",
         "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
         "plan GiB | plan error | plan phase | training peak GiB | plan, training |",

@@ -4,7 +4,7 @@
 
 Four runs of the same command on the demo data with a Llama-shaped model built from scratch (attention dropout on):
 two uninterrupted runs (to measure run-to-run noise of the hardware), and one that the main process SIGKILLs in the
-middle of writing checkpoint `--kill-at` (the test hook of sft.trainer), then the same command again, which resumes
+middle of writing checkpoint `--kill-at` (the test hook of sft.run.trainer), then the same command again, which resumes
 from the previous complete checkpoint. Reported: the largest per-step difference of loss, grad norm and learning
 rate, and of the final weights, between each pair.
 """

@@ -35,7 +35,7 @@ from benchmarks.common import (
     start,
     write_results,
 )
-from sft.metrics import samples_per_step
+from sft.run.metrics import samples_per_step
 
 KILL_ENV = "SFT_TEST_KILL_DURING_SAVE"
 

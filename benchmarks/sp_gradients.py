@@ -83,7 +83,7 @@ def components(args) -> None:
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    import sft.attention as attention
+    import sft.model.attention as attention
 
     cuda = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")

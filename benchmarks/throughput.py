@@ -13,9 +13,9 @@ benchmarks/results/throughput.{json,md} were made by four calls (a device call r
 Every run is the real CLI (`sft/train.py` under torchrun) on random-initialised Llama shapes (1B, 3B, 8B from their
 public configs), seq 4096, pre-tokenised records with an SFT-like length distribution
 (`benchmarks.common.make_sft_data`: log-normal, median 300 tokens, 16..4096, so tens to thousands with a long tail).
-Numbers are read back from each run's metrics.jsonl (`sft.trainer`: real tokens per second per GPU; MFU from linear-
-layer FLOPs + causal attention over the real sample lengths, against the GPU's dense bf16 peak), averaged over the
-steps after the warm-up.
+Numbers are read back from each run's metrics.jsonl (`sft.run.trainer`: real tokens per second per GPU; MFU from
+linear- layer FLOPs + causal attention over the real sample lengths, against the GPU's dense bf16 peak), averaged over
+the steps after the warm-up.
 
 Settings (same data, max_length and DeepSpeed config within a cell; packed runs also the same global batch):
 - `trl_defaults`: TRL's SFTConfig defaults: no packing (padded rows), sdpa attention, activation checkpointing on,
@@ -144,7 +144,9 @@ def collect(run: dict, proc, args, work: Path, wave: list[str]) -> dict:
     steps = [r for r in lines if "loss" in r and "tokens_per_second_per_gpu" in r]
     timed = steps[args.warmup :]
     log_text = (work / "logs" / f"{run['name']}.log").read_text()
-    plan = [line.split("sft.preflight: ", 1)[1] for line in log_text.splitlines() if "sft.preflight: " in line]
+    plan = [
+        line.split("sft.plan.preflight: ", 1)[1] for line in log_text.splitlines() if "sft.plan.preflight: " in line
+    ]
     result["plan"] = [p for p in plan if p.startswith(("auto settings", "Batch plan"))]
     if rc != 0 or not timed:
         result["log_tail"] = log_text[-3000:]

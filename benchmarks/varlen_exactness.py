@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sft.attention import VARLEN, register_varlen
+from sft.model.attention import VARLEN, register_varlen
 
 SHAPES = {
     "llama": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,

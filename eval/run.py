@@ -1,8 +1,8 @@
-"""`python eval/run.py ...` is `sft eval ...` (the code is `sft.evaluation`); kept for existing scripts."""
+"""`python eval/run.py ...` is `sft eval ...` (the code is `sft.tools.evaluation`); kept for existing scripts."""
 
 import sys
 
-from sft.evaluation import main
+from sft.tools.evaluation import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,12 +18,12 @@ import sys
 # subcommand -> (module, what it does); every module has `main(argv, prog)`, `sft.train` also `run(argv)`
 COMMANDS = {
     "train": ("sft.train", "fine-tune a model from a recipe (the same as sft/train.py)"),
-    "plan": ("sft.plan_cli", "per-GPU memory of a setting, whether it fits, the fastest that does"),
-    "batch": ("sft.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
-    "merge": ("sft.merge", "merge a LoRA adapter into its base model"),
-    "eval": ("sft.evaluation", "evaluate a model or adapter with lm-eval"),
-    "report": ("sft.report", "plots and an HTML page of one or more runs' curves"),
-    "data": ("sft.datastats", "a recipe's data once tokenised: lengths, truncation, packing, steps per epoch"),
+    "plan": ("sft.plan.cli", "per-GPU memory of a setting, whether it fits, the fastest that does"),
+    "batch": ("sft.plan.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
+    "merge": ("sft.tools.merge", "merge a LoRA adapter into its base model"),
+    "eval": ("sft.tools.evaluation", "evaluate a model or adapter with lm-eval"),
+    "report": ("sft.tools.report", "plots and an HTML page of one or more runs' curves"),
+    "data": ("sft.data.stats", "a recipe's data once tokenised: lengths, truncation, packing, steps per epoch"),
 }
 
 
@@ -48,5 +48,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     if name == "train":
-        module.run(rest)  # exits with the run's code (sft.distributed.leave)
+        module.run(rest)  # exits with the run's code (sft.parallel.distributed.leave)
     return module.main(rest, prog=f"sft {name}")

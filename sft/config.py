@@ -23,10 +23,12 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from sft import engines, logs, quantization
+from sft import engines
 from sft.errors import ConfigError
-from sft.fp8 import RECIPES as FP8_RECIPES
-from sft.parallel import ParallelDims
+from sft.model import quantization
+from sft.model.fp8 import RECIPES as FP8_RECIPES
+from sft.parallel.dims import ParallelDims
+from sft.run import logs
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class ModelArguments(ModelConfig):
             loading weights. Used by the demo and the benchmarks; the tokenizer still comes from that directory.
         attn_implementation (`str`, *optional*, defaults to `"auto"`):
             TRL's field with a new default: `auto` picks the fastest backend that keeps packed samples apart
-            (see `sft.attention`).
+            (see `sft.model.attention`).
     """
 
     from_scratch: bool = field(
@@ -110,8 +112,8 @@ class TrainConfig(SFTConfig):
 
     Before transformers sets anything up, the DeepSpeed config file is checked (it exists and is JSON); right after,
     any non-`"auto"` DeepSpeed value that contradicts a training argument is reported with both values.
-    `sft.preflight` then turns `global_batch_size`/`tokens_per_step` into accumulation steps (`sft.batch`), sizes the
-    run with `sft.plan` and resolves the `auto` values below.
+    `sft.plan.preflight` then turns `global_batch_size`/`tokens_per_step` into accumulation steps (`sft.plan.batch`),
+    sizes the run with `sft.plan.memory` and resolves the `auto` values below.
 
     Parameters:
         per_device_train_batch_size (`int` or `"auto"`, *optional*, defaults to `"auto"`):
@@ -126,13 +128,13 @@ class TrainConfig(SFTConfig):
             on PyTorch's expandable segments (unless `PYTORCH_CUDA_ALLOC_CONF` is set), against fragmentation.
         keep_attention_outputs (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             With activation checkpointing, keep each decoder layer's attention output (the attention kernel's
-            output and log-sum-exp) instead of recomputing it in the backward (`sft.checkpointing`): the
+            output and log-sum-exp) instead of recomputing it in the backward (`sft.model.checkpointing`): the
             recomputation then skips the attention kernel, most of a layer's work on long rows, for one more
             [tokens x heads x head_dim] tensor per layer. Not with `offload_checkpoints`. `auto`: with checkpointing,
             wherever the plan fits it.
         tiled_mlp (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Run each decoder layer's MLP over the row in tiles of about `hidden_size` tokens (DeepSpeed ALST's
-            `TiledMLP`, see `sft.tiling`), so its intermediate activations never exist for the whole row at once.
+            `TiledMLP`, see `sft.model.tiling`), so its intermediate activations never exist for the whole row at once.
             `auto`: only if the plan does not fit with checkpointing and offloading.
         global_batch_size (`int`, *optional*):
             Samples (packed rows) per optimizer step; accumulation steps are derived from the world size and micro
@@ -159,29 +161,31 @@ class TrainConfig(SFTConfig):
             (Liger's RMSNorm, RoPE and SwiGLU kernels; TRL keeps its own fused LM-head loss), off otherwise.
         peak_tflops (`float`, *optional*):
             Peak TFLOP/s of one GPU that MFU is computed against. Defaults to the dense bf16 peak of the GPU found
-            (H100/H200 989, A100 312; see `sft.flops`); MFU is not logged for a GPU not on file unless this is set.
+            (H100/H200 989, A100 312; see `sft.model.flops`); MFU is not logged for a GPU not on file unless this is
+            set.
         compile_decoder_layers (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`). `auto`:
             on with FP8 (its casts and scales are fast only compiled), off otherwise (bf16 measured no faster).
         fp8 (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
-            Train the decoder's linear layers in FP8 (torchao float8, see `sft.fp8`). `auto`: on only with a GPU
+            Train the decoder's linear layers in FP8 (torchao float8, see `sft.model.fp8`). `auto`: on only with a GPU
             that has FP8 tensor cores, torchao installed, no LoRA, and a model wide enough that FP8 measured faster.
         fp8_recipe (`str`, *optional*, defaults to `"tensorwise"`):
             torchao's float8 scaling: `tensorwise` (one scale per tensor) or `rowwise` (one per row). Tensorwise
             measured faster on H200 (benchmarks/results/fp8: 1B 1.04x vs 0.86x, 3B 1.09x vs 0.96x of bf16).
         sequence_parallel_size (`int` or `"auto"`, *optional*, defaults to `1`):
             Processes that share the tokens of one packed row (Ulysses sequence parallelism on DeepSpeed, see
-            `sft.sequence_parallel`); the data-parallel size is the world size / this. `auto`: the smallest size whose
+            `sft.parallel.sequence`); the data-parallel size is the world size / this. `auto`: the smallest size whose
             memory plan fits (1 without a GPU to plan for).
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             Data-parallel processes that split each mixture-of-experts layer's experts (DeepSpeed AutoEP, see
             `sft.expert_parallel`): each keeps count / this of the experts and tokens travel to theirs by all-to-all.
             Must divide the data-parallel size; for the families AutoEP has a preset for, under ZeRO-0/1/2.
         report (`bool`, *optional*, defaults to `True`):
-            At the end of training, write `<output_dir>/report/` (`sft.report`: one PNG per curve and an HTML page
-            with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several overlaid.
+            At the end of training, write `<output_dir>/report/` (`sft.tools.report`: one PNG per curve and an HTML
+            page with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several
+            overlaid.
         max_nonfinite_steps (`int`, *optional*, defaults to `1`):
-            Stop the run at the Nth optimizer step whose loss or gradient norm is NaN or infinite (`sft.failsafe`);
+            Stop the run at the Nth optimizer step whose loss or gradient norm is NaN or infinite (`sft.run.failsafe`);
             the ones before it are skipped, not applied to the weights. 1: stop at the first.
         trace_data (`bool`, *optional*, defaults to `False`):
             Write one line per micro-batch and rank (step, token count, SHA-1 of the input ids) to
@@ -285,7 +289,7 @@ class TrainConfig(SFTConfig):
     )
 
     def __post_init__(self):
-        self.auto_settings = set()  # fields left `auto`, resolved by sft.preflight
+        self.auto_settings = set()  # fields left `auto`, resolved by sft.plan.preflight
         micro = self.per_device_train_batch_size
         if isinstance(micro, str):
             if micro.strip().lower() == "auto":
@@ -379,7 +383,9 @@ class TrainConfig(SFTConfig):
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
-        if self.use_liger_kernel is None:  # `auto`: also for the model's family only where measured (sft.preflight)
+        if (
+            self.use_liger_kernel is None
+        ):  # `auto`: also for the model's family only where measured (sft.plan.preflight)
             self.auto_settings.add("use_liger_kernel")
             self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
         elif self.use_liger_kernel and not torch.cuda.is_available():
@@ -422,7 +428,7 @@ class TrainConfig(SFTConfig):
 
     @functools.cached_property
     def parallel(self) -> ParallelDims:
-        """The run's parallel dimensions (`sft.parallel`), built once from the processes accelerate found."""
+        """The run's parallel dimensions (`sft.parallel.dims`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
 
     @functools.cached_property

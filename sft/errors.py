@@ -1,6 +1,6 @@
 """Errors that sft reports to the user as one paragraph, without a traceback, and the exit code of a run stopped on
-request. Nothing here imports a library: the launcher's agent (`sft.launch`) reads them without paying for torch's
-and transformers' imports."""
+request. Nothing here imports a library: the launcher's agent (`sft.parallel.launch`) reads them without paying for
+torch's and transformers' imports."""
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a complete checkpoint; run the same command again
 

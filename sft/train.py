@@ -18,9 +18,10 @@ logger = logging.getLogger("sft")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sft import logs, nodes
     from sft.config import parse_args
-    from sft.distributed import check_ranks_agree, init_process_group, timeout_seconds
+    from sft.parallel import nodes
+    from sft.parallel.distributed import check_ranks_agree, init_process_group, timeout_seconds
+    from sft.run import logs
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)
@@ -29,18 +30,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from trl import get_peft_config
 
-    from sft import checkpoint as ckpt
-    from sft import datastats
-    from sft import plan as memplan
-    from sft.data import check_tokenizer, load_datasets
-    from sft.model import load_model, load_tokenizer
-    from sft.preflight import Resume, preflight
-    from sft.trainer import Trainer
+    from sft.data import stats as datastats
+    from sft.data.load import check_tokenizer, load_datasets
+    from sft.model.build import load_model, load_tokenizer
+    from sft.plan import memory as memplan
+    from sft.plan.preflight import Resume, preflight
+    from sft.run import checkpoint as ckpt
+    from sft.run.trainer import Trainer
 
     resume_from = ckpt.resolve_resume(training_args)
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
-    plan = preflight(training_args, model_args, resume)  # the run decided once, before any work (sft.runplan)
+    plan = preflight(training_args, model_args, resume)  # the run decided once, before any work (sft.plan.run)
     training_args = plan.training_args
     if memplan.cap_gpu_memory(training_args.max_gpu_memory_gib):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
     if training_args.process_index == 0 and training_args.report:
-        from sft import report
+        from sft.tools import report
 
         try:
             logger.info("Report (curves, settings, totals): %s", report.write([training_args.output_dir]))
@@ -107,22 +108,22 @@ def main(argv: list[str] | None = None) -> None:
 def cli(argv: list[str] | None = None) -> int:
     import torch
 
-    from sft import failsafe
+    from sft.run import failsafe
 
     try:
         main(argv)
     except failsafe.NonFiniteStep as e:
-        from sft.launch import report_error
+        from sft.parallel.launch import report_error
 
         report_error(str(e))
         return failsafe.NONFINITE_EXIT_CODE
     except SFTError as e:
-        from sft.launch import report_error
+        from sft.parallel.launch import report_error
 
         report_error(str(e))
         return 2
-    except torch.OutOfMemoryError as e:  # a run that ran out of memory never ends as a success (sft.failsafe)
-        from sft.launch import ERROR_FILE_ENV, report_error
+    except torch.OutOfMemoryError as e:  # a run that ran out of memory never ends as a success (sft.run.failsafe)
+        from sft.parallel.launch import ERROR_FILE_ENV, report_error
 
         code, message = failsafe.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))
         if code == failsafe.OOM_EXIT_CODE:
@@ -134,13 +135,14 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The process entry point: train, then leave with the exit code (see `sft.distributed.leave`). With launcher
-    flags (`--nproc-per-node N`, `sft.launch`), start that many worker processes that each run this instead."""
-    from sft import launch
-    from sft.distributed import leave, lone_process_environment
+    """The process entry point: train, then leave with the exit code (see `sft.parallel.distributed.leave`). With
+    launcher flags (`--nproc-per-node N`, `sft.parallel.launch`), start that many worker processes that each run this
+    instead."""
+    from sft.parallel import launch
+    from sft.parallel.distributed import leave, lone_process_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:  # the launcher's own errors: its flags, or this node cannot take part (sft.nodes)
+    try:  # the launcher's own errors: its flags, or this node cannot take part (sft.parallel.nodes)
         launcher_args, train_args = launch.split_args(argv)
         if launcher_args:
             if "LOCAL_RANK" in os.environ:

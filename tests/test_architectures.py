@@ -1,6 +1,7 @@
-"""The model matrix on the CPU (fp32, tiny configs of each family): what `sft.architectures` reads from a config is
-what transformers' attention layers ask for, and a packed row through the backend sft picks (and through `sft_varlen`,
-where it can honour the model) equals each sample alone through transformers' own `eager` attention, per token."""
+"""The model matrix on the CPU (fp32, tiny configs of each family): what `sft.model.architectures` reads from a config
+is what transformers' attention layers ask for, and a packed row through the backend sft picks (and through
+`sft_varlen`, where it can honour the model) equals each sample alone through transformers' own `eager` attention, per
+token."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft import architectures
-from sft.attention import HANDLED, INERT, VARLEN, check_backend, resolve_attn_implementation
 from sft.errors import ConfigError
+from sft.model import architectures
+from sft.model.attention import HANDLED, INERT, VARLEN, check_backend, resolve_attn_implementation
 
 WINDOW = 8
 BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -73,7 +74,7 @@ def per_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_features_are_what_transformers_passes(models):
-    """Per layer, the window, soft-cap and sinks `sft.architectures` reads from the config equal the arguments
+    """Per layer, the window, soft-cap and sinks `sft.model.architectures` reads from the config equal the arguments
     transformers hands the attention function; no family passes an argument sft does not know (a new one in a later
     transformers fails here instead of being ignored)."""
     seen: dict[int, dict] = {}
@@ -226,7 +227,7 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
     run here with flex_attention uncompiled."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from sft.attention import _flex_scored, scored_attention
+    from sft.model.attention import _flex_scored, scored_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(40, heads, 16) for heads in (4, 2, 2))

@@ -11,7 +11,7 @@ import pytest
 import trl
 from transformers import AutoTokenizer
 
-from sft.data import check_assistant_mask
+from sft.data.load import check_assistant_mask
 from sft.errors import DataError
 from tests.conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""The checkpoint bookkeeping of sft.checkpoint on its own: which checkpoint is picked, what rotation keeps."""
+"""The checkpoint bookkeeping of sft.run.checkpoint on its own: which checkpoint is picked, what rotation keeps."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sft import checkpoint as ckpt
 from sft.errors import ConfigError
+from sft.run import checkpoint as ckpt
 
 
 def make(out: Path, step: int, complete: bool = True, world: int = 2, zero3: bool = False) -> Path:

@@ -1,4 +1,4 @@
-"""Selective activation checkpointing (`sft.checkpointing`): the same gradients as full checkpointing, with the
+"""Selective activation checkpointing (`sft.model.checkpointing`): the same gradients as full checkpointing, with the
 attention kernel run once per layer instead of twice."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft import checkpointing
 from sft.config import parse_args
 from sft.errors import ConfigError
+from sft.model import checkpointing
 from tests.conftest import ROOT
 
 

@@ -8,9 +8,12 @@ import sys
 
 import pytest
 
-from sft import launch, plan, plan_cli, shapes
 from sft.config import HELP_GROUPS, make_parser
 from sft.errors import ConfigError
+from sft.model import shapes
+from sft.parallel import launch
+from sft.plan import cli as plan_cli
+from sft.plan import memory as plan
 from tests.conftest import ROOT, cli_env
 from tests.conftest import run_cli_in_process as run_cli
 
@@ -104,11 +107,11 @@ def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
 
 
 def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplog):
-    """`sft.logs.setup` drops the messages named in `QUIET_MESSAGES` (torch's traceback for every Liger Triton kernel
-    it compiles: thousands of lines in a compiled FP8 run) and nothing else of those loggers."""
+    """`sft.run.logs.setup` drops the messages named in `QUIET_MESSAGES` (torch's traceback for every Liger Triton
+    kernel it compiles: thousands of lines in a compiled FP8 run) and nothing else of those loggers."""
     import logging
 
-    from sft import logs
+    from sft.run import logs
     from tests.test_plan import demo_args
 
     _, _, args, _ = demo_args(tmp_path)
@@ -127,7 +130,7 @@ def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplo
 def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
     """TRL's SFTTrainer warns on every run with Liger on (issue #39: use the Hub kernels, which need the network), and
     torch's barrier in a one-process GPU run; each message as the library's source writes it is filtered after
-    `sft.logs.setup`, another warning of the same kind is not."""
+    `sft.run.logs.setup`, another warning of the same kind is not."""
     import inspect
     import re
     import warnings
@@ -135,13 +138,13 @@ def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
     import torch.distributed.distributed_c10d
     import trl.trainer.sft_trainer
 
-    from sft import logs
+    from sft.run import logs
     from tests.test_plan import demo_args
 
     trl_says = re.search(r'"(`use_liger_kernel=True` is deprecated[^"]*)"', inspect.getsource(trl.trainer.sft_trainer))
     c10d = inspect.getsource(torch.distributed.distributed_c10d)
     torch_says = re.search(r'"(barrier\(\): using the device[^"]*)"', c10d)  # the first of its two literals
-    assert trl_says and torch_says, "a library no longer says this: drop its filter in sft.logs.HARMLESS_WARNINGS"
+    assert trl_says and torch_says, "a library no longer says this: drop its filter in sft.run.logs.HARMLESS_WARNINGS"
     _, _, args, _ = demo_args(tmp_path)
     with warnings.catch_warnings(record=True) as shown:
         logs.setup(args)
@@ -155,7 +158,7 @@ def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
 def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
     """lm-eval's `auto` searches the GPU's memory; on a CPU it would only cost time. A missing model is refused before
     lm-eval is imported (exit 2, one line)."""
-    from sft import evaluation
+    from sft.tools import evaluation
 
     assert evaluation.batch_size("auto", "cpu") == evaluation.CPU_BATCH_SIZE == 16
     assert evaluation.batch_size("auto", "cuda") == "auto" and evaluation.batch_size("4", "cpu") == "4"
@@ -174,7 +177,7 @@ def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
     import psutil
     import torch
 
-    from sft.distributed import LAUNCH_VARIABLES, lone_process_environment
+    from sft.parallel.distributed import LAUNCH_VARIABLES, lone_process_environment
 
     threads = torch.get_num_threads()
     for name in (*LAUNCH_VARIABLES, "OMP_NUM_THREADS"):  # set, then removed: monkeypatch puts back what was there

@@ -11,7 +11,7 @@ from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 from sft.config import parse_args
 from sft.engines.deepspeed import BUCKET_FLOOR, fill_buckets, prepare_config, unresolved_config
 from sft.errors import ConfigError
-from sft.preflight import preflight
+from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
 RECIPES = sorted(ROOT.glob("recipes/**/*.yaml"))

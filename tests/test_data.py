@@ -1,4 +1,4 @@
-"""Data sources, formats and mixtures load into the layout SFTTrainer reads, with the checks of sft.data."""
+"""Data sources, formats and mixtures load into the layout SFTTrainer reads, with the checks of sft.data.load."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from trl import ScriptArguments
 from trl.scripts.utils import DatasetConfig
 
 from sft.config import DataArguments, TrainConfig
-from sft.data import load_datasets
+from sft.data.load import load_datasets
 from sft.errors import DataError
 
 CHAT = [{"role": "user", "content": "upper: ab"}, {"role": "assistant", "content": "AB"}]
@@ -120,7 +120,7 @@ def test_bad_record_in_parquet_names_source_and_index(tmp_path):
 def test_forked_workers_on_a_python_that_can_deadlock_them_are_warned_about(monkeypatch, deadlock_prone):
     from types import SimpleNamespace
 
-    from sft import trainer
+    from sft.run import trainer
 
     version = sys.version_info
     assert trainer._FORK_DEADLOCK is ((3, 10) <= version < (3, 10, 15) or (3, 11) <= version < (3, 11, 10))

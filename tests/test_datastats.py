@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 from trl.chat_template_utils import get_training_chat_template
 
-from sft import datastats, report
+from sft.data import stats as datastats
+from sft.tools import report
 from tests.conftest import ROOT, read_jsonl
 
 RECIPE = str(ROOT / "recipes" / "demo.yaml")
@@ -92,7 +93,7 @@ def test_training_skips_the_figures_for_streamed_data(tmp_path):
     """A streamed source is not read through at the start (nor data TRL does not prepare); training says why."""
     import datasets
 
-    from sft.preflight import preflight
+    from sft.plan.preflight import preflight
     from tests.test_plan import demo_args
 
     _, _, args, model_args = demo_args(tmp_path, "--output_dir", str(tmp_path / "out"))

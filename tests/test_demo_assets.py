@@ -1,4 +1,4 @@
-"""The committed demo assets are exactly what `python -m sft.demo` builds, and they do what the demo needs."""
+"""The committed demo assets are exactly what `python -m sft.tools.demo` builds, and they do what the demo needs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from transformers import AutoConfig, AutoTokenizer
 
-from sft.demo import write_demo
+from sft.tools.demo import write_demo
 from tests.conftest import ROOT, read_jsonl
 
 DEMO = ROOT / "recipes" / "demo"

@@ -1,7 +1,7 @@
-"""sft's experts implementation (`sft.experts`, `sft_grouped`) against transformers' per-expert loop (`eager`), for
-every mixture-of-experts family of the model matrix transformers ships: every token's output and every gradient (the
-layer's input, the routing weights, each expert weight and bias) equal in fp32 within 1e-5; the same through the whole
-model; and what sft picks by default, per family."""
+"""sft's experts implementation (`sft.model.experts`, `sft_grouped`) against transformers' per-expert loop (`eager`),
+for every mixture-of-experts family of the model matrix transformers ships: every token's output and every gradient
+(the layer's input, the routing weights, each expert weight and bias) equal in fp32 within 1e-5; the same through the
+whole model; and what sft picks by default, per family."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sft import architectures, experts
+from sft.model import architectures, experts
 from tests.test_architectures import config_of
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
@@ -75,8 +75,8 @@ def test_the_aligned_layout_pads_each_experts_rows_to_a_multiple():
 @pytest.mark.parametrize("name", ("qwen3_moe", "gpt_oss"))
 def test_a_model_with_sft_experts_trains_as_with_transformers_grouped_mm(name):
     """The whole model, loss and every parameter's gradient: `sft_grouped` against transformers' `grouped_mm` (its
-    default), switched on the same built model through `sft.experts.apply`; the config written to disk does not name
-    sft's implementation (a saved model loads anywhere)."""
+    default), switched on the same built model through `sft.model.experts.apply`; the config written to disk does not
+    name sft's implementation (a saved model loads anywhere)."""
     model = _model(name)
     torch.manual_seed(2)
     ids = torch.randint(3, model.config.vocab_size, (2, 24))
@@ -115,14 +115,14 @@ def test_lora_on_attention_and_experts_trains_and_merges(tmp_path):
     """LoRA on a tiny Qwen3-MoE's attention (`lora_target_modules`) and experts (`lora_target_parameters`, PEFT's
     parameter adapters), built from TRL's ModelConfig as sft's train.py builds it: the experts' adapter gradients are
     the same through sft's experts implementation as through transformers' grouped_mm; a few AdamW steps lower the loss
-    and change the expert adapters and nothing of the base; `sft.merge` writes a model whose logits equal the adapted
-    model's."""
+    and change the expert adapters and nothing of the base; `sft.tools.merge` writes a model whose logits equal the
+    adapted model's."""
     import shutil
 
     from peft import get_peft_model
     from trl import ModelConfig, get_peft_config
 
-    from sft.merge import merge
+    from sft.tools.merge import merge
     from tests.conftest import ROOT
 
     _model("qwen3_moe").save_pretrained(tmp_path / "base")

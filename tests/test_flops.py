@@ -1,5 +1,5 @@
-"""Training FLOPs and MFU (sft.flops): the count against hand formulas and packed vs padded batches (the count in a
-real run: tests/multiproc/test_metrics.py)."""
+"""Training FLOPs and MFU (sft.model.flops): the count against hand formulas and packed vs padded batches (the count in
+a real run: tests/multiproc/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft.flops import FlopCounter, detect_peak_tflops, linear_flops_per_token
+from sft.model.flops import FlopCounter, detect_peak_tflops, linear_flops_per_token
 from tests.conftest import ROOT
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
@@ -71,8 +71,8 @@ def test_peak_is_detected_from_the_device_name(name, peak):
 
 def test_compiled_decoder_layers_match_eager():
     """`compile_decoder_layers`: each decoder layer compiled; logits and gradients equal eager (fp32, CPU)."""
-    from sft.converters import compile_decoder_layers
     from sft.errors import ConfigError
+    from sft.model.converters import compile_decoder_layers
 
     torch.manual_seed(0)
     eager = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL, attn_implementation="sdpa"))

@@ -1,6 +1,6 @@
-"""FP8 (`sft.fp8`): the config and its `auto` resolution, the refusals, the layer filter, the conversion (torchao's
-float8 matmuls run on the CPU), the ZeRO-3-safe weight saving, the padding the float8 matmuls need, the plan term and
-the fingerprint. The runs under DeepSpeed are in tests/multiproc/test_fp8_runs.py."""
+"""FP8 (`sft.model.fp8`): the config and its `auto` resolution, the refusals, the layer filter, the conversion
+(torchao's float8 matmuls run on the CPU), the ZeRO-3-safe weight saving, the padding the float8 matmuls need, the plan
+term and the fingerprint. The runs under DeepSpeed are in tests/multiproc/test_fp8_runs.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft import fp8, plan, shapes
-from sft.checkpoint import compare_fingerprints
 from sft.errors import ConfigError
-from sft.preflight import preflight
+from sft.model import fp8, shapes
+from sft.plan import memory as plan
+from sft.plan.preflight import preflight
+from sft.run.checkpoint import compare_fingerprints
 from tests.conftest import ROOT
 from tests.test_plan import demo_args
 
@@ -51,7 +52,7 @@ def test_config_fields(tmp_path):
 def test_preflight_without_fp8_gpu_turns_auto_off_and_true_is_refused(tmp_path, caplog, monkeypatch):
     monkeypatch.delenv(fp8.CPU_ENV, raising=False)
     _, _, args, model_args = demo_args(tmp_path)
-    with caplog.at_level(logging.INFO, logger="sft.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
         resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is False and resolved.compile_decoder_layers is False
     assert resolved.pad_to_multiple_of is None
@@ -89,7 +90,7 @@ def test_layer_filter_is_torchaos_on_the_full_shape():
     config = AutoConfig.for_model(**LLAMA_SHAPES["llama-1b"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    from sft.architectures import decoder_prefixes
+    from sft.model.architectures import decoder_prefixes
 
     prefixes = decoder_prefixes(model)
     assert prefixes == tuple(f"model.layers.{i}." for i in range(config.num_hidden_layers))
@@ -198,7 +199,7 @@ def test_auto_on_an_fp8_gpu_follows_the_measurements(monkeypatch):
 def test_fp8_under_zero3_is_compiled_and_says_it_measured_slower(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(fp8.CPU_ENV, "1")
     _, _, args, model_args = demo_args(tmp_path, "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero3.json"))
-    with caplog.at_level(logging.INFO, logger="sft.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
         resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is True and resolved.compile_decoder_layers is True
     assert fp8.ZERO3_SLOWER in caplog.text and "0.875x" in caplog.text
@@ -207,7 +208,7 @@ def test_fp8_under_zero3_is_compiled_and_says_it_measured_slower(tmp_path, monke
 def test_tiled_mlp_tiles_are_multiples_of_16_with_fp8():
     """With FP8 each MLP tile is a float8 matmul's inner dimension in the backward: tiles of a multiple of 16 tokens,
     the output as without tiles."""
-    from sft import tiling
+    from sft.model import tiling
 
     model = demo_model()
     mlp = model.model.layers[0].mlp

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft.attention import VARLEN, resolve_attn_implementation
+from sft.model.attention import VARLEN, resolve_attn_implementation
 from tests.conftest import ROOT
 
 pytestmark = [

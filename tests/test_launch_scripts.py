@@ -82,7 +82,7 @@ def test_torchrun_command_lines():
     one = dry_run("launch/torchrun.sh", NPROC_PER_NODE=2)  # one node, no MASTER_PORT: a free port (standalone)
     assert "--nnodes 1 --nproc-per-node 2" in one and "--master-port" not in one
     # each line is one `sft train` accepts: its launcher flags split off whole
-    from sft.launch import split_args
+    from sft.parallel.launch import split_args
 
     launcher, rest = split_args(static.split()[4:])
     assert rest == ["--config", "r.yaml"] and launcher[-2:] == ["--master-port", "1234"]
@@ -119,7 +119,7 @@ def test_slurm_command_line(tmp_path):
 
 LEAVE = """
 import atexit, os, sys
-from sft.distributed import leave
+from sft.parallel.distributed import leave
 atexit.register(lambda: open(sys.argv[1], "w").write("exit handlers ran"))
 class Teardown:
     def __del__(self, write=os.write):  # runs only if the interpreter tears down its objects

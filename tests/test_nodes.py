@@ -1,4 +1,4 @@
-"""sft.nodes in-process, on this host's own interfaces (the two-host runs: tests/multinode/)."""
+"""sft.parallel.nodes in-process, on this host's own interfaces (the two-host runs: tests/multinode/)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from sft import nodes
 from sft.errors import ConfigError
+from sft.parallel import nodes
 
 
 def test_the_route_to_loopback_is_lo_and_a_single_host_sets_no_interface(monkeypatch):
@@ -61,7 +61,7 @@ def test_the_checks_before_the_rendezvous(monkeypatch):
 
 def test_a_worker_that_cannot_reach_master_addr_says_so_within_the_timeout(monkeypatch):
     """Under DeepSpeed's launcher (no agent, no check before): the worker's own first connection to MASTER_ADDR."""
-    from sft.distributed import init_process_group
+    from sft.parallel.distributed import init_process_group
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

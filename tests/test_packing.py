@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft.attention import PACKING_SAFE, check_batch, check_packing, resolve_attn_implementation
 from sft.errors import ConfigError
+from sft.model.attention import PACKING_SAFE, check_batch, check_packing, resolve_attn_implementation
 from tests.conftest import ROOT
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
@@ -121,9 +121,9 @@ def test_assistant_only_mask_survives_packing(tmp_path):
     from trl.scripts.utils import DatasetConfig
 
     from sft.config import DataArguments, ModelArguments, TrainConfig
-    from sft.data import load_datasets
-    from sft.preflight import preflight
-    from sft.trainer import Trainer
+    from sft.data.load import load_datasets
+    from sft.plan.preflight import preflight
+    from sft.run.trainer import Trainer
 
     records = [json.loads(line) for line in (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]]
     path = tmp_path / "d.jsonl"

@@ -1,4 +1,4 @@
-"""sft.parallel (the one owner of the parallel sizes) and the components that read it: batch arithmetic and the
+"""sft.parallel.dims (the one owner of the parallel sizes) and the components that read it: batch arithmetic and the
 `sft` command."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from sft.batch import keep_global_batch
 from sft.errors import ConfigError
-from sft.parallel import ParallelDims
+from sft.parallel.dims import ParallelDims
+from sft.plan.batch import keep_global_batch
 from tests.conftest import ROOT
 
 
@@ -31,7 +31,7 @@ def test_the_product_must_be_the_world_size():
     assert "`sequence_parallel_size: 4` does not divide the 6 processes" in str(e.value) and "[1, 2, 3, 6]" in str(
         e.value
     )
-    with pytest.raises(ConfigError, match="`sp` must be a whole number >= 1, got 0"):
+    with pytest.raises(ConfigError, match="`sequence_parallel_size` must be a whole number >= 1, got 0"):
         ParallelDims.build(4, sp=0)
 
 

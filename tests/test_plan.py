@@ -1,4 +1,5 @@
-"""The memory planner (sft.plan): DeepSpeed's estimators, autograd's saved tensors, the search, and preflight."""
+"""The memory planner (sft.plan.memory): DeepSpeed's estimators, autograd's saved tensors, the search, and
+preflight."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from benchmarks.common import LLAMA_SHAPES
-from sft import plan, plan_cli, shapes, tiling
 from sft.config import parse_args
 from sft.errors import ConfigError
-from sft.preflight import preflight
+from sft.model import shapes, tiling
+from sft.plan import cli as plan_cli
+from sft.plan import memory as plan
+from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
 SHAPES = {name: LLAMA_SHAPES[name] for name in ("llama-1b", "llama-8b", "llama-70b")}
@@ -88,7 +91,7 @@ def test_model_states_agree_with_deepspeed_estimators(tmp_path, name, gpus, per_
 @pytest.mark.parametrize("tiled", [False, True])
 def test_activation_bytes_are_autograds_saved_tensors(tiled):
     """The per-layer activation count equals what autograd saves for a transformers Llama decoder layer (bf16), with
-    and without the tiled MLP (`sft.tiling`, which keeps none of the MLP's intermediates)."""
+    and without the tiled MLP (`sft.model.tiling`, which keeps none of the MLP's intermediates)."""
     config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=32, num_hidden_layers=1, vocab_size=1000)  # fmt: skip
     config._attn_implementation = "sdpa"
@@ -257,8 +260,8 @@ def demo_args(tmp_path, *extra):
 
 @pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 4, False), ("0.04", 1, True)])
 def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, checkpointing):
-    """`auto` micro batch / checkpointing become what `sft.plan.suggest` picks for the demo model and that memory:
-    the largest micro batch without checkpointing, or checkpointing when nothing fits without it."""
+    """`auto` micro batch / checkpointing become what `sft.plan.memory.suggest` picks for the demo model and that
+    memory: the largest micro batch without checkpointing, or checkpointing when nothing fits without it."""
     _, _, training_args, model_args = demo_args(
         tmp_path, "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto",
         "--plan_gpu_memory_gib", memory_gib,
@@ -352,9 +355,9 @@ def test_zero3_config_does_not_disturb_the_meta_build(tmp_path):
 
 
 def test_qlora_under_zero3_loads_one_linear_at_a_time_and_suggests_what_fits_24_gib(tmp_path, capsys):
-    """QLoRA under ZeRO-3 loads into host memory, one linear quantized on the GPU at a time (`sft.quantization`): the
-    load is no longer the peak (it was the whole 4-bit model on each GPU, 36.8 GiB for the 70B), and `--suggest` with
-    a 24 GiB cap names the setting that fits the 70B on 2 GPUs (parameter and optimizer offload)."""
+    """QLoRA under ZeRO-3 loads into host memory, one linear quantized on the GPU at a time (`sft.model.quantization`):
+    the load is no longer the peak (it was the whole 4-bit model on each GPU, 36.8 GiB for the 70B), and `--suggest`
+    with a 24 GiB cap names the setting that fits the 70B on 2 GPUs (parameter and optimizer offload)."""
     config = write_config(tmp_path, "llama-70b", SHAPES["llama-70b"])
     shape = shapes.load_shape(config)
     setting = plan.Setting(gpus=2, zero_stage=3, seq_len=2048, activation_checkpointing=True, liger=True, lora_r=16,
@@ -391,7 +394,7 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     """A ZeRO-3 run whose plan shows ZeRO-2 fitting (same micro batch, no checkpointing) is told so at start, with
     the nearest measured ZeRO-3 / ZeRO-2 ratio; where ZeRO-2 would not fit, or ZeRO-3 offloads, nothing is said."""
     from sft.config import TrainConfig
-    from sft.preflight import zero2_advice
+    from sft.plan.preflight import zero2_advice
 
     engine = TrainConfig(output_dir=str(tmp_path / "out"), deepspeed=str(ROOT / "ds_configs" / "zero3.json")).engine
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
@@ -422,7 +425,7 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     _, _, training_args, model_args = demo_args(
         tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "1"
     )
-    with caplog.at_level("WARNING", logger="sft.preflight"):
+    with caplog.at_level("WARNING", logger="sft.plan.preflight"):
         preflight(training_args, model_args)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeRO-2 fits here")]
     assert (
@@ -530,10 +533,10 @@ def test_a_moe_layer_keeps_what_the_plan_counts(tmp_path, hidden, experts, activ
 @pytest.mark.parametrize("implementation", ["grouped_mm", "sft_grouped"])
 def test_the_plan_counts_each_experts_implementation_and_gpt_oss_gate(tmp_path, implementation):
     """The bytes autograd saves per token in one MoE MLP (bf16, CPU), through transformers' grouped experts and sft's
-    (`sft.experts`): Qwen3-MoE's are the plan's terms byte for byte (as above); gpt-oss's clamped GLU keeps 7
+    (`sft.model.experts`): Qwen3-MoE's are the plan's terms byte for byte (as above); gpt-oss's clamped GLU keeps 7
     [tokens x k, width] tensors (`Architecture.mlp_kept`), which the plan counts within 0.5%, never under. Found on
     1 x H100: gpt-oss at micro batch 16 peaked at 63.6 GiB where the plan said 54.7 before it counted them."""
-    from sft import experts
+    from sft.model import experts
 
     common = {"hidden_size": 256, "num_experts_per_tok": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 64, "num_hidden_layers": 1, "vocab_size": 512}  # fmt: skip

@@ -1,14 +1,14 @@
-"""QLoRA's bitsandbytes settings (`sft.quantization`) and `max_gpu_memory_gib`: parsed and checked in-process."""
+"""QLoRA's bitsandbytes settings (`sft.model.quantization`) and `max_gpu_memory_gib`: parsed and checked in-process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sft import quantization
 from sft.config import parse_args
 from sft.errors import ConfigError
-from sft.preflight import preflight
+from sft.model import quantization
+from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
 
@@ -61,9 +61,9 @@ def test_max_gpu_memory_is_what_the_plan_plans_for(tmp_path):
 
 
 def test_qlora_on_a_mixture_of_experts_is_refused_and_parameter_adapters_need_no_dropout(tmp_path):
-    """bitsandbytes leaves a MoE's fused 3-D experts in 16-bit (sft.quantization.check_experts): refused before the
-    model loads, with the share of weights and what to do; PEFT's parameter adapters refuse dropout inside the model
-    build, so sft refuses it at parse time."""
+    """bitsandbytes leaves a MoE's fused 3-D experts in 16-bit (sft.model.quantization.check_experts): refused before
+    the model loads, with the share of weights and what to do; PEFT's parameter adapters refuse dropout inside the
+    model build, so sft refuses it at parse time."""
     from tests.test_architectures import config_of
 
     config_of("qwen3_moe").save_pretrained(tmp_path / "moe")

@@ -11,12 +11,14 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft import batch, plan, shapes
-from sft import sequence_parallel as seqpar
-from sft.attention import boundaries_from_positions, varlen_attention_forward
 from sft.config import parse_args
 from sft.errors import ConfigError
-from sft.parallel import ParallelDims
+from sft.model import shapes
+from sft.model.attention import boundaries_from_positions, varlen_attention_forward
+from sft.parallel import sequence as seqpar
+from sft.parallel.dims import ParallelDims
+from sft.plan import batch
+from sft.plan import memory as plan
 from tests.conftest import DEMO, ROOT
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"

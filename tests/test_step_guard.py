@@ -1,5 +1,5 @@
 """The non-finite guard's decisions and records, the zero-loss warning and the settings that would defeat them
-(`sft.failsafe`), in-process; the runs through the CLI are in tests/multiproc/test_failsafe.py."""
+(`sft.run.failsafe`), in-process; the runs through the CLI are in tests/multiproc/test_failsafe.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from sft import failsafe
-from sft.checkpoint import RUN_MANIFEST
 from sft.config import parse_args
 from sft.errors import ConfigError
+from sft.run import failsafe
+from sft.run.checkpoint import RUN_MANIFEST
 from tests.conftest import ROOT, read_jsonl
 
 DEMO = ["--config", str(ROOT / "recipes" / "demo.yaml"), "--deepspeed", "none"]
@@ -33,7 +33,7 @@ def test_the_guard_skips_steps_below_the_limit_and_stops_at_it(tmp_path, caplog)
     assert guard.check(1, 1.25, identity) is False
     guard.add(torch.tensor(2.5))
     guard.add(torch.tensor(float("nan")))  # one micro-batch of the step is enough
-    with caplog.at_level(logging.WARNING, logger="sft.failsafe"):
+    with caplog.at_level(logging.WARNING, logger="sft.run.failsafe"):
         assert guard.check(2, 1.0, identity) is True
         guard.add(torch.tensor(2.5))
         assert guard.check(3, float("inf"), identity) is True
@@ -59,7 +59,7 @@ def test_the_guard_skips_steps_below_the_limit_and_stops_at_it(tmp_path, caplog)
 
 def test_a_loss_of_exactly_zero_at_three_logs_in_a_row_is_warned_about_once(caplog):
     watch = failsafe.ZeroLoss()
-    with caplog.at_level(logging.WARNING, logger="sft.failsafe"):
+    with caplog.at_level(logging.WARNING, logger="sft.run.failsafe"):
         for step, loss in enumerate([0.0, 0.0, 1.5, 0.0, 0.0], start=1):
             watch.log(step, loss)
         assert "exactly 0.0" not in caplog.text  # two in a row, then two: no warning

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 from torch.utils.cpp_extension import get_default_build_root
 
-from sft.checkpoint import MARKER
+from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, cli_env, read_jsonl
 
 # 8 optimizer steps of the demo at a global batch of 4 rows (world 2 x micro batch 1 x accumulation 2), ZeRO-2,

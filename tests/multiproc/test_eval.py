@@ -15,7 +15,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from sft import evaluation
+from sft.tools import evaluation
 from tests.conftest import ROOT, cli_env
 
 

@@ -17,8 +17,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
-from sft.metrics import samples_per_step
+from sft.run.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from sft.run.metrics import samples_per_step
 from tests.conftest import DEMO, ROOT, read_jsonl, run_cli
 
 STEPS = 8

@@ -1,4 +1,4 @@
-"""Runs that go wrong end as failures (`sft.failsafe`), through the real launcher on 2 gloo processes."""
+"""Runs that go wrong end as failures (`sft.run.failsafe`), through the real launcher on 2 gloo processes."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from sft import report
-from sft.checkpoint import MARKER, RUN_MANIFEST
-from sft.failsafe import NONFINITE_EXIT_CODE, OOM_TEST_ENV
-from sft.metrics import samples_per_step
+from sft.run.checkpoint import MARKER, RUN_MANIFEST
+from sft.run.failsafe import NONFINITE_EXIT_CODE, OOM_TEST_ENV
+from sft.run.metrics import samples_per_step
+from sft.tools import report
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
 
 # A learning rate of 1,000 (warmed up over 6 steps) drives the demo model's gradients to NaN within a few steps; a

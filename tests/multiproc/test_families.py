@@ -24,7 +24,8 @@ MODELS = {
                   "num_experts_per_tok": 2, "moe_intermediate_size": 48},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "sliding_window": 16,
                "sliding_window_pattern": 2, "query_pre_attn_scalar": 16},
-    # sinks, windows on alternate layers, experts with biases and a clamped gate through sft's experts (`sft.experts`)
+    # sinks, windows on alternate layers, experts with biases and a clamped gate through sft's experts
+    # (`sft.model.experts`)
     "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_local_experts": 4,
                 "num_experts_per_tok": 2, "sliding_window": 16},
 }  # fmt: skip

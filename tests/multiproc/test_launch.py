@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from sft.checkpoint import MARKER
+from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, free_port, read_jsonl
 from tests.test_launch_scripts import env, slurm_env
 

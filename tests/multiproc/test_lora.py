@@ -1,5 +1,5 @@
 """LoRA and QLoRA (bitsandbytes 4-bit, which runs on the CPU) through TRL's ModelConfig flags: ZeRO-2/3,
-checkpointing, packing, resume, and `python -m sft.merge`."""
+checkpointing, packing, resume, and `python -m sft.tools.merge`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
-from sft.merge import main as merge_main
+from sft.run.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from sft.tools.merge import main as merge_main
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
 
 STEPS = 12
@@ -64,8 +64,8 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def merge(adapter: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sft.merge", "--adapter", str(adapter), "--output", str(output), "--dtype", "float32",
-         *extra], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+        [sys.executable, "-m", "sft.tools.merge", "--adapter", str(adapter), "--output", str(output), "--dtype",
+         "float32", *extra], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
     )  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def test_resume_after_a_kill_under_zero3_matches(runs, base, tmp_path, method):
 
 
 def test_merge_of_a_qlora_adapter_is_the_full_precision_base_plus_adapter(runs, base, tmp_path):
-    """QLoRA trains on the 4-bit base; `sft.merge` merges into the full-precision base (as PEFT's merge does)."""
+    """QLoRA trains on the 4-bit base; `sft.tools.merge` merges into the full-precision base (as PEFT's merge does)."""
     assert merge(runs["qlora_zero3_ckpt"], tmp_path / "merged").returncode == 0
     ids = torch.randint(5, 60, (2, 48))
     full = AutoModelForCausalLM.from_pretrained(base)

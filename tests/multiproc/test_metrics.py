@@ -1,4 +1,4 @@
-"""The metrics of a real run (sft.metrics, sft.flops): one epoch of known samples, packed and not."""
+"""The metrics of a real run (sft.run.metrics, sft.model.flops): one epoch of known samples, packed and not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft.flops import linear_flops_per_token
+from sft.model.flops import linear_flops_per_token
 from tests.conftest import ROOT, read_jsonl, run_cli
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"

@@ -45,7 +45,7 @@ def test_every_cpu_command_of_the_readme_runs_as_written(readme_walk):
         assert "Traceback" not in result.stderr and "Setting accelerator to CPU" not in result.stdout + result.stderr
         if step.expected is not None:
             assert result.stdout.strip() == step.expected, f"{what}\nprinted: {result.stdout!r}"
-        if "sft.batch --global-batch-size 528" in what:
+        if "sft.plan.batch --global-batch-size 528" in what:
             assert result.stdout.splitlines()[0] == "gradient_accumulation_steps: 33"
         if "sft.plan" in what:
             assert "peak per GPU" in result.stdout

@@ -20,9 +20,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from sft.checkpoint import KILL_DURING_SAVE_ENV, MARKER
 from sft.errors import PREEMPTED_EXIT_CODE
-from sft.metrics import samples_per_step
+from sft.run.checkpoint import KILL_DURING_SAVE_ENV, MARKER
+from sft.run.metrics import samples_per_step
 from tests.conftest import (
     ROOT,
     cli_env,
@@ -266,7 +266,7 @@ def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
 
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_exactly(reference, model_dir, tmp_path):
     """A truncated optimizer shard in the newest checkpoint: named, moved to incomplete/, the previous checkpoint used,
-    and the run ends bit-identical to the uninterrupted one (through the real CLI, not just sft.checkpoint)."""
+    and the run ends bit-identical to the uninterrupted one (through the real CLI, not just sft.run.checkpoint)."""
     out = tmp_path / "out"
     kill_after_checkpoint(args_for(model_dir, out, "zero2"), out, step=8)
     shard = out / "checkpoint-8" / "global_step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"

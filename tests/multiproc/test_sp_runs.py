@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sft.metrics import samples_per_step
+from sft.run.metrics import samples_per_step
 from tests.conftest import ROOT, cli_env, free_port, read_jsonl, run_cli, run_cli_side_by_side
 from tests.multiproc.test_resume import kill_after_checkpoint
 

@@ -62,7 +62,7 @@ def zero_runs(tmp_path_factory, init_model):
 
 
 # What a 40-step 2-process demo run may print (stdout + stderr, torchrun's banner included). Measured after
-# sft.logs: 26 lines (8 of them training/eval logs); before it a 60-step ZeRO-3 demo printed 8,329 lines.
+# sft.run.logs: 26 lines (8 of them training/eval logs); before it a 60-step ZeRO-3 demo printed 8,329 lines.
 CONSOLE_LINES_BOUND = 40
 
 
@@ -174,8 +174,8 @@ def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zer
 
 
 def test_the_run_ends_with_its_report_and_data_figures(zero_runs, tmp_path):
-    """The report written at the end (`sft.report`): every plot a PNG that decodes and is inline in index.html, the
-    plotted values those of metrics.jsonl; the data figures of the start (`sft.datastats`) agree with the epochs
+    """The report written at the end (`sft.tools.report`): every plot a PNG that decodes and is inline in index.html,
+    the plotted values those of metrics.jsonl; the data figures of the start (`sft.data.stats`) agree with the epochs
     the trainer counted; two runs overlay in one report."""
     import base64
     import json
@@ -214,7 +214,8 @@ def test_the_run_ends_with_its_report_and_data_figures(zero_runs, tmp_path):
 def test_a_bad_record_found_by_one_rank_stops_every_rank_with_its_paragraph(tmp_path):
     """Under torchrun with 2 processes the main process checks the data first while rank 1 waits in a barrier; a bad
     record it finds stops both ranks with exit code 2 and the one paragraph, and no rank prints a traceback (before,
-    rank 1 waited until gloo's "Connection closed by peer" ended it with one; `sft.distributed.main_first_together`).
+    rank 1 waited until gloo's "Connection closed by peer" ended it with one;
+    `sft.parallel.distributed.main_first_together`).
     """
     import json
 

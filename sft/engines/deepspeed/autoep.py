@@ -4,8 +4,8 @@
 keeps count/N experts and its tokens travel to the experts they are routed to by all-to-all, inside DeepSpeed's
 `AutoEPMoELayer` (DeepSpeed 0.19's AutoEP, which replaces the Hugging Face MoE block at `deepspeed.initialize` for the
 families it has a preset for: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...). The expert ranks are also data-parallel
-ranks (each reads its own data), so the batch arithmetic is unchanged (`sft.parallel.ParallelDims.ep` divides `dp`);
-the experts' weights, gradients and (ZeRO-1/2) optimizer states are split N ways (`sft.plan`).
+ranks (each reads its own data), so the batch arithmetic is unchanged (`sft.parallel.dims.ParallelDims.ep` divides
+`dp`); the experts' weights, gradients and (ZeRO-1/2) optimizer states are split N ways (`sft.plan.memory`).
 
 What sft adds around DeepSpeed's AutoEP, and why:
 - `deepspeed_section` / `check`: the recipe field written into the DeepSpeed config, and everything AutoEP would
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from sft.architectures import is_routed_expert
 from sft.errors import ConfigError
+from sft.model.architectures import is_routed_expert
 
 
 def preset_for(family: str) -> str | None:
@@ -55,7 +55,7 @@ def deepspeed_section(ep: int) -> dict:
 
 def check(ep: int, sp: int, zero_stage: int | None, offload: bool, family: str, is_moe: bool, lora: bool) -> None:
     """Refuse, before the model loads, an expert-parallel setting AutoEP cannot run (or sft cannot save); that `ep`
-    divides the data-parallel size is `sft.parallel`'s check."""
+    divides the data-parallel size is `sft.parallel.dims`'s check."""
     if ep == 1:
         return
     field = f"`expert_parallel_size: {ep}`"

@@ -46,8 +46,8 @@ class Zero3Cost:
 
 
 # sft's defaults side by side (H200, seq 4096, global batch 32 packed rows, full fine-tuning, Liger): under ZeRO-2 the
-# defaults train in FP8 with compiled decoder layers (hidden >= 2048), under ZeRO-3 in bf16 (`sft.fp8`). 1B and 3B:
-# benchmarks/results/zero3_levers/throughput.json; 8B: benchmarks/results/fp8/fp8.json (zero2-fp8_tensorwise vs
+# defaults train in FP8 with compiled decoder layers (hidden >= 2048), under ZeRO-3 in bf16 (`sft.model.fp8`). 1B and
+# 3B: benchmarks/results/zero3_levers/throughput.json; 8B: benchmarks/results/fp8/fp8.json (zero2-fp8_tensorwise vs
 # zero3-bf16). tests/test_engine.py checks these against those files.
 ZERO3_MEASURED = (
     Zero3Cost(1, 1, 0.959),
@@ -147,7 +147,7 @@ def prepare_config(
         raise ConfigError(
             f"`deepspeed`: bf16.check_grad_overflow: false in {where} lets DeepSpeed apply a step whose gradients "
             "are NaN or infinite to the weights; sft skips such steps and stops at max_nonfinite_steps "
-            "(sft.failsafe), which needs DeepSpeed's check. Remove the key (true is DeepSpeed's default)."
+            "(sft.run.failsafe), which needs DeepSpeed's check. Remove the key (true is DeepSpeed's default)."
         )
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     _check_zero_values(zero if isinstance(zero, dict) else {}, where)

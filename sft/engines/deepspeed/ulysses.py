@@ -9,7 +9,8 @@ from sft.errors import ConfigError
 
 
 def tiled_mlp():
-    """DeepSpeed ALST's `TiledMLP` autograd function (`sft.model.tiling` applies it to each decoder layer's MLP)."""
+    """DeepSpeed ALST's `TiledMLP` autograd function (`sft.model.build.tiling` applies it to each decoder layer's
+    MLP)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     return TiledMLP

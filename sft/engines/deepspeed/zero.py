@@ -86,10 +86,10 @@ def outside_zero_init():
 
 
 def partition(model: torch.nn.Module) -> None:
-    """Under ZeRO-3, a model loaded in host memory (`sft.model.quantization.loading`) partitioned now, one weight at a
-    time, as if it had been built inside `deepspeed.zero.Init`. Without this DeepSpeed's engine, finding no parameter
-    ZeRO has seen, moves the whole model to the GPU first (`module.to(device)`; measured: 20.55 GiB per GPU at 40
-    layers of 70B width on 2 GPUs, benchmarks/results/qlora_70b_2gpu/run_40_fit_2x24_2gpu.log)."""
+    """Under ZeRO-3, a model loaded in host memory (`sft.model.build.quantization.loading`) partitioned now, one weight
+    at a time, as if it had been built inside `deepspeed.zero.Init`. Without this DeepSpeed's engine, finding no
+    parameter ZeRO has seen, moves the whole model to the GPU first (`module.to(device)`; measured: 20.55 GiB per GPU
+    at 40 layers of 70B width on 2 GPUs, benchmarks/results/qlora_70b_2gpu/run_40_fit_2x24_2gpu.log)."""
     import deepspeed
     from transformers.integrations.deepspeed import deepspeed_config
 

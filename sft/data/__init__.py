@@ -1,0 +1,6 @@
+"""The training data: loading and checking every record (`load`), and its figures once tokenised (`stats`, the
+`sft data` command).
+
+May import: `sft.errors`, `sft.config`, `sft.parallel.distributed` (an error on one rank stops every rank),
+`sft.plan.batch` (steps per epoch), `sft.model.build` (the tokenizer, for `sft data`).
+"""

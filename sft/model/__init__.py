@@ -1,0 +1,8 @@
+"""What sft knows about a model and the changes it makes to one: the families (`architectures`), the attention
+backends (`attention`), the shapes the plan reads (`shapes`) and FLOPs (`flops`), building the model (`build`), and
+the model changes applied as converters in one declared order (`converters`: sft's experts, FP8, compiled layers,
+tiled MLP, kept attention outputs; QLoRA's weights in `quantization`).
+
+May import: `sft.errors`, `sft.config` (the argument classes), `sft.engines` (through the engine interface),
+`sft.plan.run` (the RunPlan type). Not the trainer or the data.
+"""

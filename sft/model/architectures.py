@@ -1,0 +1,395 @@
+"""What sft knows about a model architecture, in one place: every other module asks here.
+
+`of(config)` reads a transformers config (no weights) and returns an `Architecture`:
+
+- **attention features per decoder layer** (`Attention`): the sliding window of each layer (Mistral, Phi-3 and Qwen2
+  with `use_sliding_window` on every layer; Gemma 2/3 and gpt-oss on the layers `layer_types` names), logit
+  soft-capping (Gemma 2), attention sinks (gpt-oss), and layers that are not softmax attention at all (Qwen3-Next's
+  linear attention). These are exactly the arguments transformers hands the attention function
+  (`tests/test_architectures.py` checks the two against each other for every family), so a backend can be checked
+  against them before the model is built (`sft.model.attention.check_backend`);
+- **the mixture-of-experts layout** (`Experts`): experts, active experts per token, expert width, shared experts, how
+  many layers are dense;
+- **the kernels known good for the family** (`KERNELS`): Liger, FP8 and compiled decoder layers are on by default only
+  for a family where a GPU run measured them finite, matching the plain run and faster
+  (`benchmarks/architectures.py`, `benchmarks/results/architectures/`); elsewhere off, with the reason logged;
+- **FLOPs per token** on the parameters a token actually multiplies (the active experts of a MoE layer, not all of
+  them), and the attention FLOPs of each layer with its window;
+- **the module structure**: which modules are the decoder layers (`decoder_layers`), which linears are inside them.
+
+A family not in the table (`known` false) trains on the generic path: what `AutoModelForCausalLM` loads, with the
+attention features read from the config the same way, every fast path off, and one log line saying so.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class Kernel(NamedTuple):
+    on: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What the attention of every decoder layer asks of a backend, beyond plain causal softmax attention."""
+
+    windows: tuple[int | None, ...]  # per layer: transformers' `sliding_window` (a token sees the last `w`), or None
+    softcap: float | None = None  # tanh soft-capping of the attention logits (Gemma 2)
+    sinks: bool = False  # a learned per-head sink logit in the softmax (gpt-oss)
+    other_layers: tuple[str, ...] = ()  # layer types that are not softmax attention (linear attention, mamba, ...)
+
+    @property
+    def sliding(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    def needs(self) -> list[str]:
+        """The features a backend must honour, in words."""
+        wants = []
+        if self.sliding:
+            sizes = sorted({w for w in self.windows if w is not None})
+            layers = sum(w is not None for w in self.windows)
+            wants.append(f"a sliding window of {', '.join(map(str, sizes))} tokens on {layers} of {len(self.windows)} "
+                         "layers")  # fmt: skip
+        if self.softcap is not None:
+            wants.append(f"attention logit soft-capping at {self.softcap:g}")
+        if self.sinks:
+            wants.append("attention sinks")
+        return wants
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layout: `moe_layers` of the decoder's layers route each token to `active` of `count`
+    experts of width `width` (plus `shared` always-on experts of width `shared_width`); the others are dense."""
+
+    count: int
+    active: int
+    width: int
+    moe_layers: int
+    shared: int = 0
+    shared_width: int = 0
+    router_aux: float = 0.0  # the config's `router_aux_loss_coef` (0: none)
+    routes: bool = False  # the model can return its router logits (`output_router_logits`): TRL's load-balancing loss
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str  # transformers' model_type of the text model
+    known: bool  # a row of KERNELS: its features and kernels were checked for this family
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    attention: Attention
+    experts: Experts | None = None
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+
+    @property
+    def packed_mask(self) -> bool:
+        """Whether transformers' model code builds its attention mask from the position ids, so that mask-based
+        backends (sdpa, eager, flex_attention) keep packed samples apart (tests/test_architectures.py checks both
+        ways)."""
+        return self.family not in MASK_WITHOUT_POSITIONS
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts is not None
+
+    def identity(self) -> dict:
+        """What makes weights and optimizer states belong to this model (the checkpoint fingerprint's `architecture`):
+        the family and every width and count that shapes a tensor."""
+        e = self.experts
+        return {
+            "family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+            "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
+            "vocab": self.vocab,
+            "experts": None if e is None else {"count": e.count, "active": e.active, "width": e.width,
+                                               "moe_layers": e.moe_layers, "shared": e.shared},
+        }  # fmt: skip
+
+    def kernel(self, name: str) -> Kernel:
+        """Whether fast path `name` (`liger`, `fp8`, `compile` (with FP8), `compile_bf16` (compiled layers without
+        FP8), `experts` (`sft.model.experts`)) is known good for this family, and why (not)."""
+        if name in self.kernels:
+            return self.kernels[name]
+        unknown = f"{self.family} is not in sft's architecture table: {GENERIC}"
+        return Kernel(False, UNMEASURED if self.known else unknown)
+
+    def attention_pairs(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Query-key pairs causal attention computes for samples of these lengths, summed over the layers, each with
+        its window: len^2 / 2 per sample for a full layer (the diagonal not counted apart); under a window w, w^2 / 2
+        for the first w tokens and w for each one after."""
+        lengths = lengths.double()
+        total = torch.zeros((), dtype=torch.float64, device=lengths.device)
+        for window, layers in collections.Counter(self.attention.windows).items():
+            inside = lengths if window is None else lengths.clamp(max=window)
+            total = total + layers * (inside * inside / 2 + (lengths - inside) * (window or 0)).sum()
+        return total
+
+    @property
+    def attention_width(self) -> int:
+        """Attention heads x head dim: the inner width of QK^T and AV."""
+        return self.heads * self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate activations one token makes in an average decoder layer's MLP (the active experts' for MoE)."""
+        if self.experts is None:
+            return self.intermediate
+        e = self.experts
+        moe = e.active * e.width + e.shared * e.shared_width
+        return round((moe * e.moe_layers + self.intermediate * (self.layers - e.moe_layers)) / self.layers)
+
+    @property
+    def mlp_kept(self) -> int:
+        """[tokens, intermediate] 16-bit tensors transformers' MLP (each active expert's) keeps for the backward: 4 for
+        SwiGLU (SiLU's input and output, up's output, down's input); gpt-oss's clamped GLU keeps 7 (counted with
+        autograd's saved-tensor hooks, tests/test_plan.py)."""
+        return MLP_KEPT.get(self.family, 4)
+
+    def describe(self, router_aux_loss_coef: float | None = None) -> str:
+        """The family and what it needs; `router_aux_loss_coef` is TRL's training argument (None: the config's)."""
+        parts = [self.family if self.known else f"{self.family} (generic path)"]
+        parts += self.attention.needs() or ["plain causal attention"]
+        if self.attention.other_layers:
+            parts.append(f"{', '.join(self.attention.other_layers)} layers")
+        if self.experts:
+            e = self.experts
+            parts.append(f"{e.count} experts, {e.active} active, width {e.width} on {e.moe_layers} of {self.layers} "
+                         f"layers" + (f", {e.shared} shared" if e.shared else ""))  # fmt: skip
+            coef = e.router_aux if router_aux_loss_coef is None else router_aux_loss_coef
+            if coef and e.routes:  # TRL's SFTTrainer adds coef x the model's aux_loss and logs it
+                parts.append(f"router load-balancing loss x{coef:g} trained (aux_loss in the logs)")
+            else:
+                parts.append("no router load-balancing loss (router_aux_loss_coef 0)")
+        return "; ".join(parts)
+
+
+GENERIC = "never measured on a GPU: every fast path off"
+RESULTS = "benchmarks/results/architectures, 1 x H100, 2 layers at the family's widths"
+# Liger's patches exist per model type (liger_kernel.transformers.monkey_patch). `benchmarks/architectures.py` measured
+# each family against its plain bf16 run: every Liger run finite and within 0.06% of plain's loss per step; on where
+# it was also faster. FP8 measured slower than bf16 at 2 layers for every family, Llama's too (0.49x eager, 0.63x
+# compiled), where its full-depth runs gain 1.04-1.16x (benchmarks/results/fp8): so FP8 stays on only for Llama,
+# measured at full depth, until another family is. Compiled layers follow FP8 (`compile_decoder_layers: auto`), or
+# are on alone where `compile_bf16` was measured faster (a MoE's elementwise work between its grouped GEMMs).
+LLAMA_MEASURED = Kernel(True, "measured exact and faster at full depth on the Llama shapes (benchmarks/results/fp8, "
+                        "throughput)")  # fmt: skip
+FP8_UNMEASURED = Kernel(False, f"slower than bf16 at 2 layers ({RESULTS}; so was Llama's, which gains only at full "
+                        "depth); not yet measured at full depth")  # fmt: skip
+COMPILE_WITH_FP8 = Kernel(False, "on only with FP8")
+
+
+# sft's experts implementation (`sft.model.experts`) against transformers' grouped_mm, sft's defaults otherwise (1 x
+# H100, benchmarks/results/moe_h100): one layer forward + backward 1.11x (Qwen3-30B-A3B widths) and 1.04x
+# (gpt-oss-20b); the whole eager model 1.03x (Qwen3-MoE) and 1.02x (gpt-oss); under compiled layers 0.996x (Inductor
+# fuses transformers' elementwise work)
+MOE_RESULTS = "benchmarks/results/moe_h100"
+EXPERTS_GPT_OSS = Kernel(True, f"sft_grouped: equal to the per-expert loop, 1.04x transformers' grouped_mm per layer, "
+                         f"1.02x the whole model ({MOE_RESULTS})")  # fmt: skip
+EXPERTS_UNDER_COMPILE = Kernel(False, f"equal to transformers' grouped_mm under compiled layers (0.996x its tokens/s, "
+                               f"{MOE_RESULTS})")  # fmt: skip
+
+
+def _liger(speed: float) -> Kernel:
+    if speed >= 1.0:
+        return Kernel(True, f"finite, loss within 0.06% of plain bf16, {speed:.2f}x its tokens/s ({RESULTS})")
+    return Kernel(False, f"finite and exact but {speed:.2f}x plain bf16's tokens/s ({RESULTS})")
+
+
+UNMEASURED = "not yet measured for this family on a GPU"
+KERNELS: dict[str, dict[str, Kernel]] = {
+    "llama": {"liger": LLAMA_MEASURED, "fp8": LLAMA_MEASURED, "compile": LLAMA_MEASURED},
+    "qwen2": {"liger": _liger(0.86), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},  # windowed: 0.93
+    "qwen3": {"liger": _liger(0.996), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "mistral": {"liger": _liger(1.16), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "gemma2": {"liger": _liger(1.32), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "gemma3_text": {"liger": _liger(1.47), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "phi3": {"liger": _liger(1.17), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "olmo2": {"liger": _liger(1.09), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
+    "gpt_oss": {
+        "liger": _liger(1.12),
+        "fp8": FP8_UNMEASURED,
+        "compile": Kernel(
+            False,
+            "compiled layers fail in the first backward (Inductor's assert_size_stride: wrong "
+            f"number of dimensions; torch 2.11, {MOE_RESULTS})",
+        ),  # fmt: skip
+        "experts": EXPERTS_GPT_OSS,
+    },
+    # mixture of experts: FP8 converts only the attention projections (the experts are 3-D weights, not nn.Linear;
+    # their float8 grouped GEMMs, `sft.model.experts.NAME_FP8`, measured 0.75x bf16 per layer:
+    # benchmarks/results/moe_h100)
+    "qwen3_moe": {
+        "fp8": Kernel(False, f"converts only the attention projections; 0.86x bf16 ({RESULTS})"),
+        "experts": EXPERTS_UNDER_COMPILE,
+        "compile_bf16": Kernel(
+            True, f"1.39x the eager layers' tokens/s at Qwen3-30B-A3B's widths, loss within 1e-5 ({MOE_RESULTS})"
+        ),  # fmt: skip
+    },
+    "mixtral": {},
+    "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},
+    "deepseek_v3": {},
+}
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _windows(text) -> tuple[int | None, ...]:
+    layers = text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(text, "layer_types", None)
+    if window is None:
+        return (None,) * layers
+    if types is None:  # Mistral, Phi-3, Mixtral: the window on every layer
+        return (window,) * layers
+    return tuple(window if t == SLIDING else None for t in types)
+
+
+def _experts(text) -> Experts | None:
+    count = next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                  if getattr(text, n, None)), None)  # fmt: skip
+    if not count:
+        return None
+    layers = text.num_hidden_layers
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    step = getattr(text, "decoder_sparse_step", 1) or 1
+    first_dense = getattr(text, "first_k_dense_replace", 0) or 0
+    moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)
+    shared = getattr(text, "n_shared_experts", 0) or 0
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    shared_width = getattr(text, "shared_expert_intermediate_size", None) or (width if shared else 0)
+    if getattr(text, "shared_expert_intermediate_size", None):
+        shared = max(shared, 1)
+    router_aux = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    routes = hasattr(text, "output_router_logits")
+    return Experts(count, text.num_experts_per_tok, width, moe_layers, shared, shared_width, router_aux, routes)
+
+
+def of(config) -> Architecture:
+    """The architecture of a transformers config (the text model's, for a multimodal one)."""
+    text = text_config(config)
+    family = text.model_type
+    heads = text.num_attention_heads
+    types = getattr(text, "layer_types", None) or ()
+    attention = Attention(
+        windows=_windows(text),
+        softcap=getattr(text, "attn_logit_softcapping", None) if family in SOFTCAP_FAMILIES else None,
+        sinks=family in SINK_FAMILIES,
+        other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"})),
+    )
+    return Architecture(
+        family=family,
+        known=family in KERNELS,
+        layers=text.num_hidden_layers,
+        hidden=text.hidden_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        intermediate=text.intermediate_size,
+        vocab=text.vocab_size,
+        attention=attention,
+        experts=_experts(text),
+        kernels=KERNELS.get(family, {}),
+    )
+
+
+# Families whose attention passes `softcap` / `s_aux` to the attention function (checked against transformers' calls
+# in tests/test_architectures.py). An unknown family that passes either is caught by the backend at its first call.
+SOFTCAP_FAMILIES = {"gemma2"}
+# transformers 5.x's gpt-oss calls create_causal_mask without position_ids: its sdpa/eager/flex masks are not packed
+MASK_WITHOUT_POSITIONS = {"gpt_oss"}
+SINK_FAMILIES = {"gpt_oss"}
+# gpt-oss's gate: the [gate, up] pairs kept by both clamps, the clamped gate, its sigmoid, up + 1, the GLU and down's
+# input
+MLP_KEPT = {"gpt_oss": 7}
+
+
+def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_loss_coef: float | None = None) -> None:
+    """One line: the family, what its attention needs (and a MoE's router loss), and each fast path with the reason
+    it is on or off."""
+    kernels = "; ".join(f"{name} {'on' if k.on else 'off'} ({k.reason})" for name, k in decisions.items())
+    logger.info("Model: %s. %s", arch.describe(router_aux_loss_coef), kernels)
+
+
+# --- the module structure of a built model ---
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under PEFT's wrappers."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter `name` is a routed expert's weight: a parameter of an MoE block's `experts` module
+    (transformers' fused experts; shared experts are apart). What expert parallelism splits and the plan counts."""
+    return name.rsplit(".", 2)[-2:-1] == ["experts"]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder layers of a causal LM (transformers' `get_decoder().layers`), or None if it has none."""
+    model = base_model(model)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+def decoder_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The qualified names of the decoder layers in `model` (with a trailing dot): what is inside the decoder."""
+    layers = {id(m) for m in decoder_layers(model) or ()}
+    return tuple(f"{name}." for name, m in model.named_modules() if id(m) in layers)
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' fused expert modules (`<Family>Experts`: 3-D weights, one slice per expert)."""
+    return [m for m in model.modules() if getattr(m, "num_experts", None) and any(
+        p.dim() == 3 for p in m.parameters(recurse=False))]  # fmt: skip
+
+
+def _shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions the data; the full shape stays here
+
+
+def matmul_flops_per_token(model: torch.nn.Module, arch: Architecture | None = None) -> int:
+    """Training FLOPs per token of the weights a token multiplies: every `nn.Linear` (6 x in x out, 4 x when frozen:
+    no weight gradient), a router that holds a plain 2-D weight, and of each fused experts module only the `active`
+    experts' share. Never the input embedding (a lookup).
+
+    in_features x out_features and the ZeRO-3 full shape, not `weight.numel()`: under ZeRO-3 a rank holds a slice of
+    each weight, and 4-bit weights are packed."""
+    experts = {id(m): m for m in experts_modules(model)}
+    total = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += (6 if module.weight.requires_grad else 4) * module.in_features * module.out_features
+        elif id(module) in experts:
+            share = (arch.experts.active if arch and arch.experts else module.num_experts) / module.num_experts
+            for p in module.parameters(recurse=False):
+                if p.dim() == 3:
+                    total += (6 if p.requires_grad else 4) * math.prod(_shape(p)) * share
+        elif type(module).__name__.endswith("Router"):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and len(_shape(weight)) == 2:
+                total += (6 if weight.requires_grad else 4) * math.prod(_shape(weight))
+    return round(total)

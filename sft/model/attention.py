@@ -1,0 +1,404 @@
+"""The attention backend for padding-free packed batches, and the checks that keep samples apart.
+
+`attn_implementation: auto` picks, in order: flash-attn's `flash_attention_2` (flash-attn installed, CUDA GPU of
+compute capability 8.0 or newer); PyTorch's own varlen FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`,
+CUDA), registered with transformers' `AttentionInterface` as `sft_varlen`; on CPU, `sdpa`, for which transformers
+builds a block-diagonal mask from the packed `position_ids`. With sequence parallelism (`sft.parallel.sequence`)
+`sdpa` cannot keep samples apart, and `auto` picks `sft_varlen` on CPU too.
+
+transformers has no varlen backend of PyTorch's own, which is why `sft_varlen` is written here. It reads the sequence
+boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collator puts in every batch (sequence
+parallelism hands them back for the whole row); without them it derives them from `position_ids` (a sample starts
+where its position is 0);
+it falls back to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches. On CPU (no
+varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample. A row
+that holds one sample (long-context training) goes to plain causal sdpa instead, whose cuDNN kernel is much faster
+than varlen FlashAttention-2 on Hopper.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+
+import torch
+
+from sft.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+VARLEN = "sft_varlen"
+# Backends that keep packed samples apart: the flash kernels through sequence boundaries, sdpa/eager/flex through the
+# block mask transformers derives from position_ids.
+PACKING_SAFE = {
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    VARLEN,
+    "sdpa",
+    "eager",
+    "flex_attention",
+}
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_has_window(fn=None) -> bool:
+    """Whether PyTorch's varlen kernel takes a window (`window_size`, after torch 2.9's `is_causal`)."""
+    fn = fn or _varlen_attn()
+    return fn is not None and "window_size" in inspect.signature(fn).parameters
+
+
+def _causal_kwargs(fn, window: int | None = None) -> dict:
+    """torch 2.9 spelled causal masking `is_causal=True`; later releases `window_size=(-1, 0)`, which also takes a
+    left window: transformers' `sliding_window` w (a token sees `kv > q - w`) is `window_size=(w - 1, 0)`."""
+    if not varlen_has_window(fn):
+        if window is not None:  # refused at start by check_backend; a safeguard
+            raise ConfigError(f"{VARLEN}: this torch's varlen kernel has no window; the sliding window would be lost.")
+        return {"is_causal": True}
+    return {"window_size": (-1 if window is None else window - 1, 0)}
+
+
+def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
+    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA, a left window) on sdpa, one sample at a
+    time: for CPU."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    bounds = cu_q.tolist()
+    left = window_size[0]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        mask = None
+        if 0 <= left < end - start - 1:  # causal and at most `left` tokens back
+            pos = torch.arange(end - start, device=q.device)
+            distance = pos[:, None] - pos[None, :]
+            mask = (distance >= 0) & (distance <= left)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative sample lengths of a flattened batch from its position ids (a sample starts at position 0)."""
+    flat = position_ids.flatten()
+    starts = (flat == 0).nonzero().flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    return torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
+
+
+def scored_attention(q, k, v, cu, scale, window: int | None, softcap: float | None, sinks: torch.Tensor | None):
+    """Attention whose scores a model changes (soft-capping, sinks), sample by sample on the boundaries `cu`: exact
+    where the model's own mask code would mix packed samples (transformers' gpt-oss builds its mask without the
+    position ids). On a GPU flex_attention with a block mask of the samples (and window); on the CPU the eager
+    arithmetic of transformers' Gemma 2 / gpt-oss attention, one sample at a time. [total, heads, dim] tensors."""
+    if q.is_cuda:
+        return _flex_scored(q, k, v, cu, scale, window, softcap, sinks)
+    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = q.new_empty(q.shape[0], heads, v.shape[-1])
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
+        qs = q[start:end].transpose(0, 1)
+        ks, vs = (t[start:end].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))
+        scores = qs @ ks.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(end - start, device=q.device)
+        distance = pos[:, None] - pos[None, :]
+        allowed = (distance >= 0) & (distance < (window or end - start + 1))
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.reshape(heads, 1, 1).expand(heads, end - start, 1).to(scores)], -1)
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out[start:end] = (probs.to(vs.dtype) @ vs).transpose(0, 1)
+    return out
+
+
+def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None):
+    """The GPU path of `scored_attention`: flex_attention (compiled, as transformers calls it; `flex` another one)
+    over the whole row with a document-causal block mask, soft-capping as its score function, sinks by renormalising
+    with its log-sum-exp (as transformers' flex_attention does for gpt-oss)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
+
+    if flex is None:
+        flex = functools.partial(compile_friendly_flex_attention, training=torch.is_grad_enabled())
+
+    total = q.shape[0]
+    sample = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff().long())
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (sample[q_idx] == sample[kv_idx]) & (kv_idx <= q_idx)
+        return keep & (q_idx - kv_idx < window) if window is not None else keep
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap) if softcap is not None else score
+
+    # compiled: the block sums without the dense total x total mask (32 GiB for a micro batch of 16 rows of 4,096,
+    # measured on 1 x H100 with gpt-oss's widths)
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device, _compile=True)
+    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out, aux = flex(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, enable_gqa=key.shape[1] != query.shape[1],
+        scale=scale, **get_flex_attention_lse_kwargs(True),
+    )  # fmt: skip
+    if sinks is not None:
+        lse = (aux.lse if hasattr(aux, "lse") else aux).unsqueeze(-1).float()
+        combined = torch.logsumexp(torch.cat([lse, sinks.float().view(1, -1, 1, 1).expand_as(lse)], -1), -1, True)
+        out = out * torch.exp(lse - combined).to(out.dtype)
+    return out[0].transpose(0, 1)
+
+
+# What transformers' attention layers of the model matrix pass besides q, k, v and the mask (tests/test_architectures
+# records every argument they pass): honoured by `sft_varlen` ...
+# (`seq_idx`, the sample index of each token from TRL's collator, is the same boundaries as `cu_seq_lens_q`)
+HANDLED = frozenset({"scaling", "dropout", "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                     "max_length_k", "position_ids", "seq_idx"})  # fmt: skip
+# ... or carrying nothing the attention computes with (the model's own switches, passed down through **kwargs)
+# (Liger's patched forwards pass `output_hidden_states` and `return_dict` down; measured on 1 x H100)
+INERT = frozenset({"use_cache", "output_router_logits", "output_attentions", "output_hidden_states", "return_dict",
+                   "cache_position"})  # fmt: skip
+
+
+def refused_arguments(kwargs: dict) -> list[str]:
+    """The attention arguments `sft_varlen` cannot honour: non-causal attention, or any argument it does not know (a
+    newer transformers may pass one that changes the result: refused, never ignored)."""
+    refused = [k for k, v in kwargs.items() if v is not None and k not in HANDLED | INERT | {"is_causal"}]
+    if kwargs.get("is_causal") is False:
+        refused.append("is_causal=False")
+    return sorted(refused)
+
+
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
+    s_aux=None, **kwargs,
+):  # fmt: skip
+    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
+    causal, with the layer's sliding window (transformers' `sliding_window`: a token sees itself and the `w - 1`
+    before it); soft-capping and sinks through `scored_attention`."""
+    refused = refused_arguments(kwargs)
+    if refused:
+        raise ConfigError(
+            f"`attn_implementation: {VARLEN}`: {type(module).__name__} asks for {', '.join(refused)}, which this "
+            "backend cannot honour (it would be dropped and the model would train on other attention than it runs "
+            f"with). Use `attn_implementation: auto`, which picks a backend that has "
+            f"{' and '.join(refused)}."
+        )
+    kernel = _varlen_attn() if query.is_cuda else None
+    on_gpu = kernel is not None
+    varlen_attn = kernel if on_gpu else per_sample_sdpa
+    batch, heads, seq, dim = query.shape
+    dtype = query.dtype
+    if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        query, key, value = query.to(half), key.to(half), value.to(half)
+    device, keep = query.device, None
+    if kwargs.get("cu_seq_lens_q") is not None:  # packed: TRL's collator gives the boundaries
+        cu_q, cu_k = (
+            kwargs["cu_seq_lens_q"].to(device, torch.int32),
+            kwargs["cu_seq_lens_k"].to(device, torch.int32),
+        )
+        max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    elif kwargs.get("position_ids") is not None and attention_mask is None:  # packed, boundaries from positions
+        cu_q = cu_k = boundaries_from_positions(kwargs["position_ids"]).to(device)
+        max_q = max_k = int(cu_q.diff().max())
+    elif attention_mask is not None and attention_mask.dim() == 2:  # right- or left-padded rows: drop the padding
+        keep = attention_mask.flatten().bool()
+        lengths = attention_mask.sum(-1, dtype=torch.int32)
+        cu_q = cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        max_q = max_k = int(lengths.max())
+    else:  # one whole sequence per row
+        cu_q = cu_k = torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
+        max_q = max_k = seq
+    if dropout and module.training:
+        logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
+    windowed = sliding_window is not None and max_k > sliding_window
+    scored = softcap is not None or s_aux is not None
+    if (
+        on_gpu
+        and batch == 1
+        and not scored
+        and keep is None
+        and cu_q.numel() == 2
+        and cu_k.numel() == 2
+        and not windowed
+    ):
+        # One sample in the row (long-context rows; sequence-parallel padding is part of it, see
+        # `sft.parallel.sequence.row_boundaries`): plain causal sdpa, whose cuDNN kernel runs at 1.7-1.9x the varlen
+        # FlashAttention-2 kernel on H200 (benchmarks/results/attention_kernels)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != heads
+        )
+        return out.transpose(1, 2).to(dtype), None
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value))
+    if keep is not None:
+        q, k, v = q[keep], k[keep], v[keep]
+    if scored:
+        out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
+    else:
+        causal = _causal_kwargs(varlen_attn, sliding_window if windowed else None) if on_gpu else {}
+        if windowed and not on_gpu:
+            causal = {"window_size": (sliding_window - 1, 0)}
+        v_dim = v.shape[-1]
+        if on_gpu and v_dim != dim:  # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
+            v = torch.nn.functional.pad(v, (0, dim - v_dim))
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)[..., :v_dim]
+    dim = out.shape[-1]
+    if keep is not None:
+        full = out.new_zeros(batch * seq, heads, dim)
+        full[keep] = out
+        out = full
+    return out.reshape(batch, seq, heads, dim).to(dtype), None
+
+
+def register_varlen() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    # the mask function of the flash kernels: a 2D padding mask or none, never a dense 4D mask
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, flash_attention_mask)
+
+
+# What each backend honours of what a model's attention asks (`sft.model.architectures.Attention`). transformers' sdpa
+# takes the window from its mask but has no soft-capping or sinks; flash-attn has soft-capping but no sinks; eager (the
+# family's own function) and flex_attention (score and mask functions) have all three.
+HONOURS = {
+    "eager": {"window", "softcap", "sinks"},
+    "flex_attention": {"window", "softcap", "sinks"},
+    "sdpa": {"window"},
+    "flash_attention_2": {"window", "softcap"},
+    "flash_attention_3": {"window", "softcap"},
+    VARLEN: {"window", "softcap", "sinks"},
+}
+
+
+# Backends that keep packed samples apart only through the mask the model's own code builds from position_ids
+MASKED = {"sdpa", "eager", "flex_attention"}
+
+
+def _needs(attention) -> set[str]:
+    wanted = set()
+    if attention.sliding:
+        wanted.add("window")
+    if attention.softcap is not None:
+        wanted.add("softcap")
+    if attention.sinks:
+        wanted.add("sinks")
+    return wanted
+
+
+def honours(backend: str | None, on_gpu: bool) -> set[str]:
+    """The attention features `backend` honours here (sft_varlen's window needs a torch whose kernel takes one)."""
+    have = set(HONOURS.get(backend or "", set()))
+    if backend == VARLEN and on_gpu and not varlen_has_window():
+        have.discard("window")
+    return have
+
+
+def check_backend(arch, backend: str | None, padding_free: bool, on_gpu: bool | None = None) -> None:
+    """Refuse, before the model is built, a backend that cannot honour what the model's attention asks (a window,
+    soft-capping, sinks), and packing on layers that are not softmax attention."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    missing = _needs(arch.attention) - honours(backend, on_gpu)
+    if missing:
+        able = sorted(b for b in HONOURS if _needs(arch.attention) <= honours(b, on_gpu))
+        raise ConfigError(
+            f"`attn_implementation: {backend}` cannot honour what {arch.family}'s attention asks: "
+            f"{'; '.join(arch.attention.needs())}. It would be dropped, and the model would train on other attention "
+            f"than it runs with. Use `auto`, or one of {able}."
+        )
+    if padding_free and backend in MASKED and not arch.packed_mask:
+        raise ConfigError(
+            f"`attn_implementation: {backend}` with packing: transformers' {arch.family} builds its attention mask "
+            "without the position ids, so this mask-based backend would let packed samples attend to each other. "
+            f"Use `auto` ({VARLEN}: the samples' boundaries), or set packing: false and padding_free: false."
+        )
+    if padding_free and arch.attention.other_layers:
+        raise ConfigError(
+            f"Packing: {arch.family} has {', '.join(arch.attention.other_layers)} layers, to which sft cannot pass "
+            "the sample boundaries of a packed row (their state would flow from one sample into the next). Set "
+            "packing: false and padding_free: false."
+        )
+
+
+def resolve_attn_implementation(
+    requested: str | None, sequence_parallel: bool = False, arch=None, padding_free: bool = False
+) -> str | None:
+    """The backend for `attn_implementation` (`auto` or unset: the fastest available one that honours what the
+    model's attention asks, `arch`); logs the choice and refuses one that would drop a feature."""
+    on_gpu = torch.cuda.is_available()
+    needs = _needs(arch.attention) if arch is not None else set()
+    scored = needs - {"window"}  # soft-capping, sinks: sft_varlen's scored path (flex_attention on GPUs)
+    mask_leaks = arch is not None and padding_free and not arch.packed_mask
+    if requested not in (None, "auto"):
+        chosen = requested
+        if requested == VARLEN:
+            if on_gpu and _varlen_attn() is None:
+                raise ConfigError(
+                    f"`attn_implementation: {VARLEN}` on a GPU needs torch.nn.attention.varlen (torch >= 2.9). "
+                    "Use `auto` to pick the best available backend."
+                )
+            register_varlen()
+    elif on_gpu:
+        major, _ = torch.cuda.get_device_capability()
+        if importlib.util.find_spec("flash_attn") is not None and major >= 8 and not scored:
+            chosen, why = "flash_attention_2", "flash-attn is installed"
+        elif _varlen_attn() is not None and (varlen_has_window() or "window" not in needs):
+            register_varlen()
+            chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
+            if scored:
+                why = f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask"
+        else:
+            chosen, why = "sdpa", "no varlen kernel (with a window, where the model has one) and no flash-attn"
+    elif sequence_parallel or scored or mask_leaks:
+        register_varlen()
+        chosen, why = VARLEN, "no GPU: exact attention one sample at a time"
+    else:
+        chosen, why = "sdpa", "no GPU; packed sequences are kept apart by a block mask from position_ids"
+    if arch is not None:
+        check_backend(arch, chosen, padding_free, on_gpu)
+    if requested in (None, "auto"):
+        logger.info("Attention backend: %s (%s)", chosen, why)
+    return chosen
+
+
+def check_packing(attn_implementation: str | None, padding_free: bool, model_init_kwargs: dict | None) -> None:
+    """Refuse settings that would let packed samples attend to each other."""
+    if not padding_free:
+        return
+    if attn_implementation not in PACKING_SAFE:
+        raise ConfigError(
+            f"`attn_implementation: {attn_implementation}` cannot keep packed samples apart. Use `auto` (or one of "
+            f"{sorted(PACKING_SAFE)}), or set `packing: false` and `padding_free: false`."
+        )
+    if (model_init_kwargs or {}).get("use_cache"):
+        raise ConfigError(
+            "`model_init_kwargs.use_cache: true` with packing: a KV cache during training makes transformers skip "
+            "the packed-sequence mask, so samples would attend to each other. Remove `use_cache` (sft turns it off)."
+        )
+
+
+def check_batch(inputs: dict) -> None:
+    """A packed batch must not carry an attention_mask: the backends would mask padding, not sample boundaries."""
+    position_ids = inputs.get("position_ids")
+    if position_ids is None or "attention_mask" not in inputs:
+        return
+    if bool((position_ids[..., 1:] == 0).any()):
+        raise ConfigError(
+            "A packed batch (position_ids restart inside a row) came with an `attention_mask`; the attention would "
+            "mix samples. Use TRL's padding-free collator (no custom `data_collator`) or drop the attention_mask."
+        )

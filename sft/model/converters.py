@@ -1,0 +1,148 @@
+"""Model changes as converters, applied by one container in one declared order (torchtitan's `ModelConverter`).
+
+Each change sft makes to a model is a converter: whether the run plan turns it on, and what it does. They run in the
+order of `ORDER`, in the phase where each must run:
+
+- `build`: right after the model is built (`sft.model.build.load_model`), on the bare model;
+- `trainer`: applied by the library inside the trainer's construction, not by sft: PEFT's LoRA adapters (TRL's
+  SFTTrainer wraps the model), then Liger's kernels (transformers' Trainer patches the model, LoRA's too);
+- `prepare`: after those, before the engine wraps the model (`Trainer._prepare_for_training`): the tiled MLP wraps
+  the MLP Liger patched, checkpointing keeps the attention outputs;
+- `wrapped`: after the engine wrapped the model: its hooks kept out of the compiled layers.
+
+A new model change is a converter here plus its line in the plan (`sft.plan.preflight`), not an edit in the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("build", "trainer", "prepare", "wrapped")
+
+
+@dataclass(frozen=True)
+class Converter:
+    name: str
+    phase: str
+    enabled: Callable  # (plan) -> bool
+    apply: Callable | None  # (model, plan) -> None; None: the library applies it in that phase
+
+
+def _experts(model, plan) -> None:
+    from sft.model import experts
+
+    experts.apply(model, experts.decide(plan.arch, plan.training_args.model_init_kwargs)[0])
+
+
+def _fp8(model, plan) -> None:
+    from sft.model import fp8
+
+    recipe = plan.training_args.fp8_recipe
+    converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available())
+    logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling)", converted, recipe)
+
+
+def compile_decoder_layers(model) -> None:
+    """`torch.compile` each decoder layer (one graph, reused by every layer), not the whole model.
+
+    transformers' `torch_compile` compiles the whole model, loss and LM head included, and breaks the graph at every
+    DeepSpeed hook; the decoder layers are where the elementwise work between the matmuls is.
+    """
+    from sft.errors import ConfigError
+    from sft.model import architectures
+
+    layers = architectures.decoder_layers(model)
+    if layers is None:
+        raise ConfigError(
+            f"`compile_decoder_layers`: {type(model).__name__} has no decoder layers to compile. Set it to false."
+        )
+    for layer in layers:
+        layer.compile()
+    logger.info("Compiling %d decoder layers with torch.compile", len(layers))
+
+
+def _compile(model, plan) -> None:
+    compile_decoder_layers(model)
+
+
+def _tiled_mlp(model, plan) -> None:
+    from sft.model import fp8, tiling
+
+    args = plan.training_args
+    hidden = model.config.get_text_config().hidden_size
+    tiles = tiling.tiles_for(args.max_length, plan.dims.sp, hidden)
+    changed = tiling.apply_tiled_mlp(model, tiles, fp8.token_multiple(args.fp8))
+    if changed:
+        logger.info("Tiled MLP: %d decoder-layer MLPs run in %d tiles per row", changed, tiles)
+
+
+def _keep(model, plan) -> None:
+    from sft.model import checkpointing
+
+    checkpointing.keep_attention_outputs(model, plan.training_args.activation_checkpointing_kwargs)
+    logger.info("Activation checkpointing keeps the attention kernels' outputs (sft.model.checkpointing): the "
+                "recomputation skips the attention kernel")  # fmt: skip
+
+
+def _offloaded_checkpoints(model, plan) -> None:
+    """transformers offloads the checkpoints itself; said here, with the allocator setting long rows need."""
+    from sft.model import checkpointing
+
+    offloaded = (plan.training_args.activation_checkpointing_kwargs or {}).get("offload")
+    logger.info(
+        "Activation checkpoints %s",
+        "offloaded to pinned CPU memory" if offloaded else "not offloaded: no GPU, they are in host memory",
+    )
+    if offloaded and checkpointing.expandable_segments():
+        logger.info("GPU memory in expandable segments from here on (long rows; %s sets it otherwise)",
+                    checkpointing.ALLOC_CONF_ENV)  # fmt: skip
+
+
+def _compiled_hooks(model, plan) -> None:
+    from sft.model import architectures
+
+    wrapped = plan.engine.compiled_layers_ready(architectures.decoder_layers(model))
+    if wrapped:
+        logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
+
+
+def _args(*names: str) -> Callable:
+    """On where every one of these training arguments is (as the plan resolved them)."""
+    return lambda plan: all(getattr(plan.training_args, name) for name in names)
+
+
+ORDER = (
+    Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
+    Converter("FP8", "build", _args("fp8"), _fp8),
+    Converter("compiled layers", "build", _args("compile_decoder_layers"), _compile),
+    Converter("LoRA", "trainer", lambda plan: plan.lora, None),  # TRL's SFTTrainer: PEFT's get_peft_model
+    Converter("Liger", "trainer", _args("use_liger_kernel"), None),  # transformers' Trainer: Liger's patches
+    Converter("tiled MLP", "prepare", _args("tiled_mlp"), _tiled_mlp),
+    Converter("kept attention outputs", "prepare", _args("activation_checkpointing", "keep_attention_outputs"), _keep),
+    Converter("offloaded checkpoints", "prepare", _args("offload_checkpoints"), _offloaded_checkpoints),
+    Converter("compiled layers' engine hooks", "wrapped", _args("compile_decoder_layers"), _compiled_hooks),
+)
+
+
+def apply(phase: str, model: torch.nn.Module, plan) -> list[str]:
+    """Apply the converters of `phase` that the plan turns on, in their order; returns their names."""
+    applied = []
+    for converter in ORDER:
+        if converter.phase == phase and converter.apply is not None and converter.enabled(plan):
+            converter.apply(model, plan)
+            applied.append(converter.name)
+    return applied
+
+
+def apply_at_build(model: torch.nn.Module, plan) -> list[str]:
+    """After the model is built: the `build` converters, with the KV cache off for packed rows (a KV cache in training
+    skips the packed-sequence mask of sdpa/eager)."""
+    if plan.training_args.padding_free_batches:
+        model.config.use_cache = False
+    return apply("build", model, plan)

@@ -1,0 +1,773 @@
+"""Pre-flight memory planner: per-GPU and host memory of a setting, whether it fits, and the fastest that does.
+
+    python -m sft.plan --model meta-llama/Llama-3.1-8B --gpus 8 --seq-len 4096 --micro-batch 2 --zero 3
+    python -m sft.plan --model recipes/demo/model --gpus 2 --gpu-memory 80 --suggest
+
+Model states (weights, gradients, optimizer) per ZeRO stage are DeepSpeed's own memory equations
+(`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`; tests hold the planner to them).
+The peak adds what those leave out, each as its own line:
+
+- activations: what autograd keeps per token and decoder layer for the transformers Llama-style decoder, counted
+  tensor by tensor (with and without Liger's RMSNorm/SwiGLU/RoPE kernels, FlashAttention-2 varlen, bf16), plus a
+  per-token allowance for the loss and backward working set; with activation checkpointing, each layer's input plus
+  one layer recomputed; with the checkpoints offloaded, those inputs in pinned host memory and two layers' on the GPU;
+  with the tiled MLP, no MLP intermediates but one tile's (about `hidden` tokens);
+- the loss: TRL's fused LM head never builds the logits, but its backward holds the head's gradient in fp32 and bf16
+  and a [4096 x 32768] tile;
+- DeepSpeed's buffers: ZeRO-2's bf16 gradient partition during backward and the flattened copy at the optimizer step;
+  ZeRO-3's gathered layers and LM head during forward/backward and its per-sub-group fp32 gradients at the step;
+- with the checkpoints offloaded under ZeRO-3, the loss's backward and the decoder layers' are apart: the larger is
+  the peak (`loss_backward_apart`, measured on H100 in that regime).
+
+Host memory (`host_bytes`) is planned too where anything is offloaded, as DeepSpeed and torch allocate it. For long
+rows the memory levers come on in `MEMORY_LEVELS` order (checkpointing that keeps attention outputs, checkpointing,
+its offload, the tiled MLP, ZeRO-3's optimizer states on the CPU in whole sub-groups, its weights), and `longest`
+answers the longest row a GPU trains and (`binding`) whether GPU or host memory stops a longer one.
+
+Those extra terms were measured on H200s (benchmarks/memory_plan.py, benchmarks/results/memory_plan_calibration.md);
+the per-token allowance is the one figure fitted to those measurements. ZeRO-3's CPU offload with long rows was
+measured on H100 (benchmarks/results/long_context_1gpu); ZeRO-0/1, ZeRO-2's offload and LoRA use the same equations
+but have not been measured on a GPU yet. `max_memory_allocated` does not count the CUDA context, NCCL's
+buffers or allocator fragmentation, so a plan fits when its peak is under (1 - headroom) of the GPU's memory.
+
+What the plan reads from a model (its `ModelShape`) is `sft.model.shapes`'s; the command line (`sft plan`) is
+`sft.plan.cli`'s. What is here reads best together: the per-stage equations, the levers for long rows with the host
+memory they take, and the search for what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sft.errors import ConfigError
+from sft.model.shapes import ModelShape
+
+logger = logging.getLogger(__name__)
+
+GiB = 2**30
+# TRL's fused LM head (trl.kernels.chunked_logprob): tiles of TOKEN_CHUNK_SIZE tokens x this many vocabulary entries
+TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
+# Per-token bytes beyond the decoder layers' saved tensors, in units of hidden_size: final norm, the loss's inputs and
+# gradients, the backward's working set. Fitted on H200 (1B/8B shapes,
+# benchmarks/results/memory_plan_calibration_measured.json).
+EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
+MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# With the checkpoints offloaded, this many layers' inputs are on the GPU at once (the one recomputed, the next)
+OFFLOAD_STASH_LAYERS = 2
+
+
+class Tools(NamedTuple):
+    """The memory levers for long rows, one setting of each: the three activation tools, then ZeRO's CPU offload of
+    the optimizer states (ZeRO-2/3; under ZeRO-3 a share of them, `Setting.offload_ratio`) and of the weights
+    (ZeRO-3)."""
+
+    checkpointing: bool
+    offload: bool
+    tiled_mlp: bool
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    keep_attention: bool = False  # checkpointing keeps the attention kernels' outputs (`sft.model.checkpointing`)
+
+    def names(self) -> list[str]:
+        return [LEVER_NAMES[i] for i, on in enumerate(self) if on]
+
+    @property
+    def valid(self) -> bool:
+        """Offloaded or attention-keeping checkpoints need checkpointing; kept attention outputs stay on the GPU, so
+        not with offloaded checkpoints."""
+        return (self.checkpointing or not (self.offload or self.keep_attention)) and not (
+            self.offload and self.keep_attention
+        )
+
+
+LEVER_NAMES = ("activation checkpointing", "checkpoints offloaded", "tiled MLP", "optimizer offloaded",
+               "weights offloaded", "attention outputs kept")  # fmt: skip
+# From cheapest to dearest (`suggest` tries them in this order): activation checkpointing that keeps the attention
+# kernels' outputs (one more forward but for the attention kernel), activation checkpointing (one more forward), its
+# checkpoints offloaded to pinned CPU memory (a copy out and back per layer), the MLP in
+# tiles (DeepSpeed's TiledMLP runs each MLP forward once more; measured in benchmarks/results/long_context, the
+# `tools` part), the optimizer states on the CPU (DeepSpeed's CPU Adam steps them there, its gradients copied out:
+# a cost per step, not per token, and under ZeRO-3 the smallest share that fits first), then the weights (gathered
+# from host memory for every layer in the forward, the recomputation and the backward). The loss is always computed
+# in chunks (Liger's fused linear cross-entropy or TRL's fused LM head), so it is no lever.
+MEMORY_LEVELS = (
+    Tools(False, False, False),
+    Tools(True, False, False, keep_attention=True),
+    Tools(True, False, False),
+    Tools(True, True, False),
+    Tools(True, True, True),
+    Tools(True, True, True, True),
+    Tools(True, True, True, True, True),
+)
+# The activation tools alone: what `suggest` tries on each of its candidates (ZeRO stages and offload, `ladder`)
+ACTIVATION_LEVELS = MEMORY_LEVELS[:5]
+
+
+def levels() -> tuple[Tools, ...]:
+    """Every combination of levers, `MEMORY_LEVELS` first (in their order), then the others with the fewest levers
+    first (offloading the optimizer but keeping the checkpoints on the GPU, say, which leaves host memory to the
+    states): what the plan tries for the longest row and for a run's `auto` levers."""
+    import itertools
+
+    others = [Tools(*flags) for flags in itertools.product((False, True), repeat=len(Tools._fields))]
+    others = [t for t in others if t not in MEMORY_LEVELS and t.valid]
+    return MEMORY_LEVELS + tuple(sorted(others, key=sum))
+
+
+# Host memory of one training process besides what it offloads (Python, torch, the CUDA context's host side,
+# DeepSpeed's pinned transfer buffers)
+HOST_PER_PROCESS = 3 * GiB
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One training setting to size. `zero_stage` None means no DeepSpeed (plain DDP)."""
+
+    gpus: int = 1  # processes in all (nodes x GPUs per node): ZeRO shards over every one of them
+    gpus_per_node: int | None = None  # defaults to gpus (one node)
+    zero_stage: int | None = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    micro_batch: int = 1
+    seq_len: int = 2048  # tokens per row: max_length (with packing every row is full)
+    activation_checkpointing: bool = False
+    liger: bool = False
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_dropout: float = 0.0
+    qlora: bool = False
+    qlora_nested: bool = False  # `use_bnb_nested_quant`: the quantization constants quantised again (8-bit)
+    dtype_bytes: int = 2  # bf16/fp16 mixed precision: 2; fp32: 4
+    sp: int = 1  # sequence-parallel ranks sharing each row (Ulysses): each GPU holds seq_len / sp of its tokens
+    ep: int = 1  # expert parallelism (AutoEP): each GPU holds 1/ep of the routed experts
+    offload_checkpoints: bool = False  # what checkpointing keeps (each layer's input) in pinned CPU memory
+    tiled_mlp: bool = False  # each MLP computed in tiles of about `hidden` tokens (DeepSpeed's TiledMLP)
+    fp8: bool = False  # the decoder's linear layers in torchao float8 (`sft.model.fp8`)
+    accumulation: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
+    # with offload_optimizer under ZeRO-3: the share of the optimizer states (whole sub-groups) on the CPU, the rest
+    # stepped on the GPU (DeepSpeed's `offload_optimizer.ratio`)
+    offload_ratio: float = 1.0
+    keep_attention: bool = False  # with checkpointing: the attention kernels' outputs kept (`sft.model.checkpointing`)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one GPU holds activations for: its slice of each row."""
+        return self.micro_batch * -(-self.seq_len // self.sp)
+
+    def describe(self) -> str:
+        zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
+        if self.offload_optimizer or self.offload_params:
+            optimizer = "optimizer" + (f" ({self.ratio:.0%})" if self.ratio < 1 else "")
+            zero += " + offload " + "+".join(
+                n for n, on in ((optimizer, self.offload_optimizer), ("params", self.offload_params)) if on
+            )
+        method = "full" if not self.lora_r else f"{'QLoRA' if self.qlora else 'LoRA'} r={self.lora_r}"
+        ckpt, liger = ("on" if flag else "off" for flag in (self.activation_checkpointing, self.liger))
+        sp = f", sequence-parallel {self.sp}" if self.sp > 1 else ""
+        sp += f", experts split {self.ep} ways" if self.ep > 1 else ""
+        tools = "".join(
+            f", {name}"
+            for name, on in (
+                ("offloaded to CPU", self.offload_checkpoints),
+                ("attention kept", self.keep_attention),
+                ("tiled MLP", self.tiled_mlp),
+            )  # fmt: skip
+            if on
+        )
+        return (
+            f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
+            f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
+        )
+
+    def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
+        return dataclasses.replace(
+            self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
+            tiled_mlp=tools.tiled_mlp, offload_optimizer=tools.offload_optimizer, offload_params=tools.offload_params,
+            offload_ratio=ratio if tools.offload_optimizer and not tools.offload_params else 1.0,
+            keep_attention=tools.keep_attention,
+        )  # fmt: skip
+
+    @property
+    def tools(self) -> Tools:
+        return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp, self.offload_optimizer,
+                     self.offload_params, self.keep_attention)  # fmt: skip
+
+    @property
+    def ratio(self) -> float:
+        """The share of the optimizer states on the CPU: `offload_ratio` under ZeRO-3 optimizer offload, else all or
+        nothing."""
+        if not self.offload_optimizer:
+            return 0.0
+        return self.offload_ratio if self.zero_stage == 3 and not self.offload_params else 1.0
+
+
+@dataclass
+class Estimate:
+    setting: Setting
+    items: dict[str, float]  # bytes per GPU at the peak, by line
+    model_states: float  # DeepSpeed's estimator figure (weights + gradients + optimizer), bytes per GPU
+    peak: float
+    peak_phase: str  # "forward/backward", "optimizer step" or "model load"
+    host: float  # bytes per node (DeepSpeed's estimate)
+    at_backward: float = 0.0  # peak of forward + backward
+    at_step: float = 0.0  # peak of the optimizer step
+    states_own: float = 0.0  # weights + gradients + optimizer at the step by sft's equations (cf. model_states)
+    host_pinned: float = 0.0  # bytes per node held on the host while training: offloaded ZeRO states, checkpoints
+
+    def fits(self, gpu_memory: float, headroom: float, host_memory: float | None = None) -> bool:
+        """The peak within (1 - headroom) of the GPU's memory and, when `host_memory` (bytes per node) is given, the
+        host figure (offloaded states and checkpoints, pinned) within (1 - headroom) of it."""
+        host_ok = host_memory is None or self.host_pinned <= host_memory * (1 - headroom)
+        return self.peak <= gpu_memory * (1 - headroom) and host_ok
+
+    def table(self) -> str:
+        lines = [f"  {name:<44} {value / GiB:8.2f} GiB" for name, value in self.items.items()]
+        lines.append(f"  {'peak per GPU (' + self.peak_phase + ')':<44} {self.peak / GiB:8.2f} GiB")
+        lines.append(f"  {'model states (these equations)':<44} {self.states_own / GiB:8.2f} GiB")
+        lines.append(f"  {'model states (DeepSpeed estimator)':<44} {self.model_states / GiB:8.2f} GiB")
+        lines.append(f"  {'host memory per node (DeepSpeed estimator)':<44} {self.host / GiB:8.2f} GiB")
+        lines.append(f"  {'host memory held while training (per node)':<44} {self.host_pinned / GiB:8.2f} GiB")
+        return "\n".join(lines)
+
+
+def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes autograd keeps per token for one decoder layer."""
+    b = s.dtype_bytes
+    h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    attention = b * (2 * hq + 2 * kv) + 4 * shape.heads  # q, k, v and the output; fp32 log-sum-exp per head
+    # Liger: each RMSNorm keeps its input and an fp32 rstd, SwiGLU keeps gate and up, RoPE keeps only cos/sin.
+    # transformers: each RMSNorm keeps an fp32 copy and the normalised input; SiLU's input, its output, up_proj's
+    # output and down_proj's input. Both: each norm's output is kept by the projections that read it.
+    norms = 2 * (2 * b * h + 4) if s.liger else 2 * (4 * h + 2 * b * h)
+    # Tiled, the MLP keeps only its input (the norm's output, counted above) and recomputes the rest per tile
+    layer = (
+        attention + norms + (0 if s.tiled_mlp else mlp_bytes_per_token(shape, s) + routing_bytes_per_token(shape, s))
+    )
+    if s.lora_r and s.lora_dropout > 0:  # PEFT's dropout makes a copy of each adapted layer's input
+        layer += b * (5 * h + hq + i)
+    return layer
+
+
+def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    if shape.mlp_kept != 4:  # a family's own gate (gpt-oss's), which Liger does not replace
+        return shape.mlp_kept * s.dtype_bytes * shape.intermediate
+    return (3 if s.liger else 4) * s.dtype_bytes * shape.intermediate
+
+
+def routing_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """What a mixture-of-experts layer keeps per token besides its experts' intermediates (which `intermediate`, the
+    active experts' width, counts like a dense MLP's), averaged over the decoder's layers. transformers' grouped
+    experts keep the token's input copied once per active expert and the active experts' outputs (two [tokens x k,
+    hidden] tensors), the router's fp32 probabilities over all experts, and the int64 indices of the dispatch:
+    counted with autograd's saved-tensor hooks on Qwen3-MoE (tests/test_plan.py)."""
+    if not shape.experts:
+        return 0.0
+    count, k, moe_layers = shape.experts
+    per_layer = 2 * k * shape.hidden * s.dtype_bytes + 4 * count + 34 * k
+    return per_layer * moe_layers / shape.layers
+
+
+def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes kept on the GPU per token for the whole model (the saved tensors of every layer, or with checkpointing
+    the layers' inputs and one layer recomputed; offloaded, only the few layers in flight), plus the per-token
+    working set."""
+    layer = layer_bytes_per_token(shape, s)
+    extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * shape.hidden
+    if s.activation_checkpointing:
+        kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
+        attention = shape.layers * attention_kept_bytes_per_token(shape, s) if s.keep_attention else 0
+        return kept * s.dtype_bytes * shape.hidden + attention + layer + extra
+    return shape.layers * layer + extra
+
+
+def attention_kept_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """What `sft.model.checkpointing` keeps per token and layer: the attention kernel's output and its fp32
+    log-sum-exp."""
+    return s.dtype_bytes * shape.heads * shape.head_dim + 4 * shape.heads
+
+
+def fp8_bytes_in_flight(shape: ModelShape, s: Setting) -> float:
+    """What float8 adds at the peak (`sft.model.fp8`): it saves the same high-precision input and weight for the
+    backward as a bf16 linear, so its cost is transient, in the backward of the widest linear (down_proj): its input
+    and output gradient each cast once per scaling axis (1 byte per element, two axes) and the weight cast twice (1
+    byte each)."""
+    widest = max(shape.intermediate, shape.heads * shape.head_dim)
+    return 2 * s.tokens * (widest + shape.hidden) + 2 * shape.hidden * widest
+
+
+def offloaded_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes per token that checkpoint offloading keeps in pinned CPU memory: every layer's input."""
+    return shape.layers * s.dtype_bytes * shape.hidden if s.offload_checkpoints else 0.0
+
+
+def pinned(nbytes: float) -> float:
+    """What a pinned host allocation of `nbytes` takes: torch's caching host allocator rounds it up to a power of 2."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
+def optimizer_groups(shape: ModelShape, s: Setting, ratio: float) -> tuple[list[float], list[float]]:
+    """(stepped on the GPU, stepped on the CPU): the sizes of DeepSpeed ZeRO-3's optimizer sub-groups of one process's
+    partition, as `_create_fp16_sub_groups` makes them (parameters in the model's order, each partitioned over the
+    GPUs, a sub-group closed once it holds `sub_group_size`), split as its partial offload does (sub-group i on the
+    CPU if i >= int((1 - ratio) x count)). LoRA's adapters, or a shape without parameter sizes: one sub-group."""
+    sizes = [-(-n // s.gpus) for n in shape.param_sizes] if shape.param_sizes and not s.lora_r else []
+    groups, held = [], 0.0
+    for size in sizes:
+        held += size
+        if held >= SUB_GROUP_SIZE:
+            groups.append(held)
+            held = 0.0
+    if held or not groups:
+        groups.append(held or trainable(shape, s) / s.gpus)
+    here = int((1 - ratio) * len(groups))
+    return groups[:here], groups[here:]
+
+
+def host_bytes(shape: ModelShape, s: Setting) -> float:
+    """Host memory per node while training where anything is offloaded (without, host memory is not what limits a
+    run): each process's own (`HOST_PER_PROCESS`), what it offloads and the 16-bit gradients DeepSpeed keeps there:
+    - the optimizer (its share under ZeRO-3): fp32 master weights and Adam moments (12 bytes per parameter) and the
+      fp32 gradients, pinned per sub-group; under ZeRO-3 a pinned 16-bit gradient of every parameter too;
+    - the weights (ZeRO-3 parameter offload): a pinned 16-bit copy;
+    - the checkpoints: each layer's input, pinned.
+    Pinned allocations are rounded up to a power of 2 (`pinned`). (DeepSpeed's estimator, printed beside it, counts
+    the whole model built in host memory and 1.5x that, which sft's `zero.Init` build does not need.)"""
+    per_node = min(s.gpus_per_node or s.gpus, s.gpus)
+    part = trainable(shape, s) / s.gpus
+    offloaded = 0.0
+    if s.offload_optimizer:
+        cpu = optimizer_groups(shape, s, s.ratio)[1] if s.zero_stage == 3 else [part]
+        offloaded += 12 * sum(cpu) + sum(pinned(4 * g) for g in cpu)
+        offloaded += pinned(s.dtype_bytes * part) if s.zero_stage == 3 else 0
+    if s.offload_params:  # zero.Init pins each weight's partition, then copies them into one flat pinned buffer
+        offloaded += pinned(s.dtype_bytes * part) + offloaded_weight_bytes(shape, s)
+    if s.offload_checkpoints:
+        offloaded += shape.layers * pinned(s.tokens * s.dtype_bytes * shape.hidden)
+    return per_node * (HOST_PER_PROCESS + offloaded) if offloaded else 0.0
+
+
+def offloaded_weight_bytes(shape: ModelShape, s: Setting) -> float:
+    """ZeRO-3 parameter offload: DeepSpeed's `zero.Init` pins each parameter's partition on the host as it builds
+    the model (`partition_parameters.py`), then the optimizer copies the trainable ones into a flat pinned buffer per
+    parameter group (`stage3.py`, `param_groups_fp16_flat_cpu_memory`, counted apart) and frees them; torch's caching
+    host allocator keeps what was freed, so both stay. Each partition is rounded up to a power of 2 (`pinned`).
+    Measured on 1 x H100: Llama-3.2-3B and Qwen3-4B shapes held 9.5 and 12.3 GiB more than a plan without this term,
+    which counts 8.4 and 10.6 GiB for it (benchmarks/results/long_context_1gpu, calls 6 and 8)."""
+    if not shape.param_sizes:  # a shape without sizes: the weights once, unpinned
+        return s.dtype_bytes * shape.n_params / s.gpus
+    return sum(pinned(s.dtype_bytes * -(-n // s.gpus)) for n in shape.param_sizes)
+
+
+def model_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
+    """(GPU bytes per GPU, host bytes per node) for weights, gradients and optimizer: DeepSpeed's equations, plus
+    QLoRA's quantization constants, whole on every GPU at any stage."""
+    gpu, cpu = _partitioned_states(shape, s)
+    return gpu + quant_constant_bytes(shape, s), cpu
+
+
+def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
+    """(GPU bytes per GPU, host bytes per node) of weights, gradients and optimizer states. Under expert parallelism
+    (AutoEP, ZeRO-0/1/2) the routed experts are apart: each GPU holds 1/ep of them, with their 16-bit weights and
+    gradients whole and their fp32 master weights and Adam moments partitioned (ZeRO-1/2) over the gpus/ep ranks that
+    hold the same experts, as DeepSpeed's expert-data-parallel groups do."""
+    split = shape.expert_params if s.ep > 1 and not s.lora_r else 0
+    gpu, cpu = _zero_states(shape, s, trainable(shape, s) - split)
+    if split:
+        local, group = split / s.ep, max(s.gpus // s.ep, 1)
+        gpu += 4 * local + {1: 12 / group, 2: 16 / group}.get(s.zero_stage, 12) * local
+        cpu += 4 * local * (s.gpus_per_node or s.gpus) * 1.5  # the weights loaded on the host, as for the others
+    return gpu, cpu
+
+
+def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]:
+    """The engine's equations for `p` trainable parameters (DeepSpeed's for ZeRO-2/3, `sft.engines.model_states`),
+    plus LoRA's frozen base."""
+    from sft import engines
+
+    per_node = s.gpus_per_node or s.gpus
+    nodes = max(s.gpus // per_node, 1)
+    frozen = frozen_weight_bytes(shape, s)
+    states = engines.model_states(
+        p, shape.largest_module_params, per_node, nodes, s.zero_stage, s.offload_optimizer, s.offload_params
+    )
+    if s.zero_stage == 3:
+        gpu, cpu = states
+        return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
+    if s.zero_stage == 2:
+        gpu, cpu = states
+        return gpu + frozen, cpu
+    if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
+        return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
+    # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
+    return 16 * p + frozen, 4 * p * per_node * 1.5
+
+
+def trainable(shape: ModelShape, s: Setting) -> int:
+    return shape.lora_params(s.lora_r) if s.lora_r else shape.n_params
+
+
+def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
+    """LoRA: the frozen base weights (16-bit, or QLoRA's linears in 4-bit NF4; their constants are apart)."""
+    if not s.lora_r:
+        return 0.0
+    if s.qlora:
+        return shape.linear_params * 0.5 + (shape.n_params - shape.linear_params) * 2
+    return shape.n_params * s.dtype_bytes
+
+
+def load_bytes(shape: ModelShape, s: Setting) -> float:
+    """QLoRA under ZeRO-3, while the model loads: the weights load into host memory, each quantized on the GPU on its
+    way (`sft.model.quantization.loading`), so the GPU holds one linear at a time, in 16 bits and packed in 4. (Before,
+    transformers' loader put the whole 4-bit model on each GPU: 20.78 GiB at 40 layers of 70B width;
+    benchmarks/results/qlora_70b.)"""
+    if not (s.qlora and s.zero_stage == 3):
+        return 0.0
+    largest = shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim)
+    return largest * (s.dtype_bytes + 0.5)
+
+
+def quant_constant_bytes(shape: ModelShape, s: Setting) -> float:
+    """QLoRA's quantization constants: an fp32 absmax per block of 64 weights, or (`use_bnb_nested_quant`) an 8-bit
+    one plus an fp32 per 256 blocks. bitsandbytes keeps them beside the parameter, so ZeRO-3 never partitions them."""
+    if not s.qlora:
+        return 0.0
+    return shape.linear_params * ((1 / 64 + 4 / (64 * 256)) if s.qlora_nested else 4 / 64)
+
+
+def gathered_layer_bytes(shape: ModelShape, s: Setting) -> float:
+    """One decoder layer as ZeRO-3 gathers it: 16-bit, or (QLoRA) its linears still packed in 4 bits."""
+    if not s.qlora:
+        return s.dtype_bytes * shape.decoder_layer_params
+    linear = shape.linear_params / shape.layers
+    return linear * 0.5 + (shape.decoder_layer_params - linear) * s.dtype_bytes
+
+
+def estimate(shape: ModelShape, s: Setting) -> Estimate:
+    if s.zero_stage not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {s.zero_stage}.")
+    if (s.offload_optimizer or s.offload_params) and s.zero_stage not in (2, 3):
+        raise ConfigError("CPU offload needs ZeRO-2 (optimizer) or ZeRO-3 (optimizer and/or parameters).")
+    if s.offload_params and s.zero_stage != 3:
+        raise ConfigError("Parameter offload needs ZeRO-3.")
+    if s.qlora and not s.lora_r:
+        raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
+    if s.offload_checkpoints and not s.activation_checkpointing:
+        raise ConfigError("Offloading checkpoints needs activation checkpointing (--activation-checkpointing).")
+    if s.keep_attention and not (s.activation_checkpointing and not s.offload_checkpoints):
+        raise ConfigError("Keeping attention outputs needs activation checkpointing, without offloaded checkpoints.")
+    b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
+    p = trainable(shape, s)
+    full = not s.lora_r
+    # Expert parallelism (ZeRO-0/1/2): a GPU holds 1/ep of the routed experts, whose optimizer states and gradient
+    # partition are split over the n/ep GPUs holding the same experts; the other parameters as without it
+    e = shape.expert_params if s.ep > 1 and full else 0
+    held = p - e + e / s.ep  # parameters a GPU holds whole in 16 bits
+    part = (p - e) / n + e / s.ep / max(n // s.ep, 1)  # its partition of the optimizer states and gradients
+    states_gpu, host = model_states(shape, s)
+    frozen = frozen_weight_bytes(shape, s)
+    items: dict[str, float] = {}
+    step: dict[str, float] = {}
+    # What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning)
+    if s.qlora:
+        items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
+    if s.zero_stage == 3:
+        items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
+        if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
+            stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
+            items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = 16 * stepped_here
+            sub_group = 0
+        else:
+            items["gradient partition (16-bit)"] = b * p / n
+            items["optimizer: fp32 master + Adam moments"] = 12 * p / n
+            sub_group = min(p / n, SUB_GROUP_SIZE)
+        step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
+        step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
+        # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
+        states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
+    elif s.zero_stage == 2:
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * part
+        on_gpu = 0 if s.offload_optimizer else part
+        step["gradient partition (16-bit)"] = b * on_gpu
+        step["fp32 gradient partition (step)"] = 4 * on_gpu
+        step["flattened gradient copy (step)"] = b * on_gpu
+        states_own = sum(items.values()) + (b + 4) * on_gpu
+    elif s.zero_stage == 1:
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * part
+        step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
+        states_own = sum(items.values()) + sum(step.values())
+    else:
+        items["weights (16-bit)"] = b * held + frozen
+        items["optimizer: fp32 master + Adam moments"] = 12 * held
+        step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
+        states_own = sum(items.values()) + sum(step.values())
+    static = sum(items.values())
+
+    # Forward/backward: activations plus the largest of the buffers that live at the start of backward
+    backward: dict[str, float] = {"activations": s.tokens * activation_bytes_per_token(shape, s)}
+    if s.tiled_mlp:  # one tile of about `hidden` tokens: its intermediates and their gradients
+        backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
+    elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
+        backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
+    host_pinned = host_bytes(shape, s)
+    loss_phase = 0.0
+    tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
+    head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
+    if s.zero_stage == 3:
+        # One process holds every parameter whole in its partition: DeepSpeed skips the gather (no buffers;
+        # measured: QLoRA 70B widths on 1 GPU, benchmarks/results/qlora_70b), unless the partition is on the CPU
+        gathers = n > 1 or s.offload_params
+        if s.offload_checkpoints:  # the loss's backward and the layers' are apart (`loss_backward_apart`)
+            held, loss_phase = loss_backward_apart(shape, s, gathers, head_grad, tile)
+            backward.update(held)
+        else:
+            backward["LM head gathered + its gradient + loss tile"] = b * v_h * gathers + head_grad + tile
+            if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
+                backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
+        backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s) * gathers
+    elif s.zero_stage == 2:
+        from sft.engines import bucket_elements
+
+        partition = 0 if s.offload_optimizer else b * part
+        buckets = 2 * b * bucket_elements(shape.hidden)  # reduce_bucket_size "auto", double-buffered (overlap_comm)
+        during = max(partition + (b * v_h if full else 0), head_grad + tile)
+        backward["gradient partition / LM head gradient"] = during + buckets
+        if s.accumulation > 1 and partition:
+            # held from the first optimizer step on when micro-batches accumulate (measured on 1 x H100, Llama-3.2-3B
+            # widths: every step after the first peaks 2P bytes higher, FP8 on or off; benchmarks/results/
+            # plan_defaults; the calibration and validation runs had no accumulation)
+            backward["16-bit gradients accumulated across micro-batches"] = partition
+    else:
+        backward["gradients (16-bit) + loss tile"] = b * held + tile
+    if s.qlora:
+        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
+        backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
+    if s.fp8:
+        backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
+    at_backward = static + max(sum(backward.values()), loss_phase)
+    if loss_phase:  # shown beside the layers' lines, not added to them
+        backward["(the loss's backward, before the layers': stash, LM head, its gradients, tile)"] = loss_phase
+    at_step = static + sum(step.values())
+    at_load = load_bytes(shape, s)
+    if at_backward >= at_step:
+        items.update(backward)
+        phase, peak = "forward/backward", at_backward
+    else:
+        items.update(step)
+        phase, peak = "optimizer step", at_step
+    if at_load:  # before training, alone on the GPU: not added to the lines above
+        items["(model load: one linear quantized at a time)"] = at_load
+    if at_load > peak:
+        phase, peak = "model load", at_load
+    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
+
+
+def loss_backward_apart(
+    shape: ModelShape, s: Setting, gathers: bool, head_grad: float, tile: float
+) -> tuple[dict[str, float], float]:
+    """ZeRO-3 with the checkpoints offloaded: (what the loss leaves on the GPU through the decoder layers' backward,
+    the loss's own backward). With every layer's input on the host, the LM head's backward (its weight's gradient in
+    fp32 and 16 bits, the loss tile, the hidden states' gradient) runs before the layers' and is gone by their peak:
+    the larger of the two is the peak, not their sum. Through the layers' backward stay the head's gathered weight
+    and, where the embedding is tied to it, the head's gradient, which autograd holds until the embedding's is added
+    to it. Liger's fused linear cross-entropy computes the head's gradient in 16 bits in the forward.
+    Measured on 1 x H100 (benchmarks/results/long_context_1gpu, calls 8, 9, 11): Llama-3.2-3B with Liger at 69,632 /
+    97,280 / 110,592 / 120,832 tokens peaked at 7.66 / 9.63 / 10.58 / 11.31 GiB, planned 7.58 / 9.74 / 10.78 / 11.58;
+    Qwen3-4B without Liger at 32,768 / 52,224 / 57,344 at 6.95 / 9.47 / 10.13, planned 7.51 / 10.67 / 11.50. The sum
+    the other regimes add was 35-53% over there (call 6)."""
+    b, v_h, h = s.dtype_bytes, shape.vocab * shape.hidden, shape.hidden
+    full = not s.lora_r
+    held = {"LM head weight gathered (held through the backward)": b * v_h * gathers}
+    if shape.tied and full:
+        held["tied LM head's gradient (held until the embedding's)"] = b * v_h
+    stash = min(OFFLOAD_STASH_LAYERS, shape.layers) * b * h * s.tokens
+    # Liger: its 16-bit weight gradient and the input's gradient, from the forward; TRL's fused LM head: the head's
+    # and the hidden states' gradients in fp32, then cast
+    loss = b * v_h * full + b * h * s.tokens if s.liger else head_grad + tile + 6 * h * s.tokens
+    return held, b * v_h * gathers + 2 * b * h * s.tokens + stash + loss
+
+
+def ladder(base: Setting) -> list[Setting]:
+    """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters."""
+    plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
+    return plain + [
+        dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),
+        dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=False),
+        dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=True),
+    ]
+
+
+def suggest(
+    shape: ModelShape,
+    base: Setting,
+    gpu_memory: float,
+    headroom: float = 0.1,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    candidates: list[Setting] | None = None,
+    levels: tuple[Tools, ...] = ACTIVATION_LEVELS,
+    sp_choices: tuple[int, ...] | None = None,
+    host_memory: float | None = None,
+) -> Estimate | None:
+    """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
+    the first of `candidates` (default: `ladder(base)`) that fits, the first memory levers of `levels` that are
+    needed (checkpointing, offloading, tiling, ZeRO's optimizer offload with the smallest share of the states that
+    fits, then its weight offload), the largest micro batch. None if nothing fits."""
+    for sp in sorted(sp_choices or (base.sp,)):
+        for candidate in ladder(base) if candidates is None else candidates:
+            for tools in levels:
+                for ratio in offload_ratios(shape, candidate, tools):
+                    for micro in sorted(micro_batches, reverse=True):
+                        levered = lever_setting(candidate, tools, ratio)
+                        if levered is None:
+                            break
+                        e = estimate(shape, dataclasses.replace(levered, micro_batch=micro, sp=sp))
+                        if e.fits(gpu_memory, headroom, host_memory):
+                            return e
+    return None
+
+
+def lever_setting(candidate: Setting, tools: Tools, ratio: float = 1.0) -> Setting | None:
+    """`candidate` with the levers of `tools` on (ZeRO's offload kept where the candidate has it); None where its
+    ZeRO stage cannot offload what `tools` asks (the optimizer needs ZeRO-2/3, the weights ZeRO-3)."""
+    if (tools.offload_optimizer and candidate.zero_stage not in (2, 3)) or (
+        tools.offload_params and candidate.zero_stage != 3
+    ):
+        return None
+    optimizer, params = candidate.offload_optimizer, candidate.offload_params
+    tools = tools._replace(offload_optimizer=tools.offload_optimizer or optimizer,
+                           offload_params=tools.offload_params or params)  # fmt: skip
+    return candidate.with_tools(tools, ratio if not optimizer else candidate.offload_ratio)
+
+
+def offload_ratios(shape: ModelShape, candidate: Setting, tools: Tools) -> list[float]:
+    """The optimizer offload shares to try, smallest first: under ZeRO-3 (optimizer offload turned on by `tools`, the
+    weights not offloaded) each whole number of DeepSpeed's optimizer sub-groups (`sub_group_size` parameters) that
+    this GPU's partition splits into; else all of it."""
+    if not (tools.offload_optimizer and not tools.offload_params and candidate.zero_stage == 3):
+        return [1.0]
+    if candidate.offload_optimizer:
+        return [candidate.offload_ratio]
+    groups = len(optimizer_groups(shape, candidate, 1.0)[1])
+    return [k / groups for k in range(1, groups + 1)]
+
+
+def longest(
+    shape: ModelShape,
+    base: Setting,
+    gpu_memory: float,
+    headroom: float = 0.1,
+    sp_choices: tuple[int, ...] = (1,),
+    step: int = 1024,
+    host_memory: float | None = None,
+) -> Estimate | None:
+    """The longest row (a multiple of `step` tokens, one row per micro-batch) that fits with `base`'s ZeRO stage, any
+    memory levers (`MEMORY_LEVELS`: the activation tools, then ZeRO's offload) and one of `sp_choices`; its cheapest
+    setting. None if not even `step` tokens fit."""
+
+    def fitting(tokens: int) -> Estimate | None:
+        setting = dataclasses.replace(base, seq_len=tokens, micro_batch=1)
+        return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], levels(), sp_choices=sp_choices,
+                       host_memory=host_memory)  # fmt: skip
+
+    if fitting(step) is None:
+        return None
+    low, high = 1, 2
+    while fitting(high * step) is not None:  # activations grow linearly: a fit is found in a few doublings
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fitting(middle * step) is not None else (low, middle)
+    return fitting(low * step)
+
+
+def binding(shape: ModelShape, e: Estimate, gpu_memory: float, headroom: float, host_memory: float,
+            step: int = 1024) -> str:  # fmt: skip
+    """What stops a row `step` tokens longer than `e`'s (the longest that fits): `host` if some setting would fit
+    with the GPU's memory alone (unlimited host memory), `GPU` if some would with the host's alone, else `both`."""
+    longer = dataclasses.replace(e.setting, seq_len=e.setting.seq_len + step)
+    sp = (e.setting.sp,)
+    if suggest(shape, longer, gpu_memory, headroom, (1,), [longer], levels(), sp) is not None:
+        return "host"
+    if suggest(shape, longer, float("inf"), headroom, (1,), [longer], levels(), sp, host_memory) is not None:
+        return "GPU"
+    return "both"
+
+
+def lever_report(e: Estimate, base: Setting, gpu_memory: float, headroom: float, host_memory: float,
+                 binds: str = "") -> str:  # fmt: skip
+    """Which levers a setting turned on beyond `base`'s (the last is the one that made it fit), the memory that
+    `binds` (`binding`), and both memories' use."""
+    added = [name for name, on, was in zip(LEVER_NAMES, e.setting.tools, base.tools, strict=True) if on and not was]
+    if e.setting.offload_optimizer and e.setting.ratio < 1:
+        added = [f"{n} ({e.setting.ratio:.0%} of its states)" if n == LEVER_NAMES[3] else n for n in added]
+    gpu_use, host_use = gpu_memory * (1 - headroom), host_memory * (1 - headroom)
+    gpu_left, host_left = (gpu_use - e.peak) / GiB, (host_use - e.host_pinned) / GiB
+    use = (
+        f"GPU {e.peak / GiB:.2f} of {gpu_use / GiB:.2f} GiB usable ({gpu_left:.2f} left), host "
+        f"{e.host_pinned / GiB:.2f} of {host_use / GiB:.2f} GiB usable per node ({host_left:.2f} left)"
+    )
+    what = {"host": "host memory binds (a longer row would fit the GPU, not the host)",
+            "GPU": "GPU memory binds (a longer row would fit the host, not the GPU)",
+            "both": "both bind (a longer row fits neither)", "": ""}[binds]  # fmt: skip
+    levers = f"levers turned on: {', '.join(added)} (the last made it fit)" if added else "no lever needed"
+    return "; ".join(part for part in (levers, what, use) if part)
+
+
+def sp_sizes(shape: ModelShape, gpus: int) -> tuple[int, ...]:
+    """Sequence-parallel sizes a run of `gpus` processes can use with this model (they divide the GPUs and split the
+    attention heads as Ulysses needs)."""
+    from sft.parallel.sequence import splits_heads
+
+    return tuple(d for d in range(1, gpus + 1) if gpus % d == 0 and splits_heads(shape.heads, shape.kv_heads, d))
+
+
+def detected_host_memory() -> float:
+    import psutil
+
+    return float(psutil.virtual_memory().total)
+
+
+def detected_gpu_memory() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def nothing_fits(s: Setting, shape: ModelShape | None = None) -> str:
+    """What to say when no setting fits: the next lever is LoRA, then QLoRA, then nested quantization, then more
+    GPUs."""
+    lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
+    if s.qlora and not s.qlora_nested:
+        lever = "set use_bnb_nested_quant: true (QLoRA's constants in 8 bits), or add GPUs"
+    return f"Nothing fits on this many GPUs, even with CPU offload and micro batch 1: {lever}."
+
+
+def cap_gpu_memory(gib: float | None) -> float | None:
+    """Cap this process's allocations on its GPU at `gib` GiB (`max_gpu_memory_gib`); returns the fraction set, or
+    None without a cap or a GPU. A cap above the GPU's memory is an error."""
+    import torch
+
+    if gib is None or not torch.cuda.is_available():
+        return None
+    total = detected_gpu_memory()
+    if gib * GiB > total:
+        raise ConfigError(
+            f"`max_gpu_memory_gib: {gib}` is more than this GPU has ({total / GiB:.1f} GiB). Lower it or remove it."
+        )
+    fraction = gib * GiB / total
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
+    return fraction
+
+
+if __name__ == "__main__":  # `python -m sft.plan`: the CLI is `sft.plan.cli`
+    from sft.plan.cli import main
+
+    sys.exit(main())

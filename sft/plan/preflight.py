@@ -1,0 +1,518 @@
+"""Before anything expensive: the global batch, the memory plan, the resume geometry and the `auto` values they set.
+
+`preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
+loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory levers (`activation_checkpointing`,
+`keep_attention_outputs`, `offload_checkpoints`, `tiled_mlp`, and ZeRO's offload where the DeepSpeed config's device
+is `"auto"`) from `sft.plan.memory` (the largest micro batch that fits, each lever only if needed, in the plan's
+order), turns the global-batch target into `gradient_accumulation_steps` with `sft.plan.batch` (on a resume the target
+is the checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
+process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
+(unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+
+import torch
+
+from sft.errors import ConfigError
+from sft.model import architectures, experts, fp8, quantization, shapes
+from sft.model.attention import check_packing, resolve_attn_implementation
+from sft.parallel import sequence as seqpar
+from sft.parallel.dims import ParallelDims
+from sft.plan import memory as memplan
+from sft.plan.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
+from sft.plan.run import MemoryDecision, RunPlan
+from sft.run import checkpoint as ckpt
+from sft.run import failsafe
+
+# The training arguments of the plan's memory levers: {argument: `sft.plan.memory.Tools` field} (ZeRO's offload levers
+# are the engine's, `Engine.offload_auto`)
+TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints": "offload", "tiled_mlp": "tiled_mlp",
+               "keep_attention_outputs": "keep_attention"}  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run resumes and the geometry it was written with (from its fingerprint)."""
+
+    checkpoint: str
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch: int
+    ep: int = 1  # expert-parallel size (fingerprints before it: 1)
+    autoep: bool = False  # the MoE layers were AutoEP's (`sft.expert_parallel`)
+
+    @classmethod
+    def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
+        parallel = fingerprint.get("parallel", {})
+        ep = parallel.get("ep", 1)
+        geometry = (fingerprint[k] for k in ckpt.GEOMETRY_FIELDS)  # present: sft.run.checkpoint.damage checked them
+        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1))
+
+    def describe(self) -> str:
+        return (
+            f"{self.checkpoint} was trained with a global batch of {self.global_batch} ({self.world_size} processes x "
+            f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} accumulation)"
+        )
+
+
+def base_setting(
+    training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
+) -> memplan.Setting:
+    zero = training_args.engine.sharding
+    dims = training_args.parallel
+    return memplan.Setting(
+        gpus=dims.world_size,
+        gpus_per_node=dims.gpus_per_node,
+        zero_stage=zero.stage,
+        offload_optimizer=zero.offload_optimizer,
+        offload_params=zero.offload_params,
+        offload_ratio=zero.offload_ratio,
+        micro_batch=training_args.per_device_train_batch_size,
+        accumulation=training_args.gradient_accumulation_steps,
+        seq_len=training_args.max_length or 0,
+        activation_checkpointing=bool(training_args.activation_checkpointing),
+        offload_checkpoints=bool(training_args.offload_checkpoints),
+        tiled_mlp=bool(training_args.tiled_mlp),
+        keep_attention=bool(training_args.keep_attention_outputs),
+        liger=bool(training_args.use_liger_kernel if liger_on is None else liger_on),
+        lora_r=model_args.lora_r if model_args.use_peft else 0,
+        lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
+        qlora=bool(model_args.use_peft and model_args.load_in_4bit),
+        qlora_nested=bool(model_args.use_peft and model_args.load_in_4bit and model_args.use_bnb_nested_quant),
+        dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
+        sp=dims.sp,
+        ep=dims.ep,
+        fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
+    )
+
+
+def preflight(training_args, model_args, resume: Resume | None = None) -> RunPlan:
+    """Decide the run: resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a
+    resume), check the memory plan, set up a resume on another process count; returns the RunPlan, whose training
+    arguments are rebuilt once if anything changed. `model_args` is not changed."""
+    seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
+    retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
+    target = _target(training_args, resume, retry)
+    remote = bool(getattr(model_args, "trust_remote_code", False))
+    model_config = shapes.load_config(model_args.model_name_or_path, remote)
+    arch = architectures.of(model_config)
+    dims, engine = training_args.parallel, training_args.engine
+    engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
+    quantization.check_experts(model_args, arch, remote)
+    check_lora_parameters(model_args, model_config, remote)
+    kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
+    micro, tools, sp, sentence, ratio = _plan_memory(
+        training_args, model_args, target, kernels["FP8"].on, kernels["Liger"].on, retry.micro_cap if retry else None,
+        model_config, arch,
+    )  # fmt: skip
+    if tools.keep_attention:
+        _keep_attention_eager(training_args, kernels, changes)
+    padding_free = training_args.padding_free_batches
+    attn = resolve_attn_implementation(model_args.attn_implementation, sp > 1, arch, padding_free)
+    check_packing(attn, padding_free, training_args.model_init_kwargs)
+    _resolve_fp8_changes(training_args, kernels["FP8"].on, sp, changes)
+    if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
+        changes["sequence_parallel_size"] = sp
+        changes["deepspeed"] = engine.unresolved(training_args)  # resolved again for this sp
+        dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
+        seqpar.check(dims, training_args, padding_free)
+    seqpar.check_model(model_config, sp, attn, arch)
+    offload = (tools.offload_optimizer, tools.offload_params, ratio)
+    config, lines = engine.written(changes.get("deepspeed", training_args.deepspeed), offload=offload)
+    for line in lines:
+        logger.info("%s", line)
+    config, buckets = engine.written(config, hidden=arch.hidden)
+    batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
+    if retry is not None:
+        logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
+    logger.info("Parallel sizes: %s", dims.describe())
+    logger.info("Batch plan: %s", batch.describe())
+    _lever_changes(training_args, micro, tools, batch, changes)
+    if resume is not None:
+        config = _plan_resume(training_args, engine, resume, dims, batch, micro, config)
+    if config is not training_args.deepspeed and config != training_args.deepspeed:
+        changes["deepspeed"] = config
+    auto = training_args.auto_settings
+    if auto:
+        logger.info(
+            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
+        )
+    planned = dataclasses.replace(training_args, **changes) if changes else training_args
+    chosen = "per_device_train_batch_size" in auto
+    plan = RunPlan(planned, model_config, arch, batch, MemoryDecision(micro, tools, sp, ratio, sentence, chosen),
+                   attn, kernels, resume, bool(model_args.use_peft))  # fmt: skip
+    failsafe.remember(plan)
+    world = dims.world_size
+    for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+    for line in buckets:
+        logger.info("%s", line)
+    return plan
+
+
+def check_lora_parameters(model_args, model_config, trust_remote_code: bool = False) -> None:
+    """`lora_target_parameters` must each name parameters of the model, as PEFT matches them (a parameter's name, or
+    its end after a dot): PEFT only warns when none matches and trains an adapter that is not what was asked for."""
+    targets = list(model_args.lora_target_parameters or []) if model_args.use_peft else []
+    if not targets:
+        return
+    names = shapes.parameter_names(model_config, trust_remote_code)
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not missing:
+        return
+    # the model's parameters with layer numbers taken out, as a target would name them
+    kinds = sorted({re.sub(r"^.*?\.\d+\.", "", n) for n in names})
+    raise ConfigError(
+        f"`lora_target_parameters`: {', '.join(missing)} matches no parameter of {model_args.model_name_or_path} "
+        f"({model_config.model_type}), so PEFT would train an adapter without it. Its parameters (per layer): "
+        f"{', '.join(kinds)}. Name some of those, or use `lora_target_modules` for its linear layers."
+    )
+
+
+def _target(training_args, resume: Resume | None, retry) -> int | None:
+    """The global batch to plan for: the checkpoint's on a resume, the failed run's on a retry, else the recipe's."""
+    if resume is not None:
+        return resume.global_batch
+    if retry is not None:
+        return retry.global_batch
+    if training_args.tokens_per_step and training_args.max_length:
+        return training_args.tokens_per_step // training_args.max_length
+    return training_args.global_batch_size
+
+
+def _decide_kernels(training_args, model_args, arch, zero3: bool) -> tuple[dict, dict]:
+    """Liger, FP8, compiled layers (and sft's experts for a MoE) decided for the family, each with its reason,
+    logged in one line; returns (kernels, changes to the training arguments). Decided here, applied in the one
+    rebuild at the end (a rebuild would turn every `auto` into its placeholder)."""
+    liger_on = _family_liger(training_args, arch)
+    changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
+    fp8_decision = _resolve_fp8(training_args, model_args, zero3, arch)
+    compile_on = training_args.compile_decoder_layers
+    if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
+        compile_on = (fp8_decision.on and arch.kernel("compile").on) or _compile_bf16(arch)
+        changes["compile_decoder_layers"] = compile_on
+    kernels = {
+        "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
+        "FP8": architectures.Kernel(fp8_decision.on, fp8_decision.reason),
+        "compiled layers": architectures.Kernel(
+            bool(compile_on), _compile_reason(training_args, arch, fp8_decision.on)
+        ),
+    }
+    if arch.is_moe:
+        name, reason = experts.decide(arch, training_args.model_init_kwargs)
+        kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
+    architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
+    return kernels, changes
+
+
+def _keep_attention_eager(training_args, kernels: dict, changes: dict) -> None:
+    """With attention outputs kept, compiled layers (and FP8 with them, where `auto`) off where `auto` turned them on:
+    a compiled layer runs inside the checkpoint as one piece, where the selection of what to keep does not reach
+    (measured on 1 x H100, 1B shape, 131,072 tokens, 11,458 tokens/s with attention kept and layers eager in bf16,
+    9,490 compiled with FP8: benchmarks/results/long_context_1gpu)."""
+    auto = training_args.auto_settings
+    if not (kernels["compiled layers"].on and "compile_decoder_layers" in auto):
+        return
+    changes["compile_decoder_layers"] = False
+    kernels["compiled layers"] = architectures.Kernel(False, "attention outputs kept")
+    fp8_was = kernels["FP8"].on
+    if fp8_was and "fp8" in auto:  # float8 is fast only compiled (`sft.model.fp8`)
+        kernels["FP8"] = architectures.Kernel(False, "attention outputs kept: layers not compiled")
+    with_fp8 = ", and FP8 with them" if fp8_was and not kernels["FP8"].on else ""
+    logger.info("Activation checkpointing keeps attention outputs: compiled layers off%s (the selection does not "
+                "reach inside a compiled layer)", with_fp8)  # fmt: skip
+
+
+def _resolve_fp8_changes(training_args, fp8_on: bool, sp: int, changes: dict) -> None:
+    if fp8_on != training_args.fp8 or "fp8" in training_args.auto_settings:
+        changes["fp8"] = fp8_on
+    if fp8_on and sp == 1:  # float8 matmuls need the tokens of a micro-batch in multiples of 16
+        multiple = math.lcm(training_args.pad_to_multiple_of or 1, fp8.token_multiple(fp8_on))
+        if multiple != training_args.pad_to_multiple_of:
+            changes["pad_to_multiple_of"] = multiple
+
+
+def _lever_changes(training_args, micro: int, tools: memplan.Tools, batch: BatchPlan, changes: dict) -> None:
+    """The micro batch, the memory levers and the accumulation as the plan set them."""
+    auto = training_args.auto_settings
+    if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
+        changes["per_device_train_batch_size"] = micro
+    for key, lever in TOOL_FIELDS.items():
+        value = getattr(tools, lever)
+        if value != getattr(training_args, key) or key in auto:
+            changes[key] = value
+    if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
+        changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
+
+
+def _plan_resume(training_args, engine, resume: Resume, dims, batch: BatchPlan, micro: int, config):
+    """A resume's engine configuration: the experts' layout of an AutoEP checkpoint kept, a checkpoint of another
+    process count (or expert split) loaded as a universal one; logged."""
+    keep = resume.autoep and dims.ep == 1 and engine.experts is None
+    if keep:
+        config, _ = engine.written(config, keep_experts=True)
+        logger.info("The checkpoint's experts are in AutoEP's layers: AutoEP stays on, every expert on each GPU")
+    if (resume.world_size, resume.ep) == (dims.world_size, dims.ep):
+        return config
+    universal = bool(training_args.deepspeed)
+    if universal:
+        config, _ = engine.written(config, universal=True)
+    logger.warning(
+        "Resuming %s on %d processes%s (was %d%s): global batch %d = %s%s",
+        resume.checkpoint,
+        dims.world_size,
+        f", experts split {dims.ep} ways" if dims.ep > 1 else "",
+        resume.world_size,
+        f", experts split {resume.ep} ways" if resume.ep > 1 else "",
+        batch.global_batch_size,
+        f"{dims.dp} x {micro} x {batch.gradient_accumulation_steps} accumulation",
+        ", loading the ZeRO state as a universal checkpoint" if universal else "",
+    )
+    return config
+
+
+def zero2_advice(
+    shape, setting: memplan.Setting, memory: float, headroom: float, host: float | None, engine
+) -> str | None:
+    """For a ZeRO-3 run without offload: if ZeRO-2 fits with the same micro batch and no checkpointing, offloading or
+    tiling, say so with what ZeRO-3 cost in the nearest measured setting; else None."""
+    if setting.zero_stage != 3 or setting.offload_optimizer or setting.offload_params:
+        return None
+    zero2 = dataclasses.replace(setting.with_tools(memplan.Tools(False, False, False)), zero_stage=2)
+    estimate = memplan.estimate(shape, zero2)
+    if not estimate.fits(memory, headroom, host):
+        return None
+    cost = engine.sharded_cost(shape.n_params, setting.gpus)
+    if cost is None:
+        return None
+    return (
+        f"ZeRO-2 fits here: {zero2.describe()} peaks at {estimate.peak / memplan.GiB:.2f} GiB of "
+        f"{memory * (1 - headroom) / memplan.GiB:.2f} GiB usable per GPU. In sft's nearest measured setting, "
+        f"{cost.describe()}, ZeRO-2 was {1 / cost.ratio - 1:.0%} faster. ZeRO-3 kept as asked; for ZeRO-2: "
+        "--deepspeed ds_configs/zero2.json"
+    )
+
+
+def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int, retry=None) -> BatchPlan:
+    if resume is not None:
+        return keep_global_batch(resume.global_batch, dp, micro, resume.describe())
+    if retry is not None:
+        return keep_global_batch(retry.global_batch, dp, micro, retry.describe())
+    batch = plan_batch(
+        dp,
+        micro,
+        training_args.global_batch_size,
+        training_args.tokens_per_step,
+        training_args.max_length,
+        training_args.gradient_accumulation_steps,
+    )
+    targeted = training_args.global_batch_size or training_args.tokens_per_step
+    if targeted and training_args.gradient_accumulation_steps not in (1, batch.gradient_accumulation_steps):
+        raise ConfigError(
+            f"`gradient_accumulation_steps` {training_args.gradient_accumulation_steps} contradicts the global-batch "
+            f"target, which needs {batch.gradient_accumulation_steps} here ({batch.describe()}). Remove one of them."
+        )
+    return batch
+
+
+def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
+    """The plan's memory levels with every lever that is not `auto` held at its given value (in the plan's order):
+    the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
+    auto = training_args.auto_settings
+    given = _given_levers(training_args)
+    optimizer, params = training_args.engine.offload_auto()
+    free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
+    free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
+    levels = []
+    for level in memplan.levels():
+        fixed = memplan.Tools(**{f: getattr(level if f in free else given, f) for f in memplan.Tools._fields})
+        if fixed not in levels and fixed.valid:
+            levels.append(fixed)
+    return tuple(levels)
+
+
+def _given_levers(training_args) -> memplan.Tools:
+    """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
+    zero = training_args.engine.sharding
+    fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
+    return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
+
+
+def _family_liger(training_args, arch: architectures.Architecture) -> bool:
+    """Whether Liger is on: left unset, off for a family where it was not measured good
+    (`sft.model.architectures.KERNELS`). A fast path asked for by name on such a family is kept, with a warning."""
+    liger = arch.kernel("liger")
+    on = bool(training_args.use_liger_kernel)
+    if on and not liger.on:
+        if "use_liger_kernel" in training_args.auto_settings:
+            on = False
+        else:
+            logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
+    for name, key in (("fp8", "fp8"), ("compile", "compile_decoder_layers")):
+        kernel = arch.kernel(name)
+        if getattr(training_args, key) and key not in training_args.auto_settings and not kernel.on:
+            logger.warning("%s: true on %s, kept as asked, though %s", key, arch.family, kernel.reason)
+    return on
+
+
+def _liger_reason(training_args, arch: architectures.Architecture) -> str:
+    if "use_liger_kernel" not in training_args.auto_settings:
+        return f"use_liger_kernel: {str(bool(training_args.use_liger_kernel)).lower()}"
+    kernel = arch.kernel("liger")
+    return kernel.reason if training_args.use_liger_kernel or not kernel.on else "no CUDA GPU or liger-kernel"
+
+
+def _compile_bf16(arch: architectures.Architecture) -> bool:
+    """Compiled layers without FP8 where measured faster for the family, on a GPU (the measurement's; on the CPU
+    Inductor's compile costs more than a test-sized run)."""
+    return arch.kernel("compile_bf16").on and torch.cuda.is_available()
+
+
+def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
+    if "compile_decoder_layers" not in training_args.auto_settings:
+        return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
+    if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
+        return arch.kernel("compile_bf16").reason
+    if not fp8_on:
+        return "compile_decoder_layers: auto compiles only with FP8"
+    return arch.kernel("compile").reason
+
+
+def _resolve_fp8(training_args, model_args, zero3: bool, arch: architectures.Architecture) -> fp8.Decision:
+    """`fp8` resolved by `sft.model.fp8` (`true` refused where it cannot run; `auto` also needs the family measured
+    good), the choice and its reason logged."""
+    auto = "fp8" in training_args.auto_settings
+    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft), zero3)
+    if auto and decision.on and not arch.kernel("fp8").on:
+        decision = fp8.Decision(False, arch.kernel("fp8").reason)
+    if decision.on:
+        recipe = training_args.fp8_recipe
+        logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
+        if zero3:
+            logger.warning(fp8.ZERO3_SLOWER)
+    else:
+        logger.info("FP8: off (%s)", decision.reason)
+    return decision
+
+
+def _plan_memory(
+    training_args,
+    model_args,
+    target: int | None,
+    fp8_on: bool = False,
+    liger_on: bool | None = None,
+    micro_cap: int | None = None,
+    model_config=None,
+    arch: architectures.Architecture | None = None,
+) -> tuple[int, memplan.Tools, int, str, float]:
+    """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
+    share): the `auto` ones chosen by the memory plan (the smallest sp first, then the cheapest levers; micro batches
+    up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
+    auto = training_args.auto_settings
+    micro = training_args.per_device_train_batch_size
+    tools = _given_levers(training_args)
+    ratio = training_args.engine.sharding.offload_ratio
+    sp = training_args.sequence_parallel_size
+    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
+    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
+    headroom = training_args.plan_headroom
+    host = memplan.detected_host_memory()
+    if memory is None:
+        if auto:
+            logger.info(
+                "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
+                "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
+            )
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio
+    if not training_args.max_length:
+        if "per_device_train_batch_size" in auto:
+            raise ConfigError(
+                "`per_device_train_batch_size: auto` needs `max_length` (tokens per row) to size activations. Set "
+                "max_length, or give per_device_train_batch_size."
+            )
+        logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
+    remote = bool(getattr(model_args, "trust_remote_code", False))
+    shape = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch)
+    base = base_setting(training_args, model_args, fp8_on, liger_on)
+    dp = training_args.parallel.dp
+    if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
+        fixed = "per_device_train_batch_size" not in auto
+        accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
+        base = dataclasses.replace(base, accumulation=max(accumulation, 1))
+    if auto:
+        world = training_args.parallel.world_size
+        sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
+        levels = _tool_levels(training_args)
+        estimate = micro_choices = None
+        for sp_choice in sp_choices:  # the smallest sp that fits: every step of sp costs all-to-all traffic
+            micro_choices = (micro,)
+            if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
+                rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
+                rows = [m for m in rows if not micro_cap or m <= micro_cap]
+                micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
+            estimate = memplan.suggest(
+                shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
+            )
+            if estimate is not None:
+                break
+        if estimate is not None:
+            micro, tools, sp = estimate.setting.micro_batch, estimate.setting.tools, estimate.setting.sp
+            ratio = estimate.setting.offload_ratio
+        else:  # nothing fits: the most frugal setting, reported below
+            micro, tools, sp, ratio = min(micro_choices), levels[-1], max(sp_choices), 1.0
+    setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
+    estimate = memplan.estimate(shape, setting)
+    fits = estimate.fits(memory, headroom, host)
+    usable = memory * (1 - headroom)
+    logger.info(
+        "Memory plan for %s: %s\n%s\n  %s: %.2f GiB of %.2f GiB usable per GPU",
+        model_args.model_name_or_path,
+        setting.describe(),
+        estimate.table(),
+        "fits" if fits else "does NOT fit",
+        estimate.peak / memplan.GiB,
+        usable / memplan.GiB,
+    )
+    if fits:
+        advice = zero2_advice(shape, setting, memory, headroom, host, training_args.engine)
+        if advice:
+            logger.warning(advice)
+    if not fits:
+        best = memplan.suggest(shape, setting, memory, headroom, host_memory=host)
+        fix = (
+            f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
+            if best
+            else memplan.nothing_fits(setting, shape)
+        )
+        if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
+            over = (
+                f"needs {estimate.host_pinned / memplan.GiB:.2f} GiB of host memory per node (offloaded states and "
+                f"checkpoints), over the {host * (1 - headroom) / memplan.GiB:.2f} GiB usable"
+            )
+        else:
+            over = (
+                f"peaks at {estimate.peak / memplan.GiB:.2f} GiB per GPU, over the {usable / memplan.GiB:.2f} GiB "
+                f"usable ({memory / memplan.GiB:.1f} GiB, headroom {headroom:.0%})"
+            )
+        message = (
+            f"The memory plan does not fit: {setting.describe()} {over}. {fix} Change those settings, or set "
+            "plan_check: false to start anyway (the plan is an estimate)."
+        )
+        if training_args.plan_check:
+            raise ConfigError(message)
+        logger.warning(message)
+    plan = (
+        f"The memory plan for {setting.describe()} estimated a peak of {estimate.peak / memplan.GiB:.2f} GiB of "
+        f"{usable / memplan.GiB:.2f} GiB usable per GPU (the `Memory plan` lines at the start)."
+    )
+    return micro, tools, sp, plan, ratio

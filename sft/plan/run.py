@@ -1,0 +1,53 @@
+"""What a run is, decided once before any expensive work (`sft.plan.preflight.preflight`) and handed on as one frozen
+object: model building, the trainer, the fingerprint, the fail-safe and the report read it; none re-derives these
+facts from the training arguments, the environment or the engine's JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MemoryDecision:
+    """The memory plan's choice: the micro batch, the levers (`sft.plan.memory.Tools`), the sequence-parallel size, the
+    optimizer's offload share, and the plan's figures in a sentence (for the out-of-memory message)."""
+
+    micro_batch: int
+    tools: Any  # sft.plan.memory.Tools
+    sp: int
+    offload_ratio: float
+    sentence: str
+    chosen_by_sft: bool  # per_device_train_batch_size: auto
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run, decided: its resolved training arguments (what transformers and TRL are given), the model's config
+    and Architecture, the parallel sizes, the batch (with the steps of an epoch, `sft.plan.batch`), the memory
+    decision, the attention backend, each kernel decision with its reason, the engine with its resolved configuration,
+    and the checkpoint it resumes."""
+
+    training_args: Any  # sft.config.TrainConfig, resolved
+    model_config: Any  # transformers' PretrainedConfig, loaded once
+    arch: Any  # sft.model.architectures.Architecture
+    batch: Any  # sft.plan.batch.BatchPlan
+    memory: MemoryDecision
+    attn_implementation: str | None
+    kernels: dict = field(default_factory=dict)  # name -> sft.model.architectures.Kernel(on, reason)
+    resume: Any = None  # sft.plan.preflight.Resume
+    lora: bool = False  # PEFT's adapters on the base weights (use_peft)
+
+    @property
+    def dims(self):
+        """The parallel sizes (`sft.parallel.dims.ParallelDims`) of the resolved arguments."""
+        return self.training_args.parallel
+
+    @property
+    def engine(self):
+        """The run's engine (`sft.engines.Engine`), built once from the resolved configuration."""
+        return self.training_args.engine
+
+    def kernel_on(self, name: str) -> bool:
+        kernel = self.kernels.get(name)
+        return bool(kernel and kernel.on)

@@ -1,0 +1,282 @@
+"""sft's trainer: TRL's SFTTrainer wired to sft's components; packing, collation and loss are TRL's.
+
+- checkpoints (`sft.run.checkpoint`): complete-marked saves with sft_state.json, rotation after the marker,
+  pre-emption;
+- metrics (`sft.run.metrics`): metrics.jsonl, throughput/MFU/memory in every training log, the data trace, the wandb
+  link;
+- the engine (`sft.engines`, the run plan's): the checkpoint load, the optimizer state placed after it;
+- packing (`sft.model.attention`): every padding-free micro-batch checked to keep its samples apart;
+- sequence parallelism (`sft.parallel.sequence`): accelerate's Ulysses config, sliceable batches, the loss without
+  SP's weighting, tokens and FLOPs of the real samples counted once per replica;
+- the tiled MLP (`sft.model.tiling`) and checkpointing that keeps attention outputs (`sft.model.checkpointing`) when
+  the plan or the recipe asks for them (offloaded checkpoints are transformers');
+- a step whose loss or gradient norm is not finite is not applied, and stops the run (`sft.run.failsafe`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+
+import torch
+from trl import SFTTrainer
+
+from sft.errors import ConfigError
+from sft.model import converters, fp8, quantization
+from sft.model.attention import check_batch
+from sft.parallel import sequence as seqpar
+from sft.plan.batch import steps_per_epoch
+from sft.plan.run import RunPlan
+from sft.run import checkpoint as ckpt
+from sft.run import failsafe, metrics
+
+logger = logging.getLogger(__name__)
+
+
+# CPython releases whose forked child can deadlock in PyOS_AfterFork_Child on a lock another thread held at the fork
+# (python/cpython#112275; fixed in 3.10.15 and 3.11.10, never present in 3.12+)
+_FORK_DEADLOCK = (3, 10) <= sys.version_info < (3, 10, 15) or (3, 11) <= sys.version_info < (3, 11, 10)
+
+
+def fork_warning(args) -> str | None:
+    """A warning for DataLoader workers forked by a Python whose forked child can deadlock; None elsewhere."""
+    if not _FORK_DEADLOCK or args.dataloader_num_workers == 0:
+        return None
+    if args.dataloader_multiprocessing_context not in (None, "fork"):
+        return None
+    version = ".".join(map(str, sys.version_info[:3]))
+    return (
+        f"dataloader_num_workers {args.dataloader_num_workers} forks workers from a multi-threaded process, and on "
+        f"Python {version} a forked child can hang for ever (python/cpython#112275, fixed in 3.10.15 and 3.11.10; "
+        "seen in sft's CI). Upgrade Python, or set dataloader_multiprocessing_context: spawn (each worker then "
+        "imports torch itself: seconds per worker at every epoch)."
+    )
+
+
+class Trainer(SFTTrainer):
+    """TRL's `SFTTrainer` with sft's additions.
+
+    `fingerprint` (from `sft.run.checkpoint.fingerprint`) is stored in every checkpoint so that a resume can be
+    checked. Every training log adds `tokens_per_step`, `tokens_per_second_per_gpu`, `tflops_per_gpu`, `mfu`,
+    `num_flops` and `peak_memory_gib` (`sft.run.metrics.Throughput`); `packing_efficiency` is real tokens / (rows x
+    max_length) of each micro-batch.
+    """
+
+    def __init__(self, *args, plan: RunPlan, fingerprint: dict | None = None, **kwargs):
+        self.plan = plan
+        dims = plan.dims
+        if dims.sp > 1:
+            kwargs["args"].parallelism_config = seqpar.parallelism_config(dims, plan.attn_implementation)
+        super().__init__(*args, **kwargs)
+        self.fingerprint = fingerprint or {}
+        self._shard_info: seqpar.ShardInfo | None = None
+        if dims.sp > 1:
+            self._gradient_divisor = plan.engine.gradient_divisor()  # fixed for the run
+            pad = self.processing_class.pad_token_id
+            self.data_collator = seqpar.ShardableCollator(
+                self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
+            )
+            self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
+        warning = fork_warning(self.args)
+        if warning:
+            logger.warning(warning)
+        self.metrics_log = metrics.MetricsLog(self.args.output_dir)
+        self.throughput = metrics.Throughput(self.model, self.args.peak_tflops, dims.world_size, plan.arch)
+        self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)
+        self.preemption = ckpt.PreemptionCallback()
+        for callback in (self.metrics_log, self.throughput, self.preemption):
+            self.add_callback(callback)
+        self.resumed_from: str | None = None
+        self._wandb_recorded = False
+        self.guard = failsafe.StepGuard(self.args)
+        self.zero_loss = failsafe.ZeroLoss()
+        self._hf_shapes = None  # expert parallelism: the layout the model is saved in (AutoEP replaces its layers)
+        self.experts = plan.engine.experts  # the engine's expert-parallel component, or None
+        if self.experts is not None:
+            self.experts.compatible_output_registry()
+            self._hf_shapes = self.experts.hf_shapes(self.model)
+
+    @property
+    def preempted(self) -> bool:
+        return self.preemption.preempted
+
+    def train(self, resume_from_checkpoint: str | None = None, **kwargs):
+        step = 0
+        if resume_from_checkpoint:
+            saved = ckpt.read_state(resume_from_checkpoint)
+            step = saved["global_step"]
+            self._refuse_finished(step, resume_from_checkpoint)
+            self._total_train_tokens = saved["total_train_tokens"]
+            self.throughput.total_flops = saved.get("total_train_flops", 0.0)
+            for mode, values in saved["metrics"].items():
+                self._metrics[mode].update({k: list(v) for k, v in values.items()})
+            logger.info(
+                "Resuming from %s: step %d, %d samples and %d tokens seen",
+                resume_from_checkpoint,
+                step,
+                saved["samples_seen"],
+                saved["total_train_tokens"],
+            )
+        self.resumed_from = resume_from_checkpoint
+        self.throughput.start(step, self._total_train_tokens)
+        if self.args.process_index == 0:
+            self.metrics_log.keep_until(step)
+            if resume_from_checkpoint:
+                self.metrics_log.mark_resume(step)
+        failsafe.retried(self.args, step)  # after an out-of-memory error, `sft train` runs this again
+        self.trace.keep_until(step)
+        self.preemption.install()
+        if self.is_deepspeed_enabled:
+            logger.info(
+                "Starting the DeepSpeed engine (ZeRO-%d), then training (torch's FutureWarning that the collectives "
+                "DeepSpeed calls are deprecated is not shown: harmless, sft.run.logs)",
+                self.plan.engine.sharding.stage,
+            )
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """transformers loads the checkpoint here. After any DeepSpeed load the optimizer state is placed as torch's
+        `load_state_dict` would; only a universal load (another process count) bypasses that, so elsewhere nothing
+        moves. The tiled MLP goes on first: Liger has patched the MLPs by now (in `train`), and the tiles wrap it."""
+        converters.apply("prepare", self.model, self.plan)
+        with self.plan.engine.loading_checkpoint():
+            model, train_dataloader = super()._prepare_for_training(
+                max_steps, train_dataloader, resume_from_checkpoint
+            )
+        moved = quantization.place_quant_states(self.model)  # QLoRA loaded in host memory under ZeRO-3
+        if moved:
+            logger.info("QLoRA: the quantization constants of %d layers moved to this GPU", moved)
+        converters.apply("wrapped", self.model, self.plan)
+        if self.args.parallel.sp > 1:
+            train_dataloader = self.plan.engine.sequence_parallel_loader(train_dataloader)
+            if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:
+                # transformers' skip (accelerate's skip_first_batches) cannot go through the adapter: skip here, as
+                # many micro-batches as transformers would, and tell transformers not to skip again
+                per_epoch = steps_per_epoch(len(train_dataloader), self.args.gradient_accumulation_steps)
+                skipped = self.state.global_step % per_epoch * self.args.gradient_accumulation_steps
+                train_dataloader.skip(skipped)
+                self.args.ignore_data_skip = True
+                self._load_rng_state(resume_from_checkpoint)  # what transformers does after its own skip
+                logger.info("Sequence parallel resume: skipped %d micro-batches of this epoch", skipped)
+        if resume_from_checkpoint:
+            self.plan.engine.after_load(self.model_wrapped)
+        return model, train_dataloader
+
+    def _refuse_finished(self, step: int, checkpoint: str) -> None:
+        """transformers "finishes" at once when the checkpoint is already at the last step; say so instead."""
+        if self.args.max_steps > 0:
+            total, what = self.args.max_steps, f"max_steps {self.args.max_steps}"
+        else:
+            batches = len(self.get_train_dataloader()) * self.args.parallel.sp  # each sp rank's batch is a micro-step
+            per_epoch = steps_per_epoch(batches, self.args.gradient_accumulation_steps)
+            total = math.ceil(per_epoch * self.args.num_train_epochs)
+            what = f"num_train_epochs {self.args.num_train_epochs} ({total} steps)"
+        if step >= total:
+            raise ConfigError(
+                f"{checkpoint} is at step {step} and the run asks for {what}: nothing is left to train. Raise "
+                "max_steps/num_train_epochs to train further, or use a new --output_dir for a new run."
+            )
+
+    def evaluate(self, *args, **kwargs):
+        with self.throughput.paused():
+            return super().evaluate(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.expert_parallel`)
+            self.experts.group_experts(optimizer, self.model, self.args.parallel.ep)
+        return optimizer
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Under expert parallelism the model (and each checkpoint's copy) is saved in Hugging Face's layout, its
+        experts gathered from the expert ranks (`sft.expert_parallel.hf_state_dict`, collective)."""
+        if self._hf_shapes is None or not self.experts.layers(self.model):
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir, state_dict=self.experts.hf_state_dict(self.model, self._hf_shapes))
+
+    def _save_checkpoint(self, model, trial):
+        step = self.state.global_step
+        state = {
+            "global_step": step,
+            "samples_seen": step * self.fingerprint.get("global_batch", 0),
+            "total_train_tokens": int(self._total_train_tokens),
+            "total_train_flops": self.throughput.total_flops,
+            "metrics": {mode: dict(values) for mode, values in self._metrics.items()},
+            "fingerprint": self.fingerprint,
+        }
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
+        keep = {str(Path(p).resolve()) for p in (self.resumed_from, self.state.best_model_checkpoint) if p}
+        with self.throughput.paused():
+            ckpt.save_complete(self, lambda: super(Trainer, self)._save_checkpoint(model, trial), folder, state, keep)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        info = self._shard_info = seqpar.take_info(inputs)
+        if info is not None:
+            inputs.update(seqpar.row_boundaries(info, self.args.device))
+        if self.padding_free:
+            check_batch(inputs)
+            if self.args.max_length:  # real tokens / (rows x max_length) of this micro-batch, on this rank
+                rows = self.args.per_device_train_batch_size
+                tokens = info.tokens if info else inputs["input_ids"].numel()
+                self._metrics["train"]["packing_efficiency"].append(tokens / (rows * self.args.max_length))
+        dims = self.args.parallel
+        if getattr(self.args, "trace_data", False) and (info is None or dims.sp_rank == 0):
+            self.trace.record(self.state.global_step, inputs, info)
+        self.throughput.add(inputs, info, dims.sp)
+        failsafe.at_step(self.state.global_step, self.args.per_device_train_batch_size)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.guard.add(loss)
+        if info is None:
+            return loss
+        # What each rank backpropagates is scaled for DeepSpeed's gradient divisor (see compute_loss); the Trainer
+        # logs the mean over all ranks, so the step's loss is world / divisor x that.
+        return loss * (dims.world_size / self._gradient_divisor)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """After the backward of each optimizer step, before `optimizer.step()`: a step that is not finite is not
+        applied (`sft.run.failsafe`): its gradients are dropped here (DeepSpeed has skipped it already)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        reduce = lambda t: self.accelerator.reduce(t, "sum")  # noqa: E731
+        if self.guard.check(self.state.global_step + 1, grad_norm, reduce) and not self.is_deepspeed_enabled:
+            model.zero_grad(set_to_none=True)  # torch's optimizers step no parameter without a gradient
+        return grad_norm
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        info = self._shard_info
+        if info is None or not model.training or return_outputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # Sequence parallel: TRL's loss without SP, from the same fused LM head, on this rank's slice of the row
+        # (`sft.parallel.sequence.loss_scale`); TRL's metrics as TRL keeps them, the tokens counted once per row.
+        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+        loss = -outputs.log_probs.sum() * seqpar.loss_scale(self._gradient_divisor, num_items_in_batch)
+        gather = self.accelerator.gather_for_metrics
+        valid = gather(outputs.label_mask.sum()).sum()
+        entropy, correct = gather(outputs.entropy.detach().sum()).sum(), gather(outputs.is_top1.sum()).sum()
+        self._metrics["train"]["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        self._metrics["train"]["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        tokens = torch.tensor(float(info.tokens) if self.args.parallel.sp_rank == 0 else 0.0, device=self.args.device)
+        self._total_train_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return loss
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """Under sequence parallelism: the trained tokens of the optimizer step, over every replica, each counted
+        once (transformers' count is off for Ulysses, which does not use it)."""
+        if self.args.parallel.sp == 1:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum((batch["shift_labels"] != -100).sum() for batch in batch_samples).to(device)
+        return self.accelerator.reduce(count, reduction="sum")
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        seqpar.take_info(inputs)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: every rank is here (the loss was just all-gathered)
+            self.throughput.log(logs, self.state.global_step, self._total_train_tokens, self.args.device)
+            self.zero_loss.log(self.state.global_step, logs["loss"])
+        super().log(logs, start_time)
+        if not self._wandb_recorded:
+            self._wandb_recorded = metrics.record_wandb_run(self.args)
