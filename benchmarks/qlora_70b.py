@@ -168,8 +168,8 @@ def report(result: dict, out: Path) -> None:
         f"{result['seq_len']} tokens, activation checkpointing, micro batch 1, {result['steps']} steps on the demo's "
         "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: "
         "`sft.plan.memory` for the same setting (this commit's). Variants: `zero3` ds_configs/zero3.json; `nested` "
-        "the same with `use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in CPU "
-        "memory); `offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
+        "the same with `use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in "
+        "CPU memory); `offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
         "",
         "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
         "plan GiB | plan error | plan phase | training peak GiB | plan, training |",
