@@ -290,6 +290,30 @@ class TrainConfig(SFTConfig):
 
     def __post_init__(self):
         self.auto_settings = set()  # fields left `auto`, resolved by sft.plan.preflight
+        self._parse_sizes()
+        self._parse_levers()
+        self._check_numbers()
+        if self.use_liger_kernel is None:  # `auto`: on for a family only where measured (sft.plan.preflight)
+            self.auto_settings.add("use_liger_kernel")
+            self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+        elif self.use_liger_kernel and not torch.cuda.is_available():
+            logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")
+            self.use_liger_kernel = False
+        if not self.use_cpu and not torch.cuda.is_available():
+            # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
+            # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
+            self.use_cpu = True
+            logs.quiet_accelerator_detection()
+        # sp must divide the launch's world size, ep its data-parallel size
+        launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
+        self.deepspeed, self.resolved_ds_settings = engines.prepare_config(
+            self.deepspeed, launch.world_size, launch.sp, launch.ep
+        )
+        super().__post_init__()
+        engines.check_agrees(self)
+
+    def _parse_sizes(self) -> None:
+        """The micro batch and the parallel sizes: whole numbers, or `auto` (a placeholder until the plan chooses)."""
         micro = self.per_device_train_batch_size
         if isinstance(micro, str):
             if micro.strip().lower() == "auto":
@@ -317,6 +341,9 @@ class TrainConfig(SFTConfig):
                 f"`expert_parallel_size` must be a whole number >= 1 (1: no expert parallelism), got "
                 f"{self.expert_parallel_size!r}."
             )
+
+    def _parse_levers(self) -> None:
+        """The memory levers and fast paths: true, false or `auto`, and the combinations that contradict each other."""
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
         for name in ("activation_checkpointing", "offload_checkpoints", "keep_attention_outputs", "tiled_mlp", "fp8",
@@ -346,6 +373,9 @@ class TrainConfig(SFTConfig):
                 kwargs = self.activation_checkpointing_kwargs or {}
                 self.activation_checkpointing_kwargs = {**kwargs, "offload": True}
             # without a GPU the checkpoints are in host memory already (and pinned memory needs a GPU)
+
+    def _check_numbers(self) -> None:
+        """Counts, sizes and fractions in their ranges, before any work."""
         if isinstance(self.max_nonfinite_steps, bool) or self.max_nonfinite_steps < 1:
             raise ConfigError(
                 f"`max_nonfinite_steps` is {self.max_nonfinite_steps!r}: it is the count of non-finite steps at which "
@@ -383,26 +413,6 @@ class TrainConfig(SFTConfig):
             raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"`max_length` must be >= 1 (or null for no limit), got {self.max_length}.")
-        if (
-            self.use_liger_kernel is None
-        ):  # `auto`: also for the model's family only where measured (sft.plan.preflight)
-            self.auto_settings.add("use_liger_kernel")
-            self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
-        elif self.use_liger_kernel and not torch.cuda.is_available():
-            logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")
-            self.use_liger_kernel = False
-        if not self.use_cpu and not torch.cuda.is_available():
-            # Without this, accelerate sees no device backend and runs every rank as a world of one; with it, the
-            # ranks of a torchrun/deepspeed launch on CPU form a gloo group (DeepSpeed ZeRO included).
-            self.use_cpu = True
-            logs.quiet_accelerator_detection()
-        # sp must divide the launch's world size, ep its data-parallel size
-        launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
-        self.deepspeed, self.resolved_ds_settings = engines.prepare_config(
-            self.deepspeed, launch.world_size, launch.sp, launch.ep
-        )
-        super().__post_init__()
-        engines.check_agrees(self)
 
     def _switch(self, name: str, explicit: bool | None) -> bool:
         """A true/false/`auto` field as a bool; `auto` recorded in `auto_settings` (False until the plan decides)."""

@@ -20,7 +20,7 @@ logger = logging.getLogger("sft")
 def main(argv: list[str] | None = None) -> None:
     from sft.config import parse_args
     from sft.parallel import nodes
-    from sft.parallel.distributed import check_ranks_agree, init_process_group, timeout_seconds
+    from sft.parallel.distributed import init_process_group, timeout_seconds
     from sft.run import logs
 
     init_process_group()
@@ -30,43 +30,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from trl import get_peft_config
 
-    from sft.data import stats as datastats
     from sft.data.load import check_tokenizer, load_datasets
     from sft.model.build import load_model, load_tokenizer
-    from sft.plan import memory as memplan
-    from sft.plan.preflight import Resume, preflight
-    from sft.run import checkpoint as ckpt
     from sft.run.trainer import Trainer
 
-    resume_from = ckpt.resolve_resume(training_args)
-    saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
-    resume = Resume.of(resume_from, saved) if resume_from else None
-    plan = preflight(training_args, model_args, resume)  # the run decided once, before any work (sft.plan.run)
+    plan, resume_from, saved = _plan(training_args, model_args)  # the run decided once, before any work
     training_args = plan.training_args
-    if memplan.cap_gpu_memory(training_args.max_gpu_memory_gib):
-        logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", training_args.max_gpu_memory_gib)
     train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
     check_tokenizer(train_dataset, tokenizer, training_args)
-    fingerprint = ckpt.fingerprint(script_args, data_args, plan, model_args, tokenizer, len(train_dataset))
-    check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
-    if resume_from:  # a checkpoint of another run (or model) is refused before anything in output_dir changes
-        ckpt.compare_fingerprints(saved, fingerprint, resume_from)
-    training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
-    if training_args.process_index == 0:
-        ckpt.claim_output_dir(training_args.output_dir)
-        ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
-        ckpt.record_settings(training_args.output_dir, fingerprint)
-    training_args.distributed_state.wait_for_everyone()
-    if resume_from:
-        plan.engine.convert_for_resume(training_args, resume_from)
-    # tokenised by TRL's own steps on every rank (their main-process-first barriers must match), which the trainer
-    # below then finds in the datasets cache
-    stats = datastats.for_training(train_dataset, tokenizer, plan)
-    if stats is not None:
-        logger.info("%s", datastats.describe(stats, long=False))
-    else:
-        logger.info("No data figures at the start: %s", datastats.skipped(train_dataset, training_args))
+    fingerprint = _take_output_dir(plan, (script_args, data_args, model_args), tokenizer, train_dataset, saved)
+    _log_data_figures(train_dataset, tokenizer, plan)
     model = load_model(model_args, plan)
     trainer = Trainer(
         model=model,
@@ -79,6 +53,66 @@ def main(argv: list[str] | None = None) -> None:
         fingerprint=fingerprint,
     )
     trainer.train(resume_from_checkpoint=resume_from)
+    _save(trainer, training_args)
+
+
+def _plan(training_args, model_args):
+    """(the RunPlan, the checkpoint it resumes or None, that checkpoint's fingerprint or None); the GPU capped where
+    `max_gpu_memory_gib` asks."""
+    from sft.plan import memory as memplan
+    from sft.plan.preflight import Resume, preflight
+    from sft.run import checkpoint as ckpt
+
+    resume_from = ckpt.resolve_resume(training_args)
+    saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
+    resume = Resume.of(resume_from, saved) if resume_from else None
+    plan = preflight(training_args, model_args, resume)
+    cap = plan.training_args.max_gpu_memory_gib
+    if memplan.cap_gpu_memory(cap):
+        logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", cap)
+    return plan, resume_from, saved
+
+
+def _take_output_dir(plan, arguments: tuple, tokenizer, train_dataset, saved: dict | None) -> dict:
+    """The run's fingerprint, checked against every rank's and the resumed checkpoint's before anything in
+    output_dir changes; then the main process claims output_dir and records the settings. Returns the fingerprint."""
+    from sft.parallel.distributed import check_ranks_agree
+    from sft.run import checkpoint as ckpt
+
+    script_args, data_args, model_args = arguments
+    training_args, resume_from = plan.training_args, plan.resume.checkpoint if plan.resume else None
+    fingerprint = ckpt.fingerprint(script_args, data_args, plan, model_args, tokenizer, len(train_dataset))
+    check_ranks_agree(fingerprint, script_args, data_args, training_args, model_args)
+    if resume_from:  # a checkpoint of another run (or model) is refused before anything in output_dir changes
+        ckpt.compare_fingerprints(saved, fingerprint, resume_from)
+    training_args.distributed_state.wait_for_everyone()  # every rank read output_dir before anyone writes there
+    if training_args.process_index == 0:
+        ckpt.claim_output_dir(training_args.output_dir)
+        ckpt.set_aside_incomplete(training_args.output_dir, resume_from)
+        ckpt.record_settings(training_args.output_dir, fingerprint)
+    training_args.distributed_state.wait_for_everyone()
+    if resume_from:
+        plan.engine.convert_for_resume(training_args, resume_from)
+    return fingerprint
+
+
+def _log_data_figures(train_dataset, tokenizer, plan) -> None:
+    """The data's figures at the start. Tokenised by TRL's own steps on every rank (their main-process-first barriers
+    must match), which the trainer then finds in the datasets cache."""
+    from sft.data import stats as datastats
+
+    stats = datastats.for_training(train_dataset, tokenizer, plan)
+    if stats is not None:
+        logger.info("%s", datastats.describe(stats, long=False))
+    else:
+        logger.info("No data figures at the start: %s", datastats.skipped(train_dataset, plan.training_args))
+
+
+def _save(trainer, training_args) -> None:
+    """After training: a preempted run leaves with its exit code; a finished one saves the model, marks the output
+    finished and writes its report (main process), every rank's last collective done before any teardown."""
+    from sft.run import checkpoint as ckpt
+
     if trainer.preempted:
         logger.warning("Stopped on a signal with a complete checkpoint; run the same command to continue.")
         trainer.end()

@@ -83,28 +83,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
     from sft.run import failsafe
 
     rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
-    try:
-        args = torchrun.get_args_parser().parse_args([*launcher_args, "--module", "sft", "train", *train_args])
-    except SystemExit as e:
-        raise ConfigError(f"the launcher flags {' '.join(launcher_args)} are not valid. Usage: {USAGE}") from e
-    several_nodes = torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1
-    if args.rdzv_endpoint:
-        args.rdzv_backend = "c10d"
-    elif not several_nodes and "--master-port" not in launcher_args:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # standalone
-    if args.master_port is None:
-        args.master_port = 29500
-    args.rdzv_conf = f"timeout={rdzv_timeout},join_timeout={rdzv_timeout}"  # static, c10d
-    endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{args.master_port}"
-    if several_nodes:
-        from sft.parallel import nodes
-
-        nodes.check_before_rendezvous(args.node_rank, endpoint, rdzv_timeout, static=args.rdzv_backend == "static")
-        host = endpoint.rpartition(":")[0]
-        if args.rdzv_backend == "c10d":  # torch decides both from the host name, which may not resolve (or not on
-            # the other nodes): whether this node hosts the rendezvous store, and the address it gives the others
-            args.rdzv_conf += f",is_host={nodes.is_local(host)}"
-            args.local_addr = args.local_addr or nodes.route_to(host)[0]
+    args, several_nodes, endpoint = _agent_args(launcher_args, train_args, rdzv_timeout)
 
     # A fresh store for the workers in every rendezvous round, hosted by rank 0 (sft.parallel.distributed). torch 2.13
     # shares the agent's store between rounds instead, and writes its address for the workers only in the first round
@@ -158,6 +137,36 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
             os.environ.pop(failsafe.RETRY_ENV, None)
+
+
+def _agent_args(launcher_args: list[str], train_args: list[str], rdzv_timeout: int):
+    """torchrun's arguments for the agent: (args, whether several nodes take part, the rendezvous endpoint); a node of
+    several checks that it can take part before the rendezvous (`sft.parallel.nodes`)."""
+    from torch.distributed import run as torchrun
+
+    try:
+        args = torchrun.get_args_parser().parse_args([*launcher_args, "--module", "sft", "train", *train_args])
+    except SystemExit as e:
+        raise ConfigError(f"the launcher flags {' '.join(launcher_args)} are not valid. Usage: {USAGE}") from e
+    several_nodes = torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1
+    if args.rdzv_endpoint:
+        args.rdzv_backend = "c10d"
+    elif not several_nodes and "--master-port" not in launcher_args:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # standalone
+    if args.master_port is None:
+        args.master_port = 29500
+    args.rdzv_conf = f"timeout={rdzv_timeout},join_timeout={rdzv_timeout}"  # static, c10d
+    endpoint = args.rdzv_endpoint or f"{args.master_addr or '127.0.0.1'}:{args.master_port}"
+    if several_nodes:
+        from sft.parallel import nodes
+
+        nodes.check_before_rendezvous(args.node_rank, endpoint, rdzv_timeout, static=args.rdzv_backend == "static")
+        host = endpoint.rpartition(":")[0]
+        if args.rdzv_backend == "c10d":  # torch decides both from the host name, which may not resolve (or not on
+            # the other nodes): whether this node hosts the rendezvous store, and the address it gives the others
+            args.rdzv_conf += f",is_host={nodes.is_local(host)}"
+            args.local_addr = args.local_addr or nodes.route_to(host)[0]
+    return args, several_nodes, endpoint
 
 
 def _take_rdzv_timeout(launcher_args: list[str]) -> tuple[int, list[str]]:

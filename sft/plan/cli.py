@@ -71,9 +71,34 @@ def gpu_size_table(shape: ModelShape, setting: Setting, result: Estimate, args, 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m sft.plan.memory", description=plan.__doc__.split("\n\n")[0]
-    )
+    args = _parser(prog).parse_args(argv)
+    logs.quiet_accelerator_detection()
+    try:
+        shape = load_shape(args.model)
+        setting = _setting(args)
+        if args.gpus % setting.sp:
+            raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
+        result = estimate(shape, setting)
+    except ConfigError as e:
+        print(f"sft.plan: {e}", file=sys.stderr)
+        return 2
+    memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
+    host = args.host_memory * GiB if args.host_memory else detected_host_memory()
+    print(f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters")
+    print(setting.describe())
+    print(result.table())
+    if memory is None and (args.suggest or args.longest):
+        print(gpu_size_table(shape, setting, result, args, host))
+    elif memory is None:
+        print("No GPU here and no --gpu-memory: say the GPU's GiB (--gpu-memory 80), or add --suggest for a table of "
+              f"{', '.join(f'{g:g}' for g in COMMON_GPU_GIB)} GiB GPUs.")  # fmt: skip
+    else:
+        return _fit_report(args, shape, setting, result, memory, host)
+    return 0
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan", description=plan.__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
     parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
@@ -102,72 +127,60 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument(
         "--longest", action="store_true", help="Also the longest row that fits (this ZeRO stage, any sp and levers)"
     )
-    args = parser.parse_args(argv)
-    logs.quiet_accelerator_detection()
-    try:
-        shape = load_shape(args.model)
-        setting = Setting(
-            gpus=args.gpus,
-            gpus_per_node=args.gpus_per_node,
-            zero_stage=None if args.zero == "none" else int(args.zero),
-            offload_optimizer=args.offload != "none",
-            offload_params=args.offload == "optimizer+params",
-            micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
-            activation_checkpointing=args.activation_checkpointing,
-            offload_checkpoints=args.offload_checkpoints,
-            tiled_mlp=args.tiled_mlp,
-            keep_attention=args.keep_attention,
-            liger=args.liger,
-            lora_r=args.lora_r,
-            lora_dropout=args.lora_dropout,
-            qlora=args.qlora,
-            qlora_nested=args.qlora_nested,
-            dtype_bytes=4 if args.dtype == "float32" else 2,
-            sp=args.sp or 1,
-            fp8=args.fp8,
-        )
-        if args.gpus % setting.sp:
-            raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
-        result = estimate(shape, setting)
-    except ConfigError as e:
-        print(f"sft.plan.memory: {e}", file=sys.stderr)
-        return 2
-    memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
-    host = args.host_memory * GiB if args.host_memory else detected_host_memory()
-    print(f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters")
-    print(setting.describe())
-    print(result.table())
-    rc = 0
-    if memory is None and (args.suggest or args.longest):
-        print(gpu_size_table(shape, setting, result, args, host))
-    elif memory is None:
-        print("No GPU here and no --gpu-memory: say the GPU's GiB (--gpu-memory 80), or add --suggest for a table of "
-              f"{', '.join(f'{g:g}' for g in COMMON_GPU_GIB)} GiB GPUs.")  # fmt: skip
-    else:
-        usable = memory * (1 - args.headroom)
-        fits = result.fits(memory, args.headroom, host)
-        rc = 0 if fits else 1
-        print(
-            f"{'fits' if fits else 'does NOT fit'}: {result.peak / GiB:.2f} GiB of {usable / GiB:.2f} GiB usable "
-            f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%}); host {result.host_pinned / GiB:.2f} GiB of "
-            f"{host * (1 - args.headroom) / GiB:.2f} GiB usable per node"
-        )
-        if args.suggest or not fits:
-            sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
-            best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
-            if best is None:
-                print(nothing_fits(setting, shape))
-            else:
-                print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
-        if args.longest:
-            sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
-            top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)
-            if top is None:
-                print("longest row that fits: none (not even 1,024 tokens)")
-            else:
-                print(f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()} "
-                      f"(peak {top.peak / GiB:.2f} GiB)")  # fmt: skip
-                binds = binding(shape, top, memory, args.headroom, host)
-                print(lever_report(top, setting, memory, args.headroom, host, binds))
+    return parser
+
+
+def _setting(args) -> Setting:
+    """The setting the command line describes."""
+    return Setting(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        zero_stage=None if args.zero == "none" else int(args.zero),
+        offload_optimizer=args.offload != "none",
+        offload_params=args.offload == "optimizer+params",
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+        offload_checkpoints=args.offload_checkpoints,
+        tiled_mlp=args.tiled_mlp,
+        keep_attention=args.keep_attention,
+        liger=args.liger,
+        lora_r=args.lora_r,
+        lora_dropout=args.lora_dropout,
+        qlora=args.qlora,
+        qlora_nested=args.qlora_nested,
+        dtype_bytes=4 if args.dtype == "float32" else 2,
+        sp=args.sp or 1,
+        fp8=args.fp8,
+    )
+
+
+def _fit_report(args, shape, setting: Setting, result, memory: float, host: float) -> int:
+    """Whether the setting fits this GPU and host; with --suggest (or when it does not fit) the fastest setting that
+    does, with --longest the longest row. Returns the exit code: 0 fits, 1 does not."""
+    usable = memory * (1 - args.headroom)
+    fits = result.fits(memory, args.headroom, host)
+    rc = 0 if fits else 1
+    print(
+        f"{'fits' if fits else 'does NOT fit'}: {result.peak / GiB:.2f} GiB of {usable / GiB:.2f} GiB usable "
+        f"({memory / GiB:.1f} GiB GPU, headroom {args.headroom:.0%}); host {result.host_pinned / GiB:.2f} GiB of "
+        f"{host * (1 - args.headroom) / GiB:.2f} GiB usable per node"
+    )
+    if args.suggest or not fits:
+        sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+        best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
+        if best is None:
+            print(nothing_fits(setting, shape))
+        else:
+            print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
+    if args.longest:
+        sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+        top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)
+        if top is None:
+            print("longest row that fits: none (not even 1,024 tokens)")
+        else:
+            print(f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()} "
+                  f"(peak {top.peak / GiB:.2f} GiB)")  # fmt: skip
+            binds = binding(shape, top, memory, args.headroom, host)
+            print(lever_report(top, setting, memory, args.headroom, host, binds))
     return rc

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -448,6 +447,44 @@ def gathered_layer_bytes(shape: ModelShape, s: Setting) -> float:
 
 
 def estimate(shape: ModelShape, s: Setting) -> Estimate:
+    _check_setting(s)
+    b, n = s.dtype_bytes, s.gpus
+    p = trainable(shape, s)
+    # Expert parallelism (ZeRO-0/1/2): a GPU holds 1/ep of the routed experts, whose optimizer states and gradient
+    # partition are split over the n/ep GPUs holding the same experts; the other parameters as without it
+    e = shape.expert_params if s.ep > 1 and not s.lora_r else 0
+    held = p - e + e / s.ep  # parameters a GPU holds whole in 16 bits
+    part = (p - e) / n + e / s.ep / max(n // s.ep, 1)  # its partition of the optimizer states and gradients
+    states_gpu, host = model_states(shape, s)
+    items, step, states_own = _resident(shape, s, p, held, part)
+    static = sum(items.values())
+    backward, loss_phase = _backward(shape, s, held, part)
+    host_pinned = host_bytes(shape, s)
+    if s.qlora:
+        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
+        backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
+    if s.fp8:
+        backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
+    at_backward = static + max(sum(backward.values()), loss_phase)
+    if loss_phase:  # shown beside the layers' lines, not added to them
+        backward["(the loss's backward, before the layers': stash, LM head, its gradients, tile)"] = loss_phase
+    at_step = static + sum(step.values())
+    at_load = load_bytes(shape, s)
+    if at_backward >= at_step:
+        items.update(backward)
+        phase, peak = "forward/backward", at_backward
+    else:
+        items.update(step)
+        phase, peak = "optimizer step", at_step
+    if at_load:  # before training, alone on the GPU: not added to the lines above
+        items["(model load: one linear quantized at a time)"] = at_load
+    if at_load > peak:
+        phase, peak = "model load", at_load
+    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
+
+
+def _check_setting(s: Setting) -> None:
+    """Settings the plan cannot estimate because the engine cannot run them."""
     if s.zero_stage not in (None, 0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {s.zero_stage}.")
     if (s.offload_optimizer or s.offload_params) and s.zero_stage not in (2, 3):
@@ -460,19 +497,16 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         raise ConfigError("Offloading checkpoints needs activation checkpointing (--activation-checkpointing).")
     if s.keep_attention and not (s.activation_checkpointing and not s.offload_checkpoints):
         raise ConfigError("Keeping attention outputs needs activation checkpointing, without offloaded checkpoints.")
-    b, n, v_h = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden
-    p = trainable(shape, s)
-    full = not s.lora_r
-    # Expert parallelism (ZeRO-0/1/2): a GPU holds 1/ep of the routed experts, whose optimizer states and gradient
-    # partition are split over the n/ep GPUs holding the same experts; the other parameters as without it
-    e = shape.expert_params if s.ep > 1 and full else 0
-    held = p - e + e / s.ep  # parameters a GPU holds whole in 16 bits
-    part = (p - e) / n + e / s.ep / max(n // s.ep, 1)  # its partition of the optimizer states and gradients
-    states_gpu, host = model_states(shape, s)
+
+
+def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float) -> tuple[dict, dict, float]:
+    """What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning),
+    what the optimizer step adds, and the model states alone; `p` trainable parameters, `held` whole on a GPU, `part`
+    its partition."""
+    b, n = s.dtype_bytes, s.gpus
     frozen = frozen_weight_bytes(shape, s)
     items: dict[str, float] = {}
     step: dict[str, float] = {}
-    # What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning)
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.zero_stage == 3:
@@ -507,15 +541,18 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
         items["optimizer: fp32 master + Adam moments"] = 12 * held
         step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
         states_own = sum(items.values()) + sum(step.values())
-    static = sum(items.values())
+    return items, step, states_own
 
-    # Forward/backward: activations plus the largest of the buffers that live at the start of backward
+
+def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[dict, float]:
+    """Forward/backward: activations plus the largest of the buffers that live at the start of backward; returns
+    (those terms, the loss's backward where it runs apart from the layers' (0 otherwise))."""
+    b, n, v_h, full = s.dtype_bytes, s.gpus, shape.vocab * shape.hidden, not s.lora_r
     backward: dict[str, float] = {"activations": s.tokens * activation_bytes_per_token(shape, s)}
     if s.tiled_mlp:  # one tile of about `hidden` tokens: its intermediates and their gradients
         backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
     elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
         backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
-    host_pinned = host_bytes(shape, s)
     loss_phase = 0.0
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
@@ -545,27 +582,7 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
             backward["16-bit gradients accumulated across micro-batches"] = partition
     else:
         backward["gradients (16-bit) + loss tile"] = b * held + tile
-    if s.qlora:
-        largest_linear = max(shape.hidden * shape.intermediate, shape.hidden * shape.heads * shape.head_dim)
-        backward["QLoRA dequantised weight (largest linear)"] = 2 * b * largest_linear
-    if s.fp8:
-        backward["FP8 casts in flight (largest linear)"] = fp8_bytes_in_flight(shape, s)
-    at_backward = static + max(sum(backward.values()), loss_phase)
-    if loss_phase:  # shown beside the layers' lines, not added to them
-        backward["(the loss's backward, before the layers': stash, LM head, its gradients, tile)"] = loss_phase
-    at_step = static + sum(step.values())
-    at_load = load_bytes(shape, s)
-    if at_backward >= at_step:
-        items.update(backward)
-        phase, peak = "forward/backward", at_backward
-    else:
-        items.update(step)
-        phase, peak = "optimizer step", at_step
-    if at_load:  # before training, alone on the GPU: not added to the lines above
-        items["(model load: one linear quantized at a time)"] = at_load
-    if at_load > peak:
-        phase, peak = "model load", at_load
-    return Estimate(s, items, states_gpu, peak, phase, host, at_backward, at_step, states_own, host_pinned)
+    return backward, loss_phase
 
 
 def loss_backward_apart(
@@ -765,9 +782,3 @@ def cap_gpu_memory(gib: float | None) -> float | None:
     fraction = gib * GiB / total
     torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     return fraction
-
-
-if __name__ == "__main__":  # `python -m sft.plan`: the CLI is `sft.plan.cli`
-    from sft.plan.cli import main
-
-    sys.exit(main())

@@ -450,27 +450,40 @@ def _plan_memory(
         accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
         base = dataclasses.replace(base, accumulation=max(accumulation, 1))
     if auto:
-        world = training_args.parallel.world_size
-        sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
-        levels = _tool_levels(training_args)
-        estimate = micro_choices = None
-        for sp_choice in sp_choices:  # the smallest sp that fits: every step of sp costs all-to-all traffic
-            micro_choices = (micro,)
-            if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
-                rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
-                rows = [m for m in rows if not micro_cap or m <= micro_cap]
-                micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-            estimate = memplan.suggest(
-                shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
-            )
-            if estimate is not None:
-                break
-        if estimate is not None:
-            micro, tools, sp = estimate.setting.micro_batch, estimate.setting.tools, estimate.setting.sp
-            ratio = estimate.setting.offload_ratio
-        else:  # nothing fits: the most frugal setting, reported below
-            micro, tools, sp, ratio = min(micro_choices), levels[-1], max(sp_choices), 1.0
+        micro, tools, sp, ratio = _choose(training_args, shape, base, target, micro_cap, (memory, headroom, host))
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
+    return micro, tools, sp, _check_plan(training_args, model_args, shape, setting, (memory, headroom, host)), ratio
+
+
+def _choose(training_args, shape, base, target, micro_cap, limits) -> tuple[int, memplan.Tools, int, float]:
+    """The `auto` settings as the memory plan chooses them: the smallest sp that fits (every step of sp costs
+    all-to-all traffic), then the largest micro batch with the cheapest levers; nothing fitting, the most frugal
+    setting (reported by `_check_plan`). Returns (micro batch, levers, sp, the optimizer's offload share)."""
+    memory, headroom, host = limits
+    auto = training_args.auto_settings
+    micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
+    world = training_args.parallel.world_size
+    sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
+    levels = _tool_levels(training_args)
+    micro_choices = (micro,)
+    for sp_choice in sp_choices:
+        if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
+            rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
+            rows = [m for m in rows if not micro_cap or m <= micro_cap]
+            micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
+        estimate = memplan.suggest(
+            shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
+        )
+        if estimate is not None:
+            chosen = estimate.setting
+            return chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
+    return min(micro_choices), levels[-1], max(sp_choices), 1.0
+
+
+def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limits) -> str:
+    """The plan of the chosen setting logged and checked against the GPU and the host (a ConfigError where it does
+    not fit, unless `plan_check: false`); returns its figures in a sentence (for the out-of-memory message)."""
+    memory, headroom, host = limits
     estimate = memplan.estimate(shape, setting)
     fits = estimate.fits(memory, headroom, host)
     usable = memory * (1 - headroom)
@@ -511,8 +524,7 @@ def _plan_memory(
         if training_args.plan_check:
             raise ConfigError(message)
         logger.warning(message)
-    plan = (
+    return (
         f"The memory plan for {setting.describe()} estimated a peak of {estimate.peak / memplan.GiB:.2f} GiB of "
         f"{usable / memplan.GiB:.2f} GiB usable per GPU (the `Memory plan` lines at the start)."
     )
-    return micro, tools, sp, plan, ratio

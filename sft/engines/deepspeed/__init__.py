@@ -115,7 +115,7 @@ class DeepSpeed(Engine):
         if keep_experts:
             from sft.engines.deepspeed import autoep
 
-            config = autoep.keep_layout(config)
+            config = autoep.keep_layout(read_config(config))
         if universal and config:
             config = universal_load_config(config)
         return config, lines

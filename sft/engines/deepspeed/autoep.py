@@ -111,24 +111,11 @@ def prepare_config(config: dict, ep: int, where: str) -> dict:
     return config
 
 
-def on(training_args) -> bool:
-    """Whether the run's MoE layers are AutoEP's (its DeepSpeed config's `expert_parallel` section): for
-    `expert_parallel_size` > 1, and for a run resumed from such a checkpoint on fewer GPUs (`keep_layout`)."""
-    if not training_args.deepspeed:
-        return False
-    from sft.engines.deepspeed import read_config
-
-    return bool((read_config(training_args.deepspeed).get("expert_parallel") or {}).get("enabled"))
-
-
-def keep_layout(deepspeed: str | dict) -> dict:
-    """The DeepSpeed config of a run that resumes a checkpoint written with AutoEP at `expert_parallel_size: 1`:
-    AutoEP stays on at size 1 (every rank holds every expert, in AutoEP's layer), so that the ZeRO checkpoint's
-    parameters (AutoEP's `experts.w1/w2/w3`, `router.gate`) are the model's, and DeepSpeed's universal checkpoint
-    gives each rank its experts."""
-    from sft.engines.deepspeed import read_config
-
-    config = read_config(deepspeed)
+def keep_layout(config: dict) -> dict:
+    """The DeepSpeed config (a copy, `config.read_config`'s) of a run that resumes a checkpoint written with AutoEP at
+    `expert_parallel_size: 1`: AutoEP stays on at size 1 (every rank holds every expert, in AutoEP's layer), so that
+    the ZeRO checkpoint's parameters (AutoEP's `experts.w1/w2/w3`, `router.gate`) are the model's, and DeepSpeed's
+    universal checkpoint gives each rank its experts."""
     config["expert_parallel"] = {**(config.get("expert_parallel") or {}), **deepspeed_section(1)}
     return config
 
