@@ -76,7 +76,9 @@ def test_the_deepspeed_section_comes_from_the_recipe_field(tmp_path):
         ds_engine.prepare_config(str(path), processes=4, ep=2)
     config, _ = ds_engine.prepare_config(str(path), processes=4, ep=4)  # agreeing: kept, with its other keys
     assert config["expert_parallel"]["autoep_size"] == 4
-    kept = expert_parallel.keep_layout(ds_engine.read_config("ds_configs/zero2.json"))  # resuming an AutoEP checkpoint at size 1
+    kept = expert_parallel.keep_layout(
+        ds_engine.read_config("ds_configs/zero2.json")
+    )  # resuming an AutoEP checkpoint at size 1
     assert kept["expert_parallel"] == {"enabled": True, "autoep_size": 1}
     assert "expert_parallel" not in json.loads((ROOT / "ds_configs" / "zero2.json").read_text())  # the file unchanged
 

@@ -19,6 +19,7 @@ that is meant to move the curve, write a new reference and commit it with the ch
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,45 @@ def test_demo_loss_curve_matches_the_reference(readme_walk):
     assert abs(tail - ref_tail) <= TAIL_RTOL * ref_tail, (ref_tail, tail)
 
 
+STARTUP = ROOT / "tests" / "references" / "demo_startup_log.txt"
+MODULE_PATH = re.compile(r"\bsft(\.[a-z_]+)+")
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (DEBUG|INFO|WARNING|ERROR) (sft[\w.]*): (.*)$")
+
+
+def startup_lines(console: str) -> list[str]:
+    """sft's log lines from a run's console up to the engine's start (or the first training log), as `LEVEL: message`
+    (their continuation lines kept): the timestamp and the logger's name (the module path) dropped, and module paths
+    in the text written `sft.*`, so that moving a module is not a change of the start-up log."""
+    lines, inside = [], False
+    for line in console.splitlines():
+        if line.startswith("{'loss'"):
+            break
+        match = LOG_LINE.match(line)
+        if match:
+            inside = True
+            lines.append(f"{match.group(1)}: {MODULE_PATH.sub('sft.*', match.group(3))}")
+            if match.group(3).startswith("Starting the DeepSpeed engine"):
+                break
+        elif inside and line.startswith("  "):
+            lines.append(line)
+        else:
+            inside = False
+    return lines
+
+
+def test_demo_startup_log_is_unchanged(readme_walk):
+    """What the demo says before its first step, line by line, as before the package was split into folders and the
+    run was decided once (issue "one plan": no behaviour change); the reference was written from the demo's console
+    at 34f3f38 (`python -m tests.multiproc.test_reference_curve --write-startup CONSOLE`)."""
+    demo = next(step for step in readme_walk.steps if step.what.startswith(" ".join(COMMAND)))
+    assert startup_lines(demo.result.stderr) == STARTUP.read_text().splitlines()
+
+
 def main() -> None:
+    if "--write-startup" in sys.argv:
+        console = Path(sys.argv[sys.argv.index("--write-startup") + 1]).read_text()
+        STARTUP.write_text("\n".join(startup_lines(console)) + "\n")
+        sys.exit(f"wrote {STARTUP}")
     import torch
 
     if "--write" not in sys.argv:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -236,3 +237,38 @@ def test_a_bad_record_found_by_one_rank_stops_every_rank_with_its_paragraph(tmp_
     assert f"sft: error: {data}: record 150: `messages` must be a list of turns, got str" in result.stderr
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("exitcode  : 2 ") == 2, result.stderr[-3000:]  # torchrun's summary: both ranks, 2
+
+
+DECIDED_ONCE_PROBE = r"""
+import atexit, json, sys
+from sft.engines.deepspeed import config as ds_config
+from sft.model import architectures
+
+calls = {"architectures.of": 0}
+real_of = architectures.of
+def counted_of(*args, **kwargs):
+    calls["architectures.of"] += 1
+    return real_of(*args, **kwargs)
+architectures.of = counted_of
+def report():
+    calls["json_parsed"] = ds_config._parse_file.cache_info().misses
+    print("DECIDED " + json.dumps(calls), flush=True)
+atexit.register(report)
+sys.argv = ["sft/train.py", *sys.argv[1:]]
+from sft.train import run
+run()
+"""
+
+
+def test_a_run_decides_once(tmp_path):
+    """One process, ZeRO-2, the demo for 2 steps: the model's Architecture is worked out once (`architectures.of`,
+    in the plan; the model build, the fingerprint, the FLOP count and sequence parallelism's checks read the plan's),
+    and the DeepSpeed JSON is parsed once (`sft.engines.deepspeed.config._parse_file`); the run trains."""
+    out = tmp_path / "out"
+    args = [*DEMO, "--output_dir", str(out), "--max_steps", "2", "--eval_strategy", "no", "--logging_steps", "1"]
+    result = subprocess.run([sys.executable, "-c", DECIDED_ONCE_PROBE, *args], cwd=ROOT, env=cli_env(tmp_path),
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert_ok(result)
+    counts = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("DECIDED "))[8:])
+    assert counts == {"architectures.of": 1, "json_parsed": 1}, counts
+    assert len(train_losses(out)) == 2

@@ -1,0 +1,116 @@
+"""The package's shape, read from its source with `ast` (no imports): the engine seam holds (outside sft/engines/
+nothing imports deepspeed or names the DeepSpeed engine), the import graph of sft/ has no circles, no function is
+over 80 lines, every folder says in its `__init__` what lives there and what it may import, and steps per epoch are
+counted only in the batch module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SFT = ROOT / "sft"
+MAX_FUNCTION_LINES = 80
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+MODULES = {module_name(p): p for p in sorted(SFT.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+
+
+def imported(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import anywhere in a module, functions included; `from a import b` gives `a.b` where
+    that is a module of sft, else `a`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.append((node.lineno, full if full in MODULES else node.module))
+    return found
+
+
+def test_only_the_engines_import_deepspeed():
+    """The engine seam: a second engine is a sibling of sft/engines/deepspeed/, not edits across the package."""
+    outside = {name: tree for name, tree in TREES.items() if not name.startswith("sft.engines")}
+    offending = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {module}"
+        for name, tree in outside.items()
+        for line, module in imported(tree)
+        if module.split(".")[0] == "deepspeed" or module.startswith("sft.engines.deepspeed")
+    ]
+    assert not offending, offending
+    assert {"sft.engines.base", "sft.engines.deepspeed"} <= set(MODULES)
+
+
+def test_the_import_graph_has_no_circles():
+    """Every import between sft's modules, at module level or inside a function, as a graph: no strongly connected
+    component larger than one module (Tarjan's algorithm). A package importing its own submodules is not an edge
+    back (Python imports the package first)."""
+    graph = {
+        name: {m for _, m in imported(tree) if m in MODULES and m != name and not name.startswith(f"{m}.")}
+        for name, tree in TREES.items()
+    }
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_no_function_is_over_80_lines():
+    long = [
+        f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for name, tree in TREES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in SFT.iterdir() if p.is_dir() and p.name != "__pycache__"))
+def test_every_folder_says_what_lives_there_and_what_it_may_import(folder):
+    doc = ast.get_docstring(TREES[f"sft.{folder}"]) or ""
+    assert len(doc) > 100 and "import" in doc, f"sft/{folder}/__init__.py: {doc!r}"
+
+
+def test_steps_per_epoch_are_counted_only_in_the_batch_module():
+    """An epoch's optimizer steps divide micro-batches by the accumulation: that division appears in
+    sft/plan/batch.py alone; everywhere else calls it (`steps_per_epoch`, `BatchPlan.steps_per_epoch`)."""
+    divisions = []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+                text = ast.unparse(node)
+                if "accumulation" in text:
+                    divisions.append((name, text))
+    assert divisions and {name for name, _ in divisions} == {"sft.plan.batch"}, divisions
