@@ -14,7 +14,7 @@ time the GPU waited for the host. Output: runs.jsonl (one record per variant) an
 Variants (sft's defaults as in throughput.py, under ZeRO-2, with one change each):
 - `sft`: ds_configs/zero2.json as it is.
 - `sft_overlap`, `sft_no_overlap`: ZeRO-2 with `overlap_comm` true / false.
-- `sft_autoep1` (MoE shape): DeepSpeed AutoEP's MoE layer at expert-parallel size 1 (`sft.expert_parallel`).
+- `sft_autoep1` (MoE shape): DeepSpeed AutoEP's MoE layer at expert-parallel size 1 (`sft.engines.deepspeed.autoep`).
 - `sft_nods`: no DeepSpeed: transformers' own loop with fp32 weights and bf16 autocast (the same mixed precision as
   DeepSpeed's bf16 with fp32 master weights) and its fused AdamW.
 

@@ -178,8 +178,8 @@ class TrainConfig(SFTConfig):
             memory plan fits (1 without a GPU to plan for).
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             Data-parallel processes that split each mixture-of-experts layer's experts (DeepSpeed AutoEP, see
-            `sft.expert_parallel`): each keeps count / this of the experts and tokens travel to theirs by all-to-all.
-            Must divide the data-parallel size; for the families AutoEP has a preset for, under ZeRO-0/1/2.
+            `sft.engines.deepspeed.autoep`): each keeps count / this of the experts and tokens travel to theirs by
+            all-to-all. Must divide the data-parallel size; for the families AutoEP has a preset for, under ZeRO-0/1/2.
         report (`bool`, *optional*, defaults to `True`):
             At the end of training, write `<output_dir>/report/` (`sft.tools.report`: one PNG per curve and an HTML
             page with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several

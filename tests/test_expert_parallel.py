@@ -1,6 +1,7 @@
-"""Expert parallelism (sft.expert_parallel, DeepSpeed AutoEP) in one process: the refusals before the model loads,
-the DeepSpeed section, the optimizer groups, transformers' registry made to answer AutoEP, and the plan's split of
-the experts' states. The 2-process runs (ep=2 against ep=1, resume): tests/multiproc/test_expert_parallel_runs.py."""
+"""Expert parallelism (sft.engines.deepspeed.autoep, DeepSpeed AutoEP) in one process: the refusals before the model
+loads, the DeepSpeed section, the optimizer groups, transformers' registry made to answer AutoEP, and the plan's split
+of the experts' states. The 2-process runs (ep=2 against ep=1, resume):
+tests/multiproc/test_expert_parallel_runs.py."""
 
 from __future__ import annotations
 

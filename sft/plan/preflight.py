@@ -48,7 +48,7 @@ class Resume:
     gradient_accumulation_steps: int
     global_batch: int
     ep: int = 1  # expert-parallel size (fingerprints before it: 1)
-    autoep: bool = False  # the MoE layers were AutoEP's (`sft.expert_parallel`)
+    autoep: bool = False  # the MoE layers were AutoEP's (`sft.engines.deepspeed.autoep`)
 
     @classmethod
     def of(cls, checkpoint: str, fingerprint: dict) -> Resume:

@@ -185,13 +185,13 @@ class Trainer(SFTTrainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.expert_parallel`)
+        if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.engines.deepspeed.autoep`)
             self.experts.group_experts(optimizer, self.model, self.args.parallel.ep)
         return optimizer
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Under expert parallelism the model (and each checkpoint's copy) is saved in Hugging Face's layout, its
-        experts gathered from the expert ranks (`sft.expert_parallel.hf_state_dict`, collective)."""
+        experts gathered from the expert ranks (`sft.engines.deepspeed.autoep.hf_state_dict`, collective)."""
         if self._hf_shapes is None or not self.experts.layers(self.model):
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir, state_dict=self.experts.hf_state_dict(self.model, self._hf_shapes))

@@ -122,8 +122,8 @@ def prepare_config(
     deepspeed: str | dict | None, processes: int, sp: int = 1, ep: int = 1
 ) -> tuple[str | dict | None, dict]:
     """The `deepspeed` training argument checked and resolved for a run of `processes` processes, sequence-parallel
-    size `sp` and expert-parallel size `ep` (AutoEP's section written by `sft.expert_parallel`); returns (config for
-    transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
+    size `sp` and expert-parallel size `ep` (AutoEP's section written by `sft.engines.deepspeed.autoep`); returns
+    (config for transformers, {setting: value sft chose}). `none`/empty turns DeepSpeed off.
 
     `zero_optimization.overlap_comm: "auto"`: on with several processes (the gradient reduction overlaps the
     backward), off with one, where there is nothing to communicate and DeepSpeed's overlap path only adds stream
