@@ -24,7 +24,7 @@ from pathlib import Path
 from sft.errors import ConfigError, SFTError
 from sft.run import logs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (sft/tools/evaluation.py)
 
 logger = logging.getLogger("sft.eval")
 TASKS_DIR = ROOT / "eval" / "tasks"
