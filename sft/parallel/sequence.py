@@ -29,6 +29,7 @@ global batch over `dp = world / sp` replicas, the memory planner divides activat
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ import torch
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.attention import boundaries_from_positions
+
+logger = logging.getLogger(__name__)
 
 # Whole-row tensors of TRL's padding-free collator that cannot be sliced along the sequence
 ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -208,3 +211,86 @@ def loss_scale(divisor: int, step_targets) -> torch.Tensor:
     x world / divisor.
     """
     return divisor / torch.as_tensor(step_targets, dtype=torch.float32).clamp(min=1)
+
+
+class TrainerSteps:
+    """Sequence parallelism inside the trainer: what `sft.run.trainer.Trainer` calls at each of its steps when the
+    plan's sp is above 1 (`of` gives None otherwise). Ulysses itself is transformers' and DeepSpeed's; these keep
+    packing exact (`before_step`), the loss the one without SP (`loss`, `scaled`, `step_tokens`) and a resume exact
+    through DeepSpeed's data-loader adapter (`loader`)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.dims = plan.dims
+        self.divisor: int | None = None  # the engine's gradient divisor, fixed for the run (`attach`)
+
+    @classmethod
+    def of(cls, plan) -> TrainerSteps | None:
+        return cls(plan) if plan.dims.sp > 1 else None
+
+    def configure(self, training_args) -> None:
+        """Before the trainer is built: accelerate's Ulysses configuration on the training arguments."""
+        training_args.parallelism_config = parallelism_config(self.dims, self.plan.attn_implementation)
+
+    def attach(self, trainer) -> None:
+        """After the trainer is built: batches that can be sliced over the sp ranks, and a loss scaled for the whole
+        optimizer step (`loss`)."""
+        from sft.model import fp8
+
+        self.divisor = self.plan.engine.gradient_divisor()
+        args = trainer.args
+        trainer.data_collator = ShardableCollator(
+            trainer.data_collator, self.dims.sp, trainer.processing_class.pad_token_id, args.trace_data,
+            fp8.token_multiple(args.fp8),
+        )  # fmt: skip
+        trainer.loss_is_scaled_for_ga = True  # `loss` divides by the tokens of the whole optimizer step
+
+    def loader(self, trainer, train_dataloader, resume_from_checkpoint):
+        """The engine's sequence-parallel loader; on a resume it skips this epoch's trained micro-batches itself
+        (transformers' skip, accelerate's `skip_first_batches`, cannot go through the adapter) and tells
+        transformers not to skip again."""
+        from sft.plan.batch import steps_per_epoch
+
+        loader = self.plan.engine.sequence_parallel_loader(train_dataloader)
+        args, step = trainer.args, trainer.state.global_step
+        if resume_from_checkpoint and step and not args.ignore_data_skip:
+            per_epoch = steps_per_epoch(len(loader), args.gradient_accumulation_steps)
+            skipped = step % per_epoch * args.gradient_accumulation_steps
+            loader.skip(skipped)
+            args.ignore_data_skip = True
+            trainer._load_rng_state(resume_from_checkpoint)  # what transformers does after its own skip
+            logger.info("Sequence parallel resume: skipped %d micro-batches of this epoch", skipped)
+        return loader
+
+    def before_step(self, inputs: dict, device) -> ShardInfo | None:
+        """The micro-batch's shard info taken out of it, and the whole row's sample boundaries put back in."""
+        info = take_info(inputs)
+        if info is not None:
+            inputs.update(row_boundaries(info, device))
+        return info
+
+    def scaled(self, loss):
+        """What each rank backpropagates is scaled for the engine's gradient divisor (`loss`); the Trainer logs the
+        mean over all ranks, so the step's loss is world / divisor x that."""
+        return loss * (self.dims.world_size / self.divisor)
+
+    def loss(self, trainer, model, inputs, num_items_in_batch, info: ShardInfo):
+        """TRL's loss without SP, from the same fused LM head, on this rank's slice of the row (`loss_scale`); TRL's
+        metrics as TRL keeps them, the tokens counted once per row."""
+        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+        loss = -outputs.log_probs.sum() * loss_scale(self.divisor, num_items_in_batch)
+        gather, metrics = trainer.accelerator.gather_for_metrics, trainer._metrics["train"]
+        valid = gather(outputs.label_mask.sum()).sum()
+        entropy, correct = gather(outputs.entropy.detach().sum()).sum(), gather(outputs.is_top1.sum()).sum()
+        metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        tokens = torch.tensor(float(info.tokens) if self.dims.sp_rank == 0 else 0.0, device=trainer.args.device)
+        trainer._total_train_tokens += int(trainer.accelerator.reduce(tokens, reduction="sum"))
+        metrics["num_tokens"] = [trainer._total_train_tokens]
+        return loss
+
+    def step_tokens(self, trainer, batch_samples, device):
+        """The trained tokens of the optimizer step, over every replica, each counted once (transformers' count is
+        off for Ulysses, which does not use it)."""
+        count = sum((batch["shift_labels"] != -100).sum() for batch in batch_samples).to(device)
+        return trainer.accelerator.reduce(count, reduction="sum")

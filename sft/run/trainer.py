@@ -20,11 +20,10 @@ import math
 import sys
 from pathlib import Path
 
-import torch
 from trl import SFTTrainer
 
 from sft.errors import ConfigError
-from sft.model import converters, fp8, quantization
+from sft.model import converters, quantization
 from sft.model.attention import check_batch
 from sft.parallel import sequence as seqpar
 from sft.plan.batch import steps_per_epoch
@@ -67,18 +66,14 @@ class Trainer(SFTTrainer):
     def __init__(self, *args, plan: RunPlan, fingerprint: dict | None = None, **kwargs):
         self.plan = plan
         dims = plan.dims
-        if dims.sp > 1:
-            kwargs["args"].parallelism_config = seqpar.parallelism_config(dims, plan.attn_implementation)
+        self.sequence_steps = seqpar.TrainerSteps.of(plan)  # sequence parallelism's steps, or None
+        if self.sequence_steps:
+            self.sequence_steps.configure(kwargs["args"])
         super().__init__(*args, **kwargs)
         self.fingerprint = fingerprint or {}
         self._shard_info: seqpar.ShardInfo | None = None
-        if dims.sp > 1:
-            self._gradient_divisor = plan.engine.gradient_divisor()  # fixed for the run
-            pad = self.processing_class.pad_token_id
-            self.data_collator = seqpar.ShardableCollator(
-                self.data_collator, dims.sp, pad, self.args.trace_data, fp8.token_multiple(self.args.fp8)
-            )
-            self.loss_is_scaled_for_ga = True  # compute_loss divides by the tokens of the whole optimizer step
+        if self.sequence_steps:
+            self.sequence_steps.attach(self)
         warning = fork_warning(self.args)
         if warning:
             logger.warning(warning)
@@ -149,17 +144,8 @@ class Trainer(SFTTrainer):
         if moved:
             logger.info("QLoRA: the quantization constants of %d layers moved to this GPU", moved)
         converters.apply("wrapped", self.model, self.plan)
-        if self.args.parallel.sp > 1:
-            train_dataloader = self.plan.engine.sequence_parallel_loader(train_dataloader)
-            if resume_from_checkpoint and self.state.global_step and not self.args.ignore_data_skip:
-                # transformers' skip (accelerate's skip_first_batches) cannot go through the adapter: skip here, as
-                # many micro-batches as transformers would, and tell transformers not to skip again
-                per_epoch = steps_per_epoch(len(train_dataloader), self.args.gradient_accumulation_steps)
-                skipped = self.state.global_step % per_epoch * self.args.gradient_accumulation_steps
-                train_dataloader.skip(skipped)
-                self.args.ignore_data_skip = True
-                self._load_rng_state(resume_from_checkpoint)  # what transformers does after its own skip
-                logger.info("Sequence parallel resume: skipped %d micro-batches of this epoch", skipped)
+        if self.sequence_steps:
+            train_dataloader = self.sequence_steps.loader(self, train_dataloader, resume_from_checkpoint)
         if resume_from_checkpoint:
             self.plan.engine.after_load(self.model_wrapped)
         return model, train_dataloader
@@ -212,9 +198,9 @@ class Trainer(SFTTrainer):
             ckpt.save_complete(self, lambda: super(Trainer, self)._save_checkpoint(model, trial), folder, state, keep)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        info = self._shard_info = seqpar.take_info(inputs)
-        if info is not None:
-            inputs.update(seqpar.row_boundaries(info, self.args.device))
+        info = self._shard_info = (
+            self.sequence_steps.before_step(inputs, self.args.device) if self.sequence_steps else None
+        )
         if self.padding_free:
             check_batch(inputs)
             if self.args.max_length:  # real tokens / (rows x max_length) of this micro-batch, on this rank
@@ -228,11 +214,7 @@ class Trainer(SFTTrainer):
         failsafe.at_step(self.state.global_step, self.args.per_device_train_batch_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.guard.add(loss)
-        if info is None:
-            return loss
-        # What each rank backpropagates is scaled for DeepSpeed's gradient divisor (see compute_loss); the Trainer
-        # logs the mean over all ranks, so the step's loss is world / divisor x that.
-        return loss * (dims.world_size / self._gradient_divisor)
+        return self.sequence_steps.scaled(loss) if info is not None else loss
 
     def _get_grad_norm(self, model, grad_norm=None):
         """After the backward of each optimizer step, before `optimizer.step()`: a step that is not finite is not
@@ -247,27 +229,15 @@ class Trainer(SFTTrainer):
         info = self._shard_info
         if info is None or not model.training or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # Sequence parallel: TRL's loss without SP, from the same fused LM head, on this rank's slice of the row
-        # (`sft.parallel.sequence.loss_scale`); TRL's metrics as TRL keeps them, the tokens counted once per row.
-        outputs = model(**inputs, use_cache=False, fused_lm_head=True)
-        loss = -outputs.log_probs.sum() * seqpar.loss_scale(self._gradient_divisor, num_items_in_batch)
-        gather = self.accelerator.gather_for_metrics
-        valid = gather(outputs.label_mask.sum()).sum()
-        entropy, correct = gather(outputs.entropy.detach().sum()).sum(), gather(outputs.is_top1.sum()).sum()
-        self._metrics["train"]["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
-        self._metrics["train"]["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
-        tokens = torch.tensor(float(info.tokens) if self.args.parallel.sp_rank == 0 else 0.0, device=self.args.device)
-        self._total_train_tokens += int(self.accelerator.reduce(tokens, reduction="sum"))
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        return loss
+        return self.sequence_steps.loss(
+            self, model, inputs, num_items_in_batch, info
+        )  # sequence parallel: the loss without SP
 
     def _get_num_items_in_batch(self, batch_samples, device):
-        """Under sequence parallelism: the trained tokens of the optimizer step, over every replica, each counted
-        once (transformers' count is off for Ulysses, which does not use it)."""
-        if self.args.parallel.sp == 1:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        count = sum((batch["shift_labels"] != -100).sum() for batch in batch_samples).to(device)
-        return self.accelerator.reduce(count, reduction="sum")
+        """Under sequence parallelism the trained tokens of the optimizer step, each counted once (`TrainerSteps`)."""
+        if self.sequence_steps:
+            return self.sequence_steps.step_tokens(self, batch_samples, device)
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         seqpar.take_info(inputs)
