@@ -4,7 +4,8 @@
 imports deepspeed: the run's engine is built once (`build`, read through `TrainConfig.engine` and the run plan), and
 the few pieces of an engine's library that sft uses without a run (the tiled MLP, the memory equations, a model built
 outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint) are the functions below. This folder may import
-`sft.errors`, `sft.parallel.dims` and the libraries it wraps, nothing else of sft.
+`sft.errors`, `sft.model.architectures` (which parameters are routed experts, for AutoEP) and the libraries it
+wraps, nothing else of sft.
 """
 
 from __future__ import annotations
