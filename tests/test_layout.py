@@ -52,6 +52,19 @@ def test_only_the_engines_import_deepspeed():
     assert {"sft.engines.base", "sft.engines.deepspeed"} <= set(MODULES)
 
 
+def test_the_engines_import_only_what_their_folder_allows():
+    """sft/engines/ wraps its libraries and may import of sft only the errors and which parameters are experts."""
+    allowed = {"sft.errors", "sft.model.architectures"}
+    offending = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {module}"
+        for name, tree in TREES.items()
+        if name.startswith("sft.engines")
+        for line, module in imported(tree)
+        if module.startswith("sft") and not module.startswith("sft.engines") and module not in allowed
+    ]
+    assert not offending, offending
+
+
 def test_the_import_graph_has_no_circles():
     """Every import between sft's modules, at module level or inside a function, as a graph: no strongly connected
     component larger than one module (Tarjan's algorithm). A package importing its own submodules is not an edge
