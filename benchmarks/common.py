@@ -144,8 +144,10 @@ def torchrun(nproc: int) -> list[str]:
 
 
 def sft_command(nproc: int, args: list[str]) -> list[str]:
-    """`sft/train.py` under torchrun."""
-    return [*torchrun(nproc), str(ROOT / "sft" / "train.py"), *args]
+    """`sft/train.py` under torchrun (of the checkout in `SFT_CODE`, default this one: an earlier commit's package side
+    by side with this one's, with PYTHONPATH pointing at it)."""
+    code = Path(os.environ.get("SFT_CODE", ROOT))
+    return [*torchrun(nproc), str(code / "sft" / "train.py"), *args]
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float]:

@@ -80,6 +80,10 @@ SETTINGS = {
 STAGES = {"zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 
 
+def _named(word: str, name: str) -> bool:
+    return word[:-1] == name if word.endswith("$") else word in name
+
+
 def cell(model: str, gpus: int, stage: str, setting: str) -> dict:
     return {"name": f"{model}-{gpus}gpu-{stage}-{setting}", "model": model, "gpus": gpus, "stage": stage,
             "setting": setting}  # fmt: skip
@@ -172,7 +176,7 @@ def run_matrix(args) -> None:
     data = work / "data.jsonl"
     vocab = 104 if args.tiny else SHAPES["1b"]["vocab_size"]
     make_sft_data(data, args.records, vocab, 512 if args.tiny else 4096)
-    waves = [[r for r in wave if not args.only or any(w in r["name"] for w in args.only)] for wave in MATRIX]
+    waves = [[r for r in wave if not args.only or any(_named(w, r["name"]) for w in args.only)] for wave in MATRIX]
     room = args.gpus_on_machine or 2  # --tiny: 2 CPU processes per run, one run at a time
     waves = [part for w in waves if w for part in _fit(w, room)]
     for i, wave in enumerate(waves):
@@ -278,7 +282,11 @@ def report(args, dirs: list[Path]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", nargs="*", help="Run only the runs whose name contains one of these words")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="Run only the runs whose name contains one of these words (a word ending in $: the whole name)",
+    )
     parser.add_argument("--report", nargs="*", type=Path, help="Merge the runs of these output dirs; run nothing")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
