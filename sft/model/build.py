@@ -15,7 +15,7 @@ from transformers import set_seed as hf_set_seed
 
 from sft.config import ModelArguments, TrainConfig
 from sft.errors import ConfigError
-from sft.model import architectures, converters, quantization
+from sft.model import converters, quantization
 from sft.plan.run import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -50,22 +50,6 @@ def load_model(model_args: ModelArguments, plan: RunPlan) -> PreTrainedModel:
     model = _build(model_args, training_args, plan.attn_implementation, partitioned, plan)
     converters.apply_at_build(model, plan)
     return model
-
-
-def compile_decoder_layers(model: PreTrainedModel) -> None:
-    """`torch.compile` each decoder layer (one graph, reused by every layer), not the whole model.
-
-    transformers' `torch_compile` compiles the whole model, loss and LM head included, and breaks the graph at every
-    DeepSpeed hook; the decoder layers are where the elementwise work between the matmuls is.
-    """
-    layers = architectures.decoder_layers(model)
-    if layers is None:
-        raise ConfigError(
-            f"`compile_decoder_layers`: {type(model).__name__} has no decoder layers to compile. Set it to false."
-        )
-    for layer in layers:
-        layer.compile()
-    logger.info("Compiling %d decoder layers with torch.compile", len(layers))
 
 
 def _build(
