@@ -23,6 +23,7 @@ from sft.errors import ConfigError
 from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
+from sft.plan import speed
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
@@ -131,15 +132,25 @@ def test_peak_grows_with_micro_batch_and_checkpointing_saves(tmp_path):
     assert ckpt < peaks[2] / 2
 
 
-def test_suggest_takes_lowest_stage_then_checkpointing_then_largest_micro_batch(tmp_path):
+def test_suggest_takes_lowest_stage_then_the_fastest_levers_and_micro_batch(tmp_path):
+    """The lowest ZeRO stage that fits, then of its micro batches and checkpointing settings the one the speed model
+    estimates fastest; offload only where nothing fits on the GPU."""
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=8, seq_len=4096, liger=True)
-    best = plan.suggest(shape, base, 80 * plan.GiB)
-    assert best.setting.zero_stage == 1 and not best.setting.activation_checkpointing  # ZeRO-0 cannot hold 8B
+    fits = plan.ranked(shape, base, 80 * plan.GiB, target=64)
+    best = plan.suggest(shape, base, 80 * plan.GiB, target=64)
+    assert best == fits[0].estimate and best.setting.zero_stage == 1  # ZeRO-0 cannot hold 8B
     assert plan.estimate(shape, dataclasses.replace(best.setting, zero_stage=0)).peak > 72 * plan.GiB
-    larger = [m for m in plan.MICRO_BATCHES if m > best.setting.micro_batch]
-    assert all(not plan.estimate(shape, dataclasses.replace(best.setting, micro_batch=m)).fits(80 * plan.GiB, 0.1)
-               for m in larger)  # fmt: skip
+    assert {r.estimate.setting.zero_stage for r in fits} == {1}
+    speeds = [r.time.tokens_per_second for r in fits]
+    assert speeds == sorted(speeds, reverse=True) and len(fits) > 10
+    every = [
+        dataclasses.replace(base, zero_stage=1, micro_batch=m, accumulation=-(-64 // (8 * m))).with_tools(t)
+        for m in plan.MICRO_BATCHES for t in plan.ACTIVATION_LEVELS[:3]
+    ]  # fmt: skip
+    fitting = [s for s in every if plan.estimate(shape, s).fits(80 * plan.GiB, 0.1)]
+    assert len(fitting) == len(fits)  # none left out
+    assert all(speed.step_time(shape, s).tokens_per_second <= fits[0].time.tokens_per_second for s in fitting)
     # 2 GPUs of 80 GB: nothing fits without checkpointing under ZeRO-3 at micro batch 1 -> checkpointing on
     two = plan.suggest(shape, dataclasses.replace(base, gpus=2), 80 * plan.GiB)
     assert two.setting.zero_stage == 3 and two.setting.activation_checkpointing
@@ -258,10 +269,11 @@ def demo_args(tmp_path, *extra):
     return parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "out"), *extra])
 
 
-@pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 4, False), ("0.04", 1, True)])
+@pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 12, True), ("0.04", 1, True)])
 def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, checkpointing):
     """`auto` micro batch / checkpointing become what `sft.plan.memory.suggest` picks for the demo model and that
-    memory: the largest micro batch without checkpointing, or checkpointing when nothing fits without it."""
+    memory: the setting the speed model ranks fastest (for the demo's 1.6M parameters the per-micro-step cost
+    dominates, so the largest micro batch, with checkpointing), or checkpointing when nothing fits without it."""
     _, _, training_args, model_args = demo_args(
         tmp_path, "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto",
         "--plan_gpu_memory_gib", memory_gib,
@@ -279,7 +291,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     assert (
         chosen == (expected.setting.micro_batch, expected.setting.activation_checkpointing) == (micro, checkpointing)
     )
-    bigger = dataclasses.replace(expected.setting, micro_batch=micro + 2)
+    bigger = dataclasses.replace(expected.setting, micro_batch=micro + 4)
     assert not plan.estimate(shape, bigger).fits(float(memory_gib) * plan.GiB, 0.1)
     assert resolved.auto_settings == set()
 
@@ -458,7 +470,8 @@ def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
     assert resolved.use_liger_kernel is False
     shape = shapes.load_shape(str(model))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)
-    expected = plan.suggest(shape, base, 0.15 * plan.GiB, candidates=[base])
+    no_levers = (plan.Tools(False, False, False),)  # the demo recipe turns checkpointing off
+    expected = plan.suggest(shape, base, 0.15 * plan.GiB, candidates=[base], levels=no_levers)
     assert resolved.per_device_train_batch_size == expected.setting.micro_batch > 1
 
 

@@ -6,12 +6,14 @@ The equations and the search are `sft.plan.memory`'s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from sft.errors import ConfigError
-from sft.model.shapes import ModelShape, load_shape
+from sft.model.shapes import ModelShape, load_config, load_shape
 from sft.plan import memory as plan
+from sft.plan import speed
 from sft.plan.memory import (
     Estimate,
     GiB,
@@ -23,6 +25,7 @@ from sft.plan.memory import (
     lever_report,
     longest,
     nothing_fits,
+    ranked,
     sp_sizes,
     suggest,
 )
@@ -74,8 +77,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = _parser(prog).parse_args(argv)
     logs.quiet_accelerator_detection()
     try:
-        shape = load_shape(args.model)
-        setting = _setting(args)
+        model_config = load_config(args.model, False)
+        shape = load_shape(args.model, False, model_config)
+        setting = _setting(args, _kernels(args, model_config, shape))
         if args.gpus % setting.sp:
             raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
         result = estimate(shape, setting)
@@ -111,12 +115,20 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--offload-checkpoints", action="store_true", help="Checkpointed layer inputs in CPU memory")
     parser.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles along the row (DeepSpeed's TiledMLP)")
     parser.add_argument("--keep-attention", action="store_true", help="Checkpointing keeps attention outputs")
-    parser.add_argument("--liger", action="store_true", help="Liger kernels (RMSNorm, SwiGLU, RoPE)")
+    parser.add_argument("--liger", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                        help="Liger kernels (RMSNorm, SwiGLU, RoPE, the fused loss); auto: as `sft train` decides "
+                             "for the family on a GPU")  # fmt: skip
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
     parser.add_argument("--qlora-nested", action="store_true", help="QLoRA constants quantised too (nested quant)")
-    parser.add_argument("--fp8", action="store_true", help="Decoder linears in torchao float8 (sft.model.fp8)")
+    parser.add_argument("--fp8", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                        help="Decoder linears in torchao float8 (sft.model.fp8), compiled; auto: as `sft train` "
+                             "decides for the family on an H100/H200")  # fmt: skip
+    parser.add_argument("--global-batch", type=int, help="Rows per optimizer step: the speed model's accumulation")
+    parser.add_argument("--gpu-name", help="The card whose speed constants rank the settings (default: this "
+                                           f"machine's GPU, else {speed.REFERENCE_CARD}; sft.plan.speed)")  # fmt: skip
+    parser.add_argument("--top", type=int, default=5, help="Settings --suggest lists, fastest first")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--gpu-memory", "--gpu-memory-gib", type=float, help="GiB per GPU, e.g. 24 (default: this machine's GPU)"
@@ -130,8 +142,61 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def _setting(args) -> Setting:
-    """The setting the command line describes."""
+def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool]:
+    """(Liger, FP8, compiled layers) as the command line gives them, `auto` as `sft train` decides them for the family
+    on a GPU with FP8 tensor cores (`sft.plan.preflight`): Liger and FP8 where measured good for the family (FP8 not
+    with LoRA, under ZeRO-3 or below `sft.model.fp8.AUTO_MIN_HIDDEN`), layers compiled with FP8 (or where compiled
+    bf16 measured faster)."""
+    from sft.model import architectures, fp8
+
+    arch = architectures.of(model_config)
+    liger = arch.kernel("liger").on if args.liger == "auto" else args.liger == "on"
+    if args.fp8 == "auto":
+        fp8_on = (arch.kernel("fp8").on and not args.lora_r and args.zero != "3"
+                  and shape.hidden >= fp8.AUTO_MIN_HIDDEN)  # fmt: skip
+    else:
+        fp8_on = args.fp8 == "on"
+    compiled = (fp8_on and arch.kernel("compile").on) or arch.kernel("compile_bf16").on
+    return liger, fp8_on, compiled
+
+
+def _card(args) -> speed.Card:
+    import torch
+
+    return speed.card(args.gpu_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else None))
+
+
+def _candidate_kernels(args):
+    """A candidate's kernel flags as `sft train` sets them: attention outputs kept run eager, in bf16 where FP8 was
+    `auto` (`sft.plan.preflight._keep_attention_eager`)."""
+
+    def kernels(setting: Setting) -> Setting:
+        if setting.keep_attention and setting.compiled:
+            return dataclasses.replace(setting, compiled=False, fp8=setting.fp8 and args.fp8 != "auto")
+        return setting
+
+    return kernels
+
+
+def _ranking_table(fits: list, card: speed.Card) -> str:
+    """The settings that fit, fastest first, with the speed model's estimate and the memory plan's peak."""
+    lines = [
+        f"speed model: {card.name} ({card.source})",
+        "| # | setting | est. tokens/s/GPU | est. MFU | step s | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(fits, 1):
+        s = r.estimate.setting
+        zero = "no DeepSpeed" if s.zero_stage is None else f"ZeRO-{s.zero_stage}"
+        sp = f", sp {s.sp}" if s.sp > 1 else ""
+        lines.append(f"| {i} | {zero}{sp}, {s.levers_and_micro()} | {r.time.tokens_per_second:,.0f} | "
+                     f"{r.time.mfu:.1%} | {r.time.seconds:.2f} | {r.estimate.peak / GiB:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _setting(args, kernels: tuple[bool, bool, bool] = (False, False, False)) -> Setting:
+    """The setting the command line describes (with the kernel flags of `_kernels`)."""
+    liger, fp8_on, compiled = kernels
     return Setting(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
@@ -144,14 +209,18 @@ def _setting(args) -> Setting:
         offload_checkpoints=args.offload_checkpoints,
         tiled_mlp=args.tiled_mlp,
         keep_attention=args.keep_attention,
-        liger=args.liger,
+        liger=liger,
         lora_r=args.lora_r,
         lora_dropout=args.lora_dropout,
         qlora=args.qlora,
         qlora_nested=args.qlora_nested,
         dtype_bytes=4 if args.dtype == "float32" else 2,
         sp=args.sp or 1,
-        fp8=args.fp8,
+        fp8=fp8_on,
+        compiled=compiled,
+        accumulation=max(1, -(-args.global_batch // (args.gpus // (args.sp or 1) * args.micro_batch)))
+        if args.global_batch
+        else 1,
     )
 
 
@@ -168,11 +237,15 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
     )
     if args.suggest or not fits:
         sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
-        best = suggest(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host)
-        if best is None:
-            print(nothing_fits(setting, shape))
+        card = _card(args)
+        fits_ranked = ranked(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host,
+                             target=args.global_batch, card=card, kernels=_candidate_kernels(args))  # fmt: skip
+        if not fits_ranked:
+            print(nothing_fits(setting, shape, memory, args.headroom, host))
         else:
+            best = fits_ranked[0].estimate
             print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
+            print(_ranking_table(fits_ranked[: args.top], card))
     if args.longest:
         sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
         top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)

@@ -45,6 +45,8 @@ from typing import NamedTuple
 
 from sft.errors import ConfigError
 from sft.model.shapes import ModelShape
+from sft.plan import speed
+from sft.plan.speed import StepTime
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,7 @@ class Setting:
     # stepped on the GPU (DeepSpeed's `offload_optimizer.ratio`)
     offload_ratio: float = 1.0
     keep_attention: bool = False  # with checkpointing: the attention kernels' outputs kept (`sft.model.checkpointing`)
+    compiled: bool = False  # compiled decoder layers (the speed model's; no memory of their own)
 
     @property
     def tokens(self) -> int:
@@ -182,6 +185,13 @@ class Setting:
             f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
             f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
         )
+
+    def levers_and_micro(self) -> str:
+        """The micro batch, the accumulation and the levers, in a few words (the speed model's ranking)."""
+        levers = ", ".join(self.tools.names()) or "no memory lever"
+        dtype = "bf16" if self.dtype_bytes == 2 else "fp32"
+        kernels = "FP8 compiled" if self.fp8 else f"{dtype} compiled" if self.compiled else dtype
+        return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}"
 
     def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
         return dataclasses.replace(
@@ -630,23 +640,96 @@ def suggest(
     levels: tuple[Tools, ...] = ACTIVATION_LEVELS,
     sp_choices: tuple[int, ...] | None = None,
     host_memory: float | None = None,
+    **speed,
 ) -> Estimate | None:
-    """The fastest setting that fits: the smallest sequence-parallel size of `sp_choices` (default: the base's), then
-    the first of `candidates` (default: `ladder(base)`) that fits, the first memory levers of `levels` that are
-    needed (checkpointing, offloading, tiling, ZeRO's optimizer offload with the smallest share of the states that
-    fits, then its weight offload), the largest micro batch. None if nothing fits."""
+    """The fastest setting that fits (`ranked`'s first), None if nothing fits."""
+    fits = ranked(shape, base, gpu_memory, headroom, micro_batches, candidates, levels, sp_choices, host_memory,
+                  **speed)  # fmt: skip
+    return fits[0].estimate if fits else None
+
+
+class Ranked(NamedTuple):
+    estimate: Estimate
+    time: StepTime
+
+
+def ranked(
+    shape: ModelShape,
+    base: Setting,
+    gpu_memory: float,
+    headroom: float = 0.1,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    candidates: list[Setting] | None = None,
+    levels: tuple[Tools, ...] = ACTIVATION_LEVELS,
+    sp_choices: tuple[int, ...] | None = None,
+    host_memory: float | None = None,
+    target: int | None = None,
+    card: speed.Card | None = None,
+    kernels=None,
+) -> list[Ranked]:
+    """The settings that fit, fastest first by the speed model (`sft.plan.speed`).
+
+    The search goes as far as something fits: the smallest sequence-parallel size of `sp_choices` (default: the
+    base's), the first of `candidates` (default: `ladder(base)`: ZeRO-0..3, then offload; sft's measurements put a
+    lower stage ahead wherever it fits, and the sweep has not calibrated the collectives of a higher one), then the
+    levers. Levers that the sweep measured (none, checkpointing, checkpointing that keeps attention outputs: `FAST`)
+    are ranked by the speed model with every micro batch of `micro_batches`; only where none of them fits do the
+    others (offloaded checkpoints, the tiled MLP, ZeRO's offload) come on, in `levels`' order, each with the largest
+    micro batch that fits. With `target` (rows per optimizer step) a candidate accumulates `target / (data-parallel
+    size x micro batch)` micro-batches; `kernels(setting)` gives a candidate's FP8 and compile flags where its
+    levers change them (attention outputs kept run eager)."""
+    card = card or speed.card()
+    fast = [t for t in levels if _fast(t)]
+    rest = [t for t in levels if not _fast(t)]
+
+    def fitting(candidate: Setting, sp: int, tools: Tools, ratio: float):
+        levered = lever_setting(candidate, tools, ratio)
+        for micro in sorted(micro_batches, reverse=True) if levered is not None else ():
+            setting = dataclasses.replace(levered, micro_batch=micro, sp=sp)
+            if target:
+                setting = dataclasses.replace(setting, accumulation=_accumulation(setting, target))
+            setting = kernels(setting) if kernels else setting
+            e = estimate(shape, setting)
+            if e.fits(gpu_memory, headroom, host_memory):
+                yield Ranked(e, speed.step_time(shape, setting, card))
+
     for sp in sorted(sp_choices or (base.sp,)):
         for candidate in ladder(base) if candidates is None else candidates:
-            for tools in levels:
+            fits = [r for tools in fast for ratio in offload_ratios(shape, candidate, tools)
+                    for r in fitting(candidate, sp, tools, ratio)]  # fmt: skip
+            if fits:  # fastest first; among equals the earlier (fewer levers, larger micro batch) stays ahead
+                return sorted(fits, key=lambda r: -r.time.tokens_per_second)
+            for tools in rest:
                 for ratio in offload_ratios(shape, candidate, tools):
-                    for micro in sorted(micro_batches, reverse=True):
-                        levered = lever_setting(candidate, tools, ratio)
-                        if levered is None:
-                            break
-                        e = estimate(shape, dataclasses.replace(levered, micro_batch=micro, sp=sp))
-                        if e.fits(gpu_memory, headroom, host_memory):
-                            return e
+                    first = next(fitting(candidate, sp, tools, ratio), None)
+                    if first is not None:
+                        return [first]
+    return []
+
+
+def _fast(tools: Tools) -> bool:
+    """Levers the speed model ranks: none, or checkpointing (keeping attention outputs or not) on the GPU."""
+    return not (tools.offload or tools.tiled_mlp or tools.offload_optimizer or tools.offload_params)
+
+
+def first_fit(shape: ModelShape, base: Setting, gpu_memory: float, headroom: float, levels: tuple[Tools, ...],
+              sp_choices: tuple[int, ...], host_memory: float | None = None) -> Estimate | None:  # fmt: skip
+    """The first setting in `levels`' order that fits, one row per micro-batch (what the search for the longest row
+    asks: whether anything fits, fast)."""
+    for sp in sorted(sp_choices):
+        for tools in levels:
+            for ratio in offload_ratios(shape, base, tools):
+                levered = lever_setting(base, tools, ratio)
+                if levered is None:
+                    continue
+                e = estimate(shape, dataclasses.replace(levered, micro_batch=1, sp=sp))
+                if e.fits(gpu_memory, headroom, host_memory):
+                    return e
     return None
+
+
+def _accumulation(s: Setting, target: int) -> int:
+    return max(1, -(-target // (s.gpus // s.sp * s.micro_batch)))
 
 
 def lever_setting(candidate: Setting, tools: Tools, ratio: float = 1.0) -> Setting | None:
@@ -689,8 +772,7 @@ def longest(
 
     def fitting(tokens: int) -> Estimate | None:
         setting = dataclasses.replace(base, seq_len=tokens, micro_batch=1)
-        return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], levels(), sp_choices=sp_choices,
-                       host_memory=host_memory)  # fmt: skip
+        return first_fit(shape, setting, gpu_memory, headroom, levels(), sp_choices, host_memory)
 
     if fitting(step) is None:
         return None
@@ -700,7 +782,9 @@ def longest(
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fitting(middle * step) is not None else (low, middle)
-    return fitting(low * step)
+    setting = dataclasses.replace(base, seq_len=low * step, micro_batch=1)
+    return suggest(shape, setting, gpu_memory, headroom, (1,), [setting], levels(), sp_choices=sp_choices,
+                   host_memory=host_memory)  # fmt: skip
 
 
 def binding(shape: ModelShape, e: Estimate, gpu_memory: float, headroom: float, host_memory: float,
@@ -709,9 +793,9 @@ def binding(shape: ModelShape, e: Estimate, gpu_memory: float, headroom: float, 
     with the GPU's memory alone (unlimited host memory), `GPU` if some would with the host's alone, else `both`."""
     longer = dataclasses.replace(e.setting, seq_len=e.setting.seq_len + step)
     sp = (e.setting.sp,)
-    if suggest(shape, longer, gpu_memory, headroom, (1,), [longer], levels(), sp) is not None:
+    if first_fit(shape, longer, gpu_memory, headroom, levels(), sp) is not None:
         return "host"
-    if suggest(shape, longer, float("inf"), headroom, (1,), [longer], levels(), sp, host_memory) is not None:
+    if first_fit(shape, longer, float("inf"), headroom, levels(), sp, host_memory) is not None:
         return "GPU"
     return "both"
 
@@ -758,13 +842,49 @@ def detected_gpu_memory() -> float | None:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def nothing_fits(s: Setting, shape: ModelShape | None = None) -> str:
-    """What to say when no setting fits: the next lever is LoRA, then QLoRA, then nested quantization, then more
-    GPUs."""
-    lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
-    if s.qlora and not s.qlora_nested:
-        lever = "set use_bnb_nested_quant: true (QLoRA's constants in 8 bits), or add GPUs"
-    return f"Nothing fits on this many GPUs, even with CPU offload and micro batch 1: {lever}."
+def nothing_fits(
+    s: Setting,
+    shape: ModelShape | None = None,
+    gpu_memory: float | None = None,
+    headroom: float = 0.1,
+    host_memory: float | None = None,
+) -> str:
+    """What to say when no setting fits: the lever that would make one fit, tried on the plan's equations in the
+    order a user would reach for them: Liger (its fused loss never builds the logits), sequence parallelism over the
+    GPUs there are, LoRA (the model states), QLoRA, QLoRA's nested constants; else shorter rows or more GPUs. Without
+    a shape or GPU memory to try them on: LoRA, QLoRA, nested quantization, more GPUs, in that order."""
+    head = "Nothing fits on this many GPUs, even with CPU offload and micro batch 1"
+    if shape is None or gpu_memory is None:
+        lever = "use LoRA (use_peft)" if not s.lora_r else "use QLoRA (load_in_4bit)" if not s.qlora else "add GPUs"
+        if s.qlora and not s.qlora_nested:
+            lever = "set use_bnb_nested_quant: true (QLoRA's constants in 8 bits), or add GPUs"
+        return f"{head}: {lever}."
+
+    def fits(setting: Setting, sp_choices: tuple[int, ...] | None = None) -> bool:
+        levels_ = levels()
+        return any(first_fit(shape, setting, gpu_memory, headroom, levels_, (sp,), host_memory) is not None
+                   for sp in sp_choices or (setting.sp,))  # fmt: skip
+
+    sp_all = sp_sizes(shape, s.gpus)
+    tries = [
+        ("turn Liger on (use_liger_kernel: its fused loss never builds the logits)",
+         dataclasses.replace(s, liger=True), sp_all),
+        (f"split each row over GPUs with sequence parallelism (sequence_parallel_size: one of {sp_all[1:]})",
+         s, sp_all),
+        ("use LoRA (use_peft): the model states are what does not fit", dataclasses.replace(s, lora_r=16), sp_all),
+        ("use QLoRA (load_in_4bit)", dataclasses.replace(s, lora_r=s.lora_r or 16, qlora=True), sp_all),
+        ("set use_bnb_nested_quant: true (QLoRA's constants in 8 bits)",
+         dataclasses.replace(s, lora_r=s.lora_r or 16, qlora=True, qlora_nested=True), sp_all),
+    ]  # fmt: skip
+    for lever, setting, sp_choices in tries:
+        if (setting != s or len(sp_choices) > 1) and fits(setting, sp_choices):
+            return f"{head}: {lever}."
+    top = longest(shape, dataclasses.replace(s, micro_batch=1), gpu_memory, headroom, tuple(sp_all),
+                  host_memory=host_memory)  # fmt: skip
+    if top is not None:
+        return (f"{head}: rows of at most {top.setting.seq_len:,} tokens fit here ({top.setting.describe()}); "
+                "longer rows need more GPUs (sequence parallelism) or more GPU memory.")  # fmt: skip
+    return f"{head}: add GPUs."
 
 
 def cap_gpu_memory(gib: float | None) -> float | None:

@@ -13,6 +13,7 @@ process count as a universal checkpoint, logs the plan, and refuses a run whose 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -25,6 +26,7 @@ from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
 from sft.parallel.dims import ParallelDims
 from sft.plan import memory as memplan
+from sft.plan import speed
 from sft.plan.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.plan.run import MemoryDecision, RunPlan
 from sft.run import checkpoint as ckpt
@@ -111,9 +113,8 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
     micro, tools, sp, sentence, ratio = _plan_memory(
-        training_args, model_args, target, kernels["FP8"].on, kernels["Liger"].on, retry.micro_cap if retry else None,
-        model_config, arch,
-    )  # fmt: skip
+        training_args, model_args, target, kernels, retry.micro_cap if retry else None, model_config, arch
+    )
     if tools.keep_attention:
         _keep_attention_eager(training_args, kernels, changes)
     padding_free = training_args.padding_free_batches
@@ -408,15 +409,16 @@ def _plan_memory(
     training_args,
     model_args,
     target: int | None,
-    fp8_on: bool = False,
-    liger_on: bool | None = None,
+    kernels: dict,
     micro_cap: int | None = None,
     model_config=None,
     arch: architectures.Architecture | None = None,
 ) -> tuple[int, memplan.Tools, int, str, float]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
-    share): the `auto` ones chosen by the memory plan (the smallest sp first, then the cheapest levers; micro batches
-    up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
+    share): the `auto` ones chosen by the memory plan and the speed model (the smallest sp first, then the fastest
+    setting that fits; micro batches up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against
+    the GPU and host."""
+    fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
     tools = _given_levers(training_args)
@@ -443,7 +445,8 @@ def _plan_memory(
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
     remote = bool(getattr(model_args, "trust_remote_code", False))
     shape = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch)
-    base = base_setting(training_args, model_args, fp8_on, liger_on)
+    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
+                               compiled=kernels["compiled layers"].on)  # fmt: skip
     dp = training_args.parallel.dp
     if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
         fixed = "per_device_train_batch_size" not in auto
@@ -456,9 +459,10 @@ def _plan_memory(
 
 
 def _choose(training_args, shape, base, target, micro_cap, limits) -> tuple[int, memplan.Tools, int, float]:
-    """The `auto` settings as the memory plan chooses them: the smallest sp that fits (every step of sp costs
-    all-to-all traffic), then the largest micro batch with the cheapest levers; nothing fitting, the most frugal
-    setting (reported by `_check_plan`). Returns (micro batch, levers, sp, the optimizer's offload share)."""
+    """The `auto` settings as the memory plan and the speed model choose them: the smallest sp that fits (every step
+    of sp costs all-to-all traffic), then the fastest micro batch and levers that fit (`sft.plan.memory.ranked`), the
+    ranking logged; nothing fitting, the most frugal setting (reported by `_check_plan`). Returns (micro batch,
+    levers, sp, the optimizer's offload share)."""
     memory, headroom, host = limits
     auto = training_args.auto_settings
     micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
@@ -466,18 +470,42 @@ def _choose(training_args, shape, base, target, micro_cap, limits) -> tuple[int,
     sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
     levels = _tool_levels(training_args)
     micro_choices = (micro,)
+    card = speed.card(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     for sp_choice in sp_choices:
         if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
             rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
             rows = [m for m in rows if not micro_cap or m <= micro_cap]
             micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-        estimate = memplan.suggest(
-            shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,), host_memory=host
-        )
-        if estimate is not None:
-            chosen = estimate.setting
+        fits = memplan.ranked(shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,),
+                              host_memory=host, target=target, card=card,
+                              kernels=functools.partial(_candidate_kernels, training_args))  # fmt: skip
+        if fits:
+            _log_ranking(fits, card)
+            chosen = fits[0].estimate.setting
             return chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
     return min(micro_choices), levels[-1], max(sp_choices), 1.0
+
+
+def _candidate_kernels(training_args, setting: memplan.Setting) -> memplan.Setting:
+    """A candidate's FP8 and compile flags as the run would set them: with attention outputs kept, compiled layers
+    (and FP8 with them) off where `auto` (`_keep_attention_eager`)."""
+    auto = training_args.auto_settings
+    if not (setting.keep_attention and setting.compiled and "compile_decoder_layers" in auto):
+        return setting
+    return dataclasses.replace(setting, compiled=False, fp8=setting.fp8 and "fp8" not in auto)
+
+
+def _log_ranking(fits: list, card, shown: int = 3) -> None:
+    """Why the chosen setting won: its estimate beside the next ones'."""
+    if len(fits) < 2:
+        return
+    lines = [
+        f"  {'chosen' if i == 0 else 'then':<6} {r.estimate.setting.levers_and_micro()}: {r.time.describe()}, peak "
+        f"{r.estimate.peak / memplan.GiB:.2f} GiB"
+        for i, r in enumerate(fits[:shown])
+    ]
+    logger.info("Speed model (%s; %s): %d settings fit, fastest first\n%s", card.name, card.source, len(fits),
+                "\n".join(lines))  # fmt: skip
 
 
 def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limits) -> str:
@@ -505,7 +533,7 @@ def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limi
         fix = (
             f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
             if best
-            else memplan.nothing_fits(setting, shape)
+            else memplan.nothing_fits(setting, shape, memory, headroom, host)
         )
         if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
             over = (

@@ -3,9 +3,10 @@
 - `MetricsLog`: every log event of the main process appended to `<output_dir>/metrics.jsonl` (a transformers
   callback), trimmed to the resume point on a resume.
 - `Throughput`: the clock and FLOP counter behind `tokens_per_step`, `tokens_per_second_per_gpu`, `tflops_per_gpu`,
-  `mfu`, `num_flops`, `peak_memory_gib`, `peak_reserved_gib` in every training log; time in evaluation and checkpoint
-  saves is left out (`paused`). Per-GPU figures divide by the number of processes (`sft.parallel.dims`), each of which
-  is one GPU.
+  `mfu`, `num_flops`, `peak_memory_gib`, `peak_reserved_gib`, `alloc_retries` (the caching allocator's
+  `num_alloc_retries` so far: each freed its cache and waited) in every training log; time in evaluation and
+  checkpoint saves is left out (`paused`). Per-GPU figures divide by the number of processes (`sft.parallel.dims`),
+  each of which is one GPU.
 - `DataTrace`: with `trace_data`, one line per micro-batch and rank (step, tokens, SHA-1, per-sample digests);
   `samples_per_step` reads it back.
 - `record_wandb_run`: `<output_dir>/wandb_run.json`, so that `eval/run.py` can log to the training run.
@@ -169,6 +170,8 @@ class Throughput(TrainerCallback):
             logs["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             logs["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30  # what the allocator held
             logs["setup_peak_memory_gib"] = self.setup_peak_gib
+            # times the caching allocator freed its cache and tried again (near the memory limit: slow steps)
+            logs["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         self.start(step, tokens)
 
 

@@ -1,0 +1,354 @@
+"""The speed model's sweep: the settings the memory plan finds fitting, each trained by the real CLI, beside the plan's
+estimates; `--fit` turns the runs into the card's constants in `sft/plan/speed_constants.json`.
+
+    python -m benchmarks.speed_sweep --shape 3b --out $OUT/3b                  # 1 GPU, ZeRO-2
+    python -m benchmarks.speed_sweep --shape 8b --gpus 2 --zero 3 --out $OUT/8b
+    python -m benchmarks.speed_sweep --fit benchmarks/results/speed_sweep_h100/*/runs.jsonl --card "H100 80GB"
+    python -m benchmarks.speed_sweep --report benchmarks/results/speed_sweep_h100/*/runs.jsonl   # plan vs measured
+    python -m benchmarks.speed_sweep --tiny --out /tmp/sweep                    # CPU smoke test, demo model
+
+The candidates: `sft.plan.memory.ranked` over micro batches (those dividing the global batch of 32 rows) and the
+levers the speed model ranks (none, checkpointing, checkpointing that keeps attention outputs), with the kernels
+`sft train` would use (Liger; FP8 and compiled layers as `auto` decides; attention outputs kept run eager in bf16),
+plus the same without FP8 (the bf16 rows of the fit). Of each group (levers x kernels) the one the plan ranks fastest
+and the smallest micro batch are run (the fit needs both ends), then sft's default (every lever `auto`): what the plan
+chooses. Each run is `benchmarks/throughput.py`'s (same data, rows of 4,096 tokens, random weights), `--steps`
+optimizer steps, the first `--warmup` left out. Per run: tokens/s/GPU, MFU, the step time, the peak memory, the
+allocator's retries, and the plan's estimates of the same setting (peak GiB, tokens/s and its parts).
+
+`--fit` solves for the card's constants by least squares on the relative error of the step time (efficiency per
+kernel setting, the fixed per-micro-step cost, ZeRO's per-micro-step gradient work, the optimizer step; the
+half-efficiency tokens by a grid), writes them with the runs they came from, and prints each run's estimate against
+its measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, read_jsonl, sft_command, start
+from benchmarks.throughput import COMMON, GLOBAL_BATCH, collect
+from sft.model import architectures
+from sft.model.shapes import load_config, load_shape
+from sft.plan import memory as plan
+from sft.plan import speed
+from sft.plan.batch import micro_batches_for
+
+SHAPES = {
+    "1b": LLAMA_SHAPES["llama-1b"],
+    "3b": LLAMA_SHAPES["llama-3b"],
+    "8b": LLAMA_SHAPES["llama-8b"],
+    "tiny": None,
+}  # tiny: the demo model (--tiny)
+FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if plan._fast(t))  # none, attention kept, checkpointing
+
+
+def setting_name(s: plan.Setting) -> str:
+    levers = "keep" if s.keep_attention else "ckpt" if s.activation_checkpointing else "none"
+    kernel = "fp8" if s.fp8 else "bf16c" if s.compiled else "bf16"
+    return f"z{s.zero_stage}-m{s.micro_batch}-{levers}-{kernel}"
+
+
+def from_name(name: str, base: plan.Setting) -> plan.Setting:
+    """The setting a name of `setting_name` stands for (a `+exp` suffix, the allocator's variant, left aside)."""
+    stage, micro, levers, kernel = name.split("+")[0].split("-")
+    setting = dataclasses.replace(base, zero_stage=int(stage[1:]), micro_batch=int(micro[1:]),
+                                  accumulation=max(1, -(-GLOBAL_BATCH // (base.gpus * int(micro[1:])))),
+                                  fp8=kernel == "fp8", compiled=kernel in ("fp8", "bf16c"))  # fmt: skip
+    return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention=levers == "keep"))
+
+
+# `+exp`: the same setting with PyTorch's expandable segments (fewer allocator retries near the memory limit)
+VARIANTS = {"exp": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+
+
+def overrides(s: plan.Setting) -> dict:
+    """The recipe fields that make `sft train` run setting `s` (nothing left to `auto`)."""
+    return {"per_device_train_batch_size": s.micro_batch, "activation_checkpointing": s.activation_checkpointing,
+            "keep_attention_outputs": s.keep_attention, "offload_checkpoints": False, "tiled_mlp": False,
+            "fp8": s.fp8, "compile_decoder_layers": s.compiled, "use_liger_kernel": s.liger}  # fmt: skip
+
+
+def base_setting(args, shape, arch) -> plan.Setting:
+    """The setting `sft train` starts from on this card: Liger, FP8 and compiled layers as `auto` decides."""
+    fp8_on = arch.kernel("fp8").on and args.zero != 3 and shape.hidden >= 2048 and not args.tiny
+    compiled = (fp8_on and arch.kernel("compile").on) or (arch.kernel("compile_bf16").on and not args.tiny)
+    return plan.Setting(gpus=args.gpus, zero_stage=args.zero, seq_len=args.seq_len, liger=not args.tiny,
+                        fp8=fp8_on, compiled=compiled, dtype_bytes=4 if args.tiny else 2)  # fmt: skip
+
+
+def eager(setting: plan.Setting) -> plan.Setting:
+    """Attention outputs kept: compiled layers off, and FP8 with them (`sft.plan.preflight._keep_attention_eager`)."""
+    if setting.keep_attention and setting.compiled:
+        return dataclasses.replace(setting, compiled=False, fp8=False)
+    return setting
+
+
+def candidates(args, shape, arch, memory: float) -> list[plan.Ranked]:
+    """Of each group (levers x kernels) that fits: the fastest by the plan and the smallest micro batch."""
+    base = base_setting(args, shape, arch)
+    dp = args.gpus
+    micros = micro_batches_for(GLOBAL_BATCH, dp, plan.MICRO_BATCHES) or (1,)
+    bases = [base] + ([dataclasses.replace(base, fp8=False, compiled=False)] if base.fp8 or base.compiled else [])
+    chosen: dict[str, plan.Ranked] = {}
+    for b in bases:
+        fits = plan.ranked(shape, b, memory, args.headroom, micros, [b], FAST_LEVELS, target=GLOBAL_BATCH,
+                           kernels=eager)  # fmt: skip
+        groups: dict[tuple, list[plan.Ranked]] = {}
+        for r in fits:
+            s = r.estimate.setting
+            groups.setdefault((s.tools, s.fp8, s.compiled), []).append(r)
+        for group in groups.values():
+            for r in (group[0], min(group, key=lambda r: r.estimate.setting.micro_batch)):
+                chosen.setdefault(setting_name(r.estimate.setting), r)
+    return sorted(chosen.values(), key=lambda r: -r.time.tokens_per_second)[: args.max_runs]
+
+
+def sample_tokens(data: Path, max_length: int) -> float:
+    """The length-weighted sample length of the data (sum(len^2) / sum(len), each capped at max_length): what a
+    token's attention costs on average."""
+    lengths = np.array([min(len(r["input_ids"]), max_length) for r in read_jsonl(data)], dtype=float)
+    return float((lengths**2).sum() / lengths.sum())
+
+
+def run_one(name: str, recipe_fields: dict, args, work: Path, data: Path, model: Path) -> dict:
+    variant = {k: v for part in name.split("+")[1:] for k, v in VARIANTS[part].items()}
+    recipe = {**COMMON, "packing": True, "global_batch_size": GLOBAL_BATCH, **recipe_fields,
+              "model_name_or_path": str(model), "max_length": args.seq_len}  # fmt: skip
+    recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.steps)
+    recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{args.zero}.json")
+    if args.gpu_memory:
+        recipe["plan_gpu_memory_gib"] = args.gpu_memory
+    if args.tiny:
+        recipe.update(bf16=False, dtype="float32", attn_implementation="auto", peak_tflops=1.0)
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    env = {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(args.gpus)))}
+    env.update(variant)
+    proc = start(sft_command(args.gpus if not args.tiny else 1, ["--config", str(work / f"{name}.yaml")]),
+                 work / "logs" / f"{name}.log", env)  # fmt: skip
+    result = collect({"name": name}, proc, args, work, [name])
+    metrics = work / name / "metrics.jsonl"
+    steps = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
+    timed = steps[args.warmup :]
+    if timed and "tokens_per_second_per_gpu" in timed[0]:
+        seconds = [r["tokens_per_step"] / args.gpus / r["tokens_per_second_per_gpu"] for r in timed]
+        reserved = max((r.get("peak_reserved_gib", 0.0) for r in steps), default=0.0)
+        result.update(step_seconds=float(np.mean(seconds)), step_seconds_each=seconds,
+                      alloc_retries=[r.get("alloc_retries") for r in steps], peak_reserved_gib=reserved)  # fmt: skip
+    return result
+
+
+def measure(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="speed-sweep-"))
+    (work / "logs").mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = model_dir(work / "model", SHAPES[args.shape])
+    model_config = load_config(str(model))
+    shape, arch = load_shape(str(model), False, model_config), architectures.of(model_config)
+    memory = (args.gpu_memory * plan.GiB) if args.gpu_memory else plan.detected_gpu_memory()
+    data = work / "data.jsonl"
+    make_sft_data(data, args.records, 104 if args.tiny else SHAPES["1b"]["vocab_size"], args.seq_len)
+    span = sample_tokens(data, args.seq_len)
+    env = environment()
+    args.gpu = env["gpu"]
+    card = speed.card(None if args.tiny else env["gpu"])
+    if args.only:
+        base = base_setting(args, shape, arch)
+        runs = []
+        for name in args.only:
+            s = from_name(name, base)
+            runs.append((name, plan.Ranked(plan.estimate(shape, s), speed.step_time(shape, s, card))))
+    else:
+        runs = [(setting_name(r.estimate.setting), r) for r in candidates(args, shape, arch, memory)]
+    print(f"{len(runs)} candidates: {', '.join(name for name, _ in runs)}", flush=True)
+    todo = [(name, overrides(r.estimate.setting), r) for name, r in runs]
+    if not args.no_default:
+        todo.append(("default", {}, None))
+    for name, fields, ranked in todo:
+        result = run_one(name, fields, args, work, data, model)
+        result.update(shape=args.shape, gpus=args.gpus, zero=args.zero, card=card.name, device=env["device"],
+                      sample_tokens=span, model_params=shape.n_params)  # fmt: skip
+        if ranked is not None:
+            s = ranked.estimate.setting
+            estimate = speed.step_time(shape, s, card, span)
+            result.update(setting=dataclasses.asdict(s), planned_peak_gib=ranked.estimate.peak / plan.GiB,
+                          estimated_tokens_per_second=estimate.tokens_per_second,
+                          estimated_step_seconds=estimate.seconds, estimate=dataclasses.asdict(estimate))  # fmt: skip
+        with open(args.out / "runs.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"  {name}: exit {result['exit_code']}, {result['wall_s']} s, "
+              f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU (est. "
+              f"{result.get('estimated_tokens_per_second', 0):.0f}), peak {result.get('peak_memory_gib', 0):.2f} "
+              f"GiB, retries {result.get('alloc_retries')}, plan: {result.get('plan')}", flush=True)  # fmt: skip
+    (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
+
+
+def _setting_of(run: dict) -> plan.Setting:
+    return plan.Setting(**run["setting"])
+
+
+def _design(runs: list[dict], shapes_: dict, half: float, kernels: list[str], stages: list[str]):
+    """Rows of the step-time regression at half-efficiency `half`: FLOPs over the peak per kernel setting, the micro
+    steps, the micro steps x parameters (per ZeRO stage), the optimizer's parameters; each row and its target divided
+    by the measured step (least squares on the relative error)."""
+    rows, target = [], []
+    for run in runs:
+        s, shape = _setting_of(run), shapes_[run["shape"]]
+        tokens = s.micro_batch * -(-s.seq_len // s.sp)
+        linear = speed.linear_flops_per_token(shape, s.lora_r)
+        decoder = linear - 6.0 * shape.vocab * shape.hidden
+        attention = speed.attention_flops_per_token(shape, min(run["sample_tokens"], s.seq_len))
+        again = (decoder / 3 + (0 if s.keep_attention else attention / 3)) if s.activation_checkpointing else 0
+        flops = s.accumulation * tokens * (linear + attention + again)
+        peak = speed.card(run["card"]).peak_tflops * 1e12
+        row = [0.0] * (len(kernels) + 1 + len(stages) + 1)
+        row[kernels.index(speed.kernel_name(s.fp8, s.compiled or s.fp8))] = flops / peak * (tokens + half) / tokens
+        row[len(kernels)] = s.accumulation
+        held = shape.n_params / (s.gpus if s.zero_stage == 3 else 1)
+        row[len(kernels) + 1 + stages.index(str(s.zero_stage))] = s.accumulation * held / 1e9
+        row[-1] = shape.n_params / s.gpus / 1e9
+        measured = run["step_seconds"]
+        rows.append([v / measured for v in row])
+        target.append(1.0)
+    return np.array(rows), np.array(target)
+
+
+def fit(args) -> None:
+    """Least squares (non-negative) over every run with a setting and a measured step; the half-efficiency tokens by a
+    grid; the constants written for `--card`, the table printed."""
+    from scipy.optimize import nnls
+
+    # one GPU: no collectives (the link and overlap constants are not fitted here)
+    runs = [r for path in args.fit for r in read_jsonl(path)
+            if r.get("setting") and r.get("step_seconds") and r["gpus"] == 1]  # fmt: skip
+    shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
+               for name in {r["shape"] for r in runs}}  # fmt: skip
+    kernels = sorted({speed.kernel_name(r["setting"]["fp8"], r["setting"]["compiled"] or r["setting"]["fp8"])
+                      for r in runs})  # fmt: skip
+    stages = sorted({str(r["setting"]["zero_stage"]) for r in runs})
+    best = None
+    for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
+        a, b = _design(runs, shapes_, half, kernels, stages)
+        x, residual = nnls(a, b)
+        if best is None or residual < best[2]:
+            best = (half, x, residual)
+    half, x, _ = best
+    table = json.loads(speed.CONSTANTS.read_text())
+    previous = table["cards"].get(args.card) or table["cards"][speed.REFERENCE_CARD]
+    entry = dict(previous)
+    entry["efficiency"] = {**previous["efficiency"],
+                           **{k: _sig(1 / x[i]) for i, k in enumerate(kernels) if x[i] > 0}}  # fmt: skip
+    entry["half_tokens"] = half
+    entry["micro_fixed_s"] = _sig(x[len(kernels)])
+    entry["gradient_s_per_gparam"] = {
+        **previous["gradient_s_per_gparam"],
+        **{st: _sig(x[len(kernels) + 1 + i]) for i, st in enumerate(stages)},
+    }
+    entry["optimizer_s_per_gparam"] = _sig(x[-1])
+    entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
+    table["cards"][args.card] = entry
+    speed.CONSTANTS.write_text(json.dumps(table, indent=2) + "\n")
+    speed._table.cache_clear()
+    print(json.dumps(entry, indent=2))
+    report(args.fit)
+
+
+def _sig(value: float) -> float:
+    return float(f"{float(value):.4g}")
+
+
+def report(paths: list[Path]) -> str:
+    """Each run's measured tokens/s and peak beside the plan's estimates with the constants in the file now; the
+    default's choice against the fastest measured setting (per file). Printed and returned (markdown)."""
+    lines = []
+    for path in paths:
+        runs = read_jsonl(path)
+        if not runs:
+            continue
+        first = runs[0]
+        card = speed.card(first["card"] if first["card"] != "cpu" else None)
+        shape = load_shape(str(model_dir(Path(tempfile.mkdtemp()) / first["shape"], SHAPES[first["shape"]])))
+        lines += [
+            f"## {first['shape']}, {first['gpus']} GPU(s), ZeRO-{first['zero']}: {first['device']} ({path})", "",
+            "| setting | exit | tokens/s/GPU | est. tokens/s | est. / measured | MFU | peak GiB | planned GiB "
+            "| reserved GiB | alloc retries |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        measured = {}
+        for run in runs:
+            got = run.get("tokens_per_second_per_gpu")
+            est = ""
+            if run.get("setting"):
+                e = speed.step_time(shape, _setting_of(run), card, run["sample_tokens"]).tokens_per_second
+                est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"
+            else:
+                est = "- | -"
+            if got:
+                measured[run["name"]] = got
+            mfu = f"{run['mfu']:.1%}" if run.get("mfu") else "-"
+            retries = (run.get("alloc_retries") or [None])[-1]
+            lines.append(f"| {run['name']} | {run['exit_code']} | {got or 0:,.0f} | {est} | {mfu} | "
+                         f"{run.get('peak_memory_gib', 0):.2f} | {run.get('planned_peak_gib', 0):.2f} | "
+                         f"{run.get('peak_reserved_gib', 0):.2f} | {retries} |")  # fmt: skip
+        if "default" in measured and len(measured) > 1:
+            fastest = max((n for n in measured if n != "default"), key=measured.get)
+            plan_line = next((p for p in runs[-1].get("plan", []) if p.startswith("auto settings")), "")
+            lines += ["", f"sft's default: {measured['default']:,.0f} tokens/s/GPU = "
+                      f"{measured['default'] / measured[fastest]:.3f} x the fastest measured setting ({fastest}, "
+                      f"{measured[fastest]:,.0f}); {plan_line}"]  # fmt: skip
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--zero", type=int, choices=[1, 2, 3], default=2)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory", type=float, help="GiB the plan plans for (default: the GPU's)")
+    parser.add_argument("--headroom", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1, help="Logged steps left out of the averages")
+    parser.add_argument("--records", type=int, default=6000)
+    parser.add_argument("--max-runs", type=int, default=8)
+    parser.add_argument("--run-timeout", type=float, default=300)
+    parser.add_argument("--no-default", action="store_true", help="Leave out the run with sft's defaults")
+    parser.add_argument("--only", nargs="*", help="These settings (names as z2-m8-ckpt-fp8, +exp: expandable "
+                                                   "segments) instead of the plan's candidates")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")
+    parser.add_argument("--fit", nargs="*", type=Path, help="Fit the constants from these runs.jsonl; run nothing")
+    parser.add_argument("--card", default=speed.REFERENCE_CARD, help="With --fit: the card's key in the file")
+    parser.add_argument("--source", help="With --fit: what the constants came from (default: the files)")
+    parser.add_argument("--report", nargs="*", type=Path, help="Plan vs measured of these runs.jsonl; run nothing")
+    args = parser.parse_args()
+    if args.fit:
+        fit(args)
+    elif args.report:
+        report(args.report)
+    elif args.out is None:
+        sys.exit("--out is needed to measure")
+    else:
+        if args.tiny:
+            args.seq_len, args.gpu_memory, args.steps = 512, args.gpu_memory or 0.15, min(args.steps, 3)
+            args.shape = "tiny"
+        started = time.time()
+        measure(args)
+        print(f"done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The plan's speed model: the time of an optimizer step of a setting, so that `auto` takes the fastest that fits.
+
+    python -m sft.plan --model meta-llama/Llama-3.2-3B --gpus 1 --seq-len 4096 --gpu-memory 80 --suggest
+
+A step of `accumulation` micro-batches of `micro_batch` rows is
+
+    accumulation x (compute + per-micro-step work + exposed communication) + optimizer step
+
+- compute: the micro-batch's training FLOPs (`sft.model.flops`' count: linear layers at 6 FLOPs per weight and token,
+  4 for a frozen one; causal attention over rows of `seq_len`) plus what the memory levers run again (activation
+  checkpointing: the forward once more, but for the attention kernel where its outputs are kept; the tiled MLP: the
+  MLP's forward), over the card's dense bf16 peak times the efficiency measured for that kernel setting (bf16 eager,
+  bf16 compiled, FP8 compiled), which rises with the tokens of a micro-batch as `tokens / (tokens + half_tokens)`;
+- per-micro-step work: a fixed cost (launches, the loss, the data) plus ZeRO's handling of the gradients at each
+  backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its partition), per parameter held;
+- communication (more than one process): ZeRO-3 gathers the 16-bit weights in the forward, the backward and a
+  recomputation, and reduce-scatters the gradients; ZeRO-1/2 reduce the gradients at every backward; sequence
+  parallelism's all-to-all per layer. The share the engine overlaps with compute is hidden;
+- the optimizer step: the fused Adam over this GPU's fp32 partition; the share of the states offloaded to the CPU
+  stepped by DeepSpeed's CPU Adam, their gradients copied out and the weights back.
+
+The constants of each card (`speed_constants.json` beside this module) come from a committed sweep
+(`benchmarks/speed_sweep.py`: the candidates that fit, each the real `sft train`, fitted by least squares with
+`--fit`); the file names the result each constant was fitted from. A card not in the file is planned with the
+reference card's constants (H100 80 GB) scaled by its peak, and the log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from pathlib import Path
+
+from sft.model.shapes import ModelShape
+
+logger = logging.getLogger(__name__)
+
+CONSTANTS = Path(__file__).with_name("speed_constants.json")
+REFERENCE_CARD = "H100 80GB"
+KERNELS = ("bf16", "bf16_compiled", "fp8_compiled")  # the efficiency rows of a card
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """A GPU kind's speed constants (one entry of `speed_constants.json`)."""
+
+    name: str
+    peak_tflops: float  # dense bf16 peak (`sft.model.flops.PEAK_TFLOPS`)
+    efficiency: dict  # kernel setting (KERNELS) -> share of the peak its matmuls and attention reach, saturated
+    half_tokens: float  # tokens per micro-batch at which the efficiency is half its saturated value
+    micro_fixed_s: float  # seconds per micro step whatever its size: launches, the loss's set-up, the batch
+    gradient_s_per_gparam: dict  # ZeRO stage (str) -> seconds per micro step per 1e9 parameters this GPU holds
+    optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
+    cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
+    link_gbps: float  # GB/s between the GPUs of a node that collectives reach (NVLink)
+    pcie_gbps: float  # GB/s between host and GPU (offloaded weights and checkpoints)
+    overlap: float  # the share of ZeRO's communication hidden behind compute
+    source: str  # what these figures were fitted from
+
+
+def kernel_name(fp8: bool, compiled: bool) -> str:
+    """The efficiency row of a setting's kernels (KERNELS)."""
+    return "fp8_compiled" if fp8 else "bf16_compiled" if compiled else "bf16"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step of a setting, by part."""
+
+    compute: float  # the FLOPs a step counts for MFU
+    recompute: float  # what checkpointing and the tiled MLP run again
+    per_micro: float  # fixed costs and ZeRO's gradient handling, all micro steps
+    communication: float  # exposed (not overlapped) collectives
+    optimizer: float  # the optimizer step (GPU and CPU parts)
+    tokens: int  # tokens per GPU per step
+    flops: float  # training FLOPs per GPU per step (what MFU counts)
+    peak_tflops: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.recompute + self.per_micro + self.communication + self.optimizer
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.flops / self.seconds / (self.peak_tflops * 1e12)
+
+    def describe(self) -> str:
+        parts = ", ".join(
+            f"{name} {value:.2f} s"
+            for name, value in (
+                ("compute", self.compute),
+                ("recompute", self.recompute),
+                ("per micro step", self.per_micro),
+                ("communication", self.communication),
+                ("optimizer", self.optimizer),
+            )  # fmt: skip
+            if value >= 0.005
+        )
+        return f"{self.tokens_per_second:,.0f} tokens/s/GPU, MFU {self.mfu:.1%} ({self.seconds:.2f} s a step: {parts})"
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(CONSTANTS.read_text())
+
+
+def cards() -> list[str]:
+    return [name for name in _table()["cards"]]
+
+
+def card(device_name: str | None = None) -> Card:
+    """The constants of the card named `device_name` (a `torch.cuda.get_device_name()` or a key of the file: the
+    first key whose words are all in the name), else the reference card's scaled by its peak."""
+    table = _table()["cards"]
+    name = device_name or REFERENCE_CARD
+    for key, values in table.items():
+        if all(word.lower() in name.lower() for word in key.split()):
+            return Card(key, **values)
+    from sft.model.flops import detect_peak_tflops
+
+    reference = Card(REFERENCE_CARD, **table[REFERENCE_CARD])
+    peak = detect_peak_tflops(name) or reference.peak_tflops
+    logger.info("Speed model: no measured constants for %s; the %s's, scaled to its %.0f TFLOP/s peak", name,
+                REFERENCE_CARD, peak)  # fmt: skip
+    return dataclasses.replace(reference, name=f"{name} (as {REFERENCE_CARD})", peak_tflops=peak)
+
+
+def linear_flops_per_token(shape: ModelShape, lora_r: int = 0) -> float:
+    """Training FLOPs per token of the linear layers (the output head included): 6 per weight, 4 for a frozen one
+    (LoRA's base, which needs no weight gradient) plus the adapters' 6 per weight."""
+    h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    per_layer = h * hq + 2 * h * kv + hq * h + 3 * h * i
+    weights = shape.layers * per_layer + shape.vocab * h
+    if not lora_r:
+        return 6.0 * weights
+    return 4.0 * weights + 6.0 * shape.lora_params(lora_r)
+
+
+def attention_flops_per_token(shape: ModelShape, sample_tokens: float) -> float:
+    """Causal attention per token where samples are `sample_tokens` long (length-weighted: sum(len^2) / sum(len)):
+    12 x width x sample_tokens / 2 pairs per token and layer (`sft.model.flops`)."""
+    return 12.0 * shape.heads * shape.head_dim * shape.layers * sample_tokens / 2
+
+
+def mlp_share(shape: ModelShape) -> float:
+    """The MLP's share of a decoder layer's linear FLOPs (what the tiled MLP runs again)."""
+    h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    return 3 * h * i / (h * hq + 2 * h * kv + hq * h + 3 * h * i)
+
+
+def step_time(shape: ModelShape, s, constants: Card | None = None, sample_tokens: float | None = None) -> StepTime:
+    """The step time of `s` (a `sft.plan.memory.Setting`) on `constants`' card, for samples `sample_tokens` long
+    (length-weighted; default: each row one sample, the most attention a row can cost)."""
+    c = constants or card()
+    compiled = s.compiled or s.fp8  # float8 runs compiled
+    tokens = s.micro_batch * -(-s.seq_len // s.sp)  # per GPU per micro step
+    peak = c.peak_tflops * 1e12
+    efficiency = c.efficiency[kernel_name(s.fp8, compiled)] * tokens / (tokens + c.half_tokens)
+    linear = linear_flops_per_token(shape, s.lora_r)
+    decoder = linear - (6.0 if not s.lora_r else 4.0) * shape.vocab * shape.hidden  # the head is never recomputed
+    attention = attention_flops_per_token(shape, min(sample_tokens or s.seq_len, s.seq_len))
+    flops = tokens * (linear + attention)
+    again = 0.0
+    if s.activation_checkpointing:  # the forward is a third of a layer's training FLOPs
+        again += decoder / 3 + (0 if s.keep_attention else attention / 3)
+    if s.tiled_mlp:
+        again += decoder * mlp_share(shape) / 3
+    compute = flops / (peak * efficiency)
+    recompute = tokens * again / (peak * efficiency)
+    per_micro = c.micro_fixed_s + _gradient_work(shape, s, c)
+    communication = _communication(shape, s, c, compute + recompute)
+    return StepTime(
+        compute=s.accumulation * compute,
+        recompute=s.accumulation * recompute,
+        per_micro=s.accumulation * per_micro,
+        communication=s.accumulation * communication,
+        optimizer=_optimizer(shape, s, c),
+        tokens=s.accumulation * tokens,
+        flops=s.accumulation * flops,
+        peak_tflops=c.peak_tflops,
+    )
+
+
+def _trainable(shape: ModelShape, s) -> float:
+    return float(shape.lora_params(s.lora_r) if s.lora_r else shape.n_params)
+
+
+def _gradient_work(shape: ModelShape, s, c: Card) -> float:
+    """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
+    gradient into their buckets; ZeRO-3 its partition of each)."""
+    stage = str(s.zero_stage if s.zero_stage is not None else 0)
+    rate = c.gradient_s_per_gparam.get(stage, c.gradient_s_per_gparam.get("2", 0.0))
+    held = _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1)
+    return rate * held / 1e9
+
+
+def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
+    """Exposed seconds of one micro step's collectives: what the engine moves over the link, less the share it
+    overlaps with `busy` (the micro step's compute)."""
+    world = s.gpus
+    if world <= 1:
+        seconds = _host_traffic(shape, s, c)
+        return max(seconds - c.overlap * min(seconds, busy), 0.0)
+    link = c.link_gbps * 1e9
+    share = (world - 1) / world
+    weights = s.dtype_bytes * shape.n_params
+    grads = s.dtype_bytes * _trainable(shape, s)
+    moved = 0.0
+    if s.zero_stage == 3 and not s.lora_r:
+        passes = 2 + (1 if s.activation_checkpointing else 0)  # forward, backward, the recomputation
+        moved = share * (passes * weights + grads)
+    elif s.zero_stage is not None:  # ZeRO-0/1/2: every backward reduces the gradients (all-reduce or scatter)
+        moved = 2 * share * grads if s.zero_stage < 2 else share * grads
+    if s.sp > 1:  # Ulysses: four all-to-alls of a layer's q, k, v and output per layer, forward and backward
+        hq, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        tokens = s.micro_batch * -(-s.seq_len // s.sp)
+        moved += 2 * shape.layers * tokens * s.dtype_bytes * (2 * hq + 2 * kv) * share
+    seconds = moved / link + _host_traffic(shape, s, c)
+    return max(seconds - c.overlap * min(seconds, busy), 0.0)
+
+
+def _host_traffic(shape: ModelShape, s, c: Card) -> float:
+    """Seconds of one micro step's copies between host and GPU: ZeRO-3's offloaded weights gathered from the host
+    in each pass, offloaded checkpoints out and back."""
+    moved = 0.0
+    if s.offload_params:
+        moved += (2 + (1 if s.activation_checkpointing else 0)) * s.dtype_bytes * shape.n_params / s.gpus
+    if s.offload_checkpoints:
+        tokens = s.micro_batch * -(-s.seq_len // s.sp)
+        moved += 2 * shape.layers * s.dtype_bytes * shape.hidden * tokens
+    return moved / (c.pcie_gbps * 1e9)
+
+
+def _optimizer(shape: ModelShape, s, c: Card) -> float:
+    partition = _trainable(shape, s) / (s.gpus if s.zero_stage in (1, 2, 3) else 1)
+    on_cpu = partition * s.ratio if s.offload_optimizer else 0.0
+    return (c.optimizer_s_per_gparam * (partition - on_cpu) + c.cpu_adam_s_per_gparam * on_cpu) / 1e9
