@@ -68,8 +68,11 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
     return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention=levers == "keep"))
 
 
-# `+exp`: the same setting with PyTorch's expandable segments (fewer allocator retries near the memory limit)
-VARIANTS = {"exp": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+# Variants of a setting (a `+name` suffix): `exp`, PyTorch's expandable segments (fewer allocator retries near the
+# memory limit); `bkt`, ZeRO's gradient buckets of 5e8 elements instead of `auto` (hidden^2: hundreds of reductions
+# per micro step)
+VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+            "bkt": {"ds": {"reduce_bucket_size": 5e8}}}  # fmt: skip
 
 
 def overrides(s: plan.Setting) -> dict:
@@ -122,11 +125,18 @@ def sample_tokens(data: Path, max_length: int) -> float:
 
 
 def run_one(name: str, recipe_fields: dict, args, work: Path, data: Path, model: Path) -> dict:
-    variant = {k: v for part in name.split("+")[1:] for k, v in VARIANTS[part].items()}
+    parts = [VARIANTS[part] for part in name.split("+")[1:]]
+    variant = {k: v for part in parts for k, v in part.get("env", {}).items()}
+    zero = {k: v for part in parts for k, v in part.get("ds", {}).items()}
     recipe = {**COMMON, "packing": True, "global_batch_size": GLOBAL_BATCH, **recipe_fields,
               "model_name_or_path": str(model), "max_length": args.seq_len}  # fmt: skip
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.steps)
     recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{args.zero}.json")
+    if zero:
+        config = json.loads(Path(recipe["deepspeed"]).read_text())
+        config["zero_optimization"].update(zero)
+        recipe["deepspeed"] = str(work / f"{name}-ds.json")
+        Path(recipe["deepspeed"]).write_text(json.dumps(config))
     if args.gpu_memory:
         recipe["plan_gpu_memory_gib"] = args.gpu_memory
     if args.tiny:
@@ -139,6 +149,9 @@ def run_one(name: str, recipe_fields: dict, args, work: Path, data: Path, model:
     result = collect({"name": name}, proc, args, work, [name])
     metrics = work / name / "metrics.jsonl"
     steps = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
+    for path in (work / name).glob("*"):  # the saved model (GBs each: the disk fills over a sweep); metrics kept
+        if path.name != "metrics.jsonl":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     timed = steps[args.warmup :]
     if timed and "tokens_per_second_per_gpu" in timed[0]:
         seconds = [r["tokens_per_step"] / args.gpus / r["tokens_per_second_per_gpu"] for r in timed]
