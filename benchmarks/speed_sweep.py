@@ -16,10 +16,10 @@ chooses. Each run is `benchmarks/throughput.py`'s (same data, rows of 4,096 toke
 optimizer steps, the first `--warmup` left out. Per run: tokens/s/GPU, MFU, the step time, the peak memory, the
 allocator's retries, and the plan's estimates of the same setting (peak GiB, tokens/s and its parts).
 
-`--fit` solves for the card's constants by least squares on the relative error of the step time (efficiency per
-kernel setting, the fixed per-micro-step cost, ZeRO's per-micro-step gradient work, the optimizer step; the
-half-efficiency tokens by a grid), writes them with the runs they came from, and prints each run's estimate against
-its measurement.
+`--fit` solves for the card's constants by non-negative least squares on the relative error of the median step time
+(a step that compiled again is left out that way): the efficiency per kernel setting, the fixed per-micro-step cost,
+ZeRO's per-micro-step gradient work (per parameter and per bucket), the optimizer step; the half-efficiency tokens by
+a grid. It writes them with the runs they came from and prints each run's estimate against its measurement.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import yaml
 
 from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, read_jsonl, sft_command, start
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, collect
+from sft.engines import bucket_elements
 from sft.model import architectures
 from sft.model.shapes import load_config, load_shape
 from sft.plan import memory as plan
@@ -194,6 +195,7 @@ def measure(args) -> None:
         if ranked is not None:
             s = ranked.estimate.setting
             estimate = speed.step_time(shape, s, card, span)
+            result["bucket"] = bucket_elements(shape.hidden, args.gpus, shape.n_params) if "+bkt" not in name else None
             result.update(setting=dataclasses.asdict(s), planned_peak_gib=ranked.estimate.peak / plan.GiB,
                           estimated_tokens_per_second=estimate.tokens_per_second,
                           estimated_step_seconds=estimate.seconds, estimate=dataclasses.asdict(estimate))  # fmt: skip
@@ -211,6 +213,18 @@ def _setting_of(run: dict) -> plan.Setting:
     return plan.Setting(**run["setting"])
 
 
+def _bucket(run: dict, shape) -> int:
+    """The gradient-bucket elements a run had: `+bkt`'s 5e8, the run's record, else (runs before sft set one
+    process's `"auto"` to 5e8) transformers' hidden^2."""
+    if "+bkt" in run["name"]:
+        return int(VARIANTS["bkt"]["ds"]["reduce_bucket_size"])
+    return run.get("bucket") or shape.hidden * shape.hidden
+
+
+def _kernel(s: plan.Setting) -> str:
+    return speed.kernel_name(s.fp8, s.compiled or s.fp8, s.activation_checkpointing)
+
+
 def _design(runs: list[dict], shapes_: dict, half: float, kernels: list[str], stages: list[str]):
     """Rows of the step-time regression at half-efficiency `half`: FLOPs over the peak per kernel setting, the micro
     steps, the micro steps x parameters (per ZeRO stage), the optimizer's parameters; each row and its target divided
@@ -225,13 +239,14 @@ def _design(runs: list[dict], shapes_: dict, half: float, kernels: list[str], st
         again = (decoder / 3 + (0 if s.keep_attention else attention / 3)) if s.activation_checkpointing else 0
         flops = s.accumulation * tokens * (linear + attention + again)
         peak = speed.card(run["card"]).peak_tflops * 1e12
-        row = [0.0] * (len(kernels) + 1 + len(stages) + 1)
-        row[kernels.index(speed.kernel_name(s.fp8, s.compiled or s.fp8))] = flops / peak * (tokens + half) / tokens
+        row = [0.0] * (len(kernels) + 2 + len(stages) + 1)
+        row[kernels.index(_kernel(s))] = flops / peak * (tokens + half) / tokens
         row[len(kernels)] = s.accumulation
+        row[-2] = s.accumulation * -(-shape.n_params // _bucket(run, shape))
         held = shape.n_params / (s.gpus if s.zero_stage == 3 else 1)
         row[len(kernels) + 1 + stages.index(str(s.zero_stage))] = s.accumulation * held / 1e9
         row[-1] = shape.n_params / s.gpus / 1e9
-        measured = run["step_seconds"]
+        measured = float(np.median(run["step_seconds_each"]))  # robust to a step that recompiled
         rows.append([v / measured for v in row])
         target.append(1.0)
     return np.array(rows), np.array(target)
@@ -247,8 +262,7 @@ def fit(args) -> None:
             if r.get("setting") and r.get("step_seconds") and r["gpus"] == 1]  # fmt: skip
     shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
                for name in {r["shape"] for r in runs}}  # fmt: skip
-    kernels = sorted({speed.kernel_name(r["setting"]["fp8"], r["setting"]["compiled"] or r["setting"]["fp8"])
-                      for r in runs})  # fmt: skip
+    kernels = sorted({_kernel(_setting_of(r)) for r in runs})
     stages = sorted({str(r["setting"]["zero_stage"]) for r in runs})
     best = None
     for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
@@ -269,6 +283,7 @@ def fit(args) -> None:
         **{st: _sig(x[len(kernels) + 1 + i]) for i, st in enumerate(stages)},
     }
     entry["optimizer_s_per_gparam"] = _sig(x[-1])
+    entry["bucket_s"] = _sig(x[-2])
     entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
     table["cards"][args.card] = entry
     speed.CONSTANTS.write_text(json.dumps(table, indent=2) + "\n")
@@ -302,7 +317,8 @@ def report(paths: list[Path]) -> str:
             got = run.get("tokens_per_second_per_gpu")
             est = ""
             if run.get("setting"):
-                e = speed.step_time(shape, _setting_of(run), card, run["sample_tokens"]).tokens_per_second
+                time_ = speed.step_time(shape, _setting_of(run), card, run["sample_tokens"], _bucket(run, shape))
+                e = time_.tokens_per_second
                 est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"
             else:
                 est = "- | -"

@@ -64,11 +64,12 @@ def model_states(
     return equations(params, largest_module, per_node, nodes, stage, offload_optimizer, offload_params)
 
 
-def bucket_elements(hidden: int) -> int:
-    """Elements of one gradient-reduction bucket for a model of width `hidden` (the memory plan's ZeRO-2 term)."""
+def bucket_elements(hidden: int, processes: int = 2, params: int | None = None) -> int:
+    """Elements of one gradient-reduction bucket for a model of width `hidden` and `params` parameters on `processes`
+    (the memory plan's ZeRO-2 term)."""
     from sft.engines.deepspeed.config import bucket_elements as elements
 
-    return elements(hidden)
+    return elements(hidden, processes=processes, params=params)
 
 
 def outside_sharded_init() -> contextlib.AbstractContextManager:

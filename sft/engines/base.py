@@ -63,13 +63,15 @@ class Engine(abc.ABC):
         *,
         offload: tuple[bool, bool, float] | None = None,
         hidden: int | None = None,
+        processes: int = 2,
+        params: int | None = None,
         universal: bool = False,
         keep_experts: bool = False,
     ) -> tuple[dict | str | None, list[str]]:
         """`config` (the training argument's value) with the plan's decisions written in: the offload levers
-        (optimizer, weights, the optimizer's share), collective sizes for a model of width `hidden`, a checkpoint of
-        another process count loaded, the experts' layout of an expert-parallel checkpoint kept; returns (config,
-        the lines that say what changed)."""
+        (optimizer, weights, the optimizer's share), collective sizes for a model of width `hidden` (and `params`) on
+        `processes`, a checkpoint of another process count loaded, the experts' layout of an expert-parallel
+        checkpoint kept; returns (config, the lines that say what changed)."""
 
     @abc.abstractmethod
     def unresolved(self, training_args) -> dict | str | None:

@@ -14,6 +14,7 @@ from sft.errors import ConfigError
 from sft.model.shapes import ModelShape, load_config, load_shape
 from sft.plan import memory as plan
 from sft.plan import speed
+from sft.plan.batch import micro_batches_for
 from sft.plan.memory import (
     Estimate,
     GiB,
@@ -238,7 +239,10 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
     if args.suggest or not fits:
         sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
         card = _card(args)
-        fits_ranked = ranked(shape, setting, memory, args.headroom, sp_choices=sp_choices, host_memory=host,
+        micros = plan.MICRO_BATCHES
+        if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
+            micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
+        fits_ranked = ranked(shape, setting, memory, args.headroom, micros, sp_choices=sp_choices, host_memory=host,
                              target=args.global_batch, card=card, kernels=_candidate_kernels(args))  # fmt: skip
         if not fits_ranked:
             print(nothing_fits(setting, shape, memory, args.headroom, host))

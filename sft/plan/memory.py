@@ -582,7 +582,8 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
         from sft.engines import bucket_elements
 
         partition = 0 if s.offload_optimizer else b * part
-        buckets = 2 * b * bucket_elements(shape.hidden)  # reduce_bucket_size "auto", double-buffered (overlap_comm)
+        # reduce_bucket_size "auto": double-buffered where overlap_comm is on (several processes), one on one process
+        buckets = (2 if s.gpus > 1 else 1) * b * bucket_elements(shape.hidden, s.gpus, trainable(shape, s))
         during = max(partition + (b * v_h if full else 0), head_grad + tile)
         backward["gradient partition / LM head gradient"] = during + buckets
         if s.accumulation > 1 and partition:

@@ -112,9 +112,11 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
-    micro, tools, sp, sentence, ratio = _plan_memory(
+    micro, tools, sp, sentence, ratio, bf16 = _plan_memory(
         training_args, model_args, target, kernels, retry.micro_cap if retry else None, model_config, arch
     )
+    if bf16 is not None:
+        _bf16_faster(training_args, kernels, changes, bf16)
     if tools.keep_attention:
         _keep_attention_eager(training_args, kernels, changes)
     padding_free = training_args.padding_free_batches
@@ -131,7 +133,10 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     config, lines = engine.written(changes.get("deepspeed", training_args.deepspeed), offload=offload)
     for line in lines:
         logger.info("%s", line)
-    config, buckets = engine.written(config, hidden=arch.hidden)
+    params = None
+    if dims.world_size == 1:  # one process's gradient bucket is at most the model (`sft.engines.bucket_elements`)
+        params = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch).n_params
+    config, buckets = engine.written(config, hidden=arch.hidden, processes=dims.world_size, params=params)
     batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
     if retry is not None:
         logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
@@ -213,6 +218,18 @@ def _decide_kernels(training_args, model_args, arch, zero3: bool) -> tuple[dict,
         kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
     architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
     return kernels, changes
+
+
+def _bf16_faster(training_args, kernels: dict, changes: dict, compiled: bool) -> None:
+    """FP8 off where `auto` turned it on and the speed model found the fastest setting that fits in bf16 (`compiled`:
+    its layers compiled or not); logged."""
+    kernels["FP8"] = architectures.Kernel(False, "the speed model estimates bf16 faster for what fits (the ranking "
+                                                 "above; FP8 measured slower where memory binds)")  # fmt: skip
+    changes["fp8"] = False
+    if "compile_decoder_layers" in training_args.auto_settings:
+        kernels["compiled layers"] = architectures.Kernel(compiled, "as the speed model's fastest setting")
+        changes["compile_decoder_layers"] = compiled
+    logger.info("FP8: off after all: %s", kernels["FP8"].reason)
 
 
 def _keep_attention_eager(training_args, kernels: dict, changes: dict) -> None:
@@ -413,11 +430,11 @@ def _plan_memory(
     micro_cap: int | None = None,
     model_config=None,
     arch: architectures.Architecture | None = None,
-) -> tuple[int, memplan.Tools, int, str, float]:
+) -> tuple[int, memplan.Tools, int, str, float, bool | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
-    share): the `auto` ones chosen by the memory plan and the speed model (the smallest sp first, then the fastest
-    setting that fits; micro batches up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against
-    the GPU and host."""
+    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None)): the `auto` ones
+    chosen by the memory plan and the speed model (the smallest sp first, then the fastest setting that fits; micro
+    batches up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
@@ -434,7 +451,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp, "There was no GPU memory to plan for.", ratio
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -442,7 +459,7 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None
     remote = bool(getattr(model_args, "trust_remote_code", False))
     shape = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch)
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
@@ -452,17 +469,26 @@ def _plan_memory(
         fixed = "per_device_train_batch_size" not in auto
         accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
         base = dataclasses.replace(base, accumulation=max(accumulation, 1))
+    bf16 = None
     if auto:
-        micro, tools, sp, ratio = _choose(training_args, shape, base, target, micro_cap, (memory, headroom, host))
+        bases = [base]
+        if "fp8" in auto and base.fp8:  # FP8 is a candidate, not a given: bf16 (compiled where the family's is good)
+            compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
+            bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
+        chosen = _choose(training_args, shape, bases, target, micro_cap, (memory, headroom, host))
+        micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
+        if base.fp8 and not chosen.fp8 and not chosen.keep_attention:  # kept attention turns FP8 off by itself
+            bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
-    return micro, tools, sp, _check_plan(training_args, model_args, shape, setting, (memory, headroom, host)), ratio
+    sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
+    return micro, tools, sp, sentence, ratio, bf16
 
 
-def _choose(training_args, shape, base, target, micro_cap, limits) -> tuple[int, memplan.Tools, int, float]:
+def _choose(training_args, shape, bases, target, micro_cap, limits) -> memplan.Setting:
     """The `auto` settings as the memory plan and the speed model choose them: the smallest sp that fits (every step
-    of sp costs all-to-all traffic), then the fastest micro batch and levers that fit (`sft.plan.memory.ranked`), the
-    ranking logged; nothing fitting, the most frugal setting (reported by `_check_plan`). Returns (micro batch,
-    levers, sp, the optimizer's offload share)."""
+    of sp costs all-to-all traffic), then the fastest of `bases` (their kernels: FP8 or bf16) with the micro batch and
+    levers that fit (`sft.plan.memory.ranked`), the ranking logged; nothing fitting, the most frugal setting (reported
+    by `_check_plan`)."""
     memory, headroom, host = limits
     auto = training_args.auto_settings
     micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
@@ -471,19 +497,22 @@ def _choose(training_args, shape, base, target, micro_cap, limits) -> tuple[int,
     levels = _tool_levels(training_args)
     micro_choices = (micro,)
     card = speed.card(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    kernels = functools.partial(_candidate_kernels, training_args)
     for sp_choice in sp_choices:
         if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
             rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
             rows = [m for m in rows if not micro_cap or m <= micro_cap]
             micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-        fits = memplan.ranked(shape, base, memory, headroom, micro_choices, [base], levels, sp_choices=(sp_choice,),
-                              host_memory=host, target=target, card=card,
-                              kernels=functools.partial(_candidate_kernels, training_args))  # fmt: skip
+        fits = [r for base in bases
+                for r in memplan.ranked(shape, base, memory, headroom, micro_choices, [base], levels,
+                                        sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
+                                        kernels=kernels)]  # fmt: skip
         if fits:
+            fits.sort(key=lambda r: -r.time.tokens_per_second)
             _log_ranking(fits, card)
-            chosen = fits[0].estimate.setting
-            return chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
-    return min(micro_choices), levels[-1], max(sp_choices), 1.0
+            return fits[0].estimate.setting
+    frugal = bases[0].with_tools(levels[-1])
+    return dataclasses.replace(frugal, micro_batch=min(micro_choices), sp=max(sp_choices))
 
 
 def _candidate_kernels(training_args, setting: memplan.Setting) -> memplan.Setting:

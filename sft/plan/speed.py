@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 CONSTANTS = Path(__file__).with_name("speed_constants.json")
 REFERENCE_CARD = "H100 80GB"
-KERNELS = ("bf16", "bf16_compiled", "fp8_compiled")  # the efficiency rows of a card
+# the efficiency rows of a card: FP8 (compiled) with activation checkpointing apart, measured much slower than either
+KERNELS = ("bf16", "bf16_compiled", "fp8_compiled", "fp8_compiled_checkpointed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Card:
     efficiency: dict  # kernel setting (KERNELS) -> share of the peak its matmuls and attention reach, saturated
     half_tokens: float  # tokens per micro-batch at which the efficiency is half its saturated value
     micro_fixed_s: float  # seconds per micro step whatever its size: launches, the loss's set-up, the batch
-    gradient_s_per_gparam: dict  # ZeRO stage (str) -> seconds per micro step per 1e9 parameters this GPU holds
+    gradient_s_per_gparam: dict  # ZeRO stage (str) -> seconds per micro step per 1e9 parameters (default: ZeRO-2's)
+    bucket_s: float  # seconds per gradient-reduction bucket (ZeRO's `reduce_bucket_size`) per micro step
     optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
     link_gbps: float  # GB/s between the GPUs of a node that collectives reach (NVLink)
@@ -60,9 +62,11 @@ class Card:
     source: str  # what these figures were fitted from
 
 
-def kernel_name(fp8: bool, compiled: bool) -> str:
+def kernel_name(fp8: bool, compiled: bool, checkpointing: bool = False) -> str:
     """The efficiency row of a setting's kernels (KERNELS)."""
-    return "fp8_compiled" if fp8 else "bf16_compiled" if compiled else "bf16"
+    if fp8:
+        return "fp8_compiled_checkpointed" if checkpointing else "fp8_compiled"
+    return "bf16_compiled" if compiled else "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,14 +158,19 @@ def mlp_share(shape: ModelShape) -> float:
     return 3 * h * i / (h * hq + 2 * h * kv + hq * h + 3 * h * i)
 
 
-def step_time(shape: ModelShape, s, constants: Card | None = None, sample_tokens: float | None = None) -> StepTime:
+def step_time(
+    shape: ModelShape, s, constants: Card | None = None, sample_tokens: float | None = None, bucket: int | None = None
+) -> StepTime:
     """The step time of `s` (a `sft.plan.memory.Setting`) on `constants`' card, for samples `sample_tokens` long
-    (length-weighted; default: each row one sample, the most attention a row can cost)."""
+    (length-weighted; default: each row one sample, the most attention a row can cost) and ZeRO's gradient buckets of
+    `bucket` elements (default: as sft sets `"auto"`)."""
     c = constants or card()
     compiled = s.compiled or s.fp8  # float8 runs compiled
     tokens = s.micro_batch * -(-s.seq_len // s.sp)  # per GPU per micro step
     peak = c.peak_tflops * 1e12
-    efficiency = c.efficiency[kernel_name(s.fp8, compiled)] * tokens / (tokens + c.half_tokens)
+    efficiency = (
+        c.efficiency[kernel_name(s.fp8, compiled, s.activation_checkpointing)] * tokens / (tokens + c.half_tokens)
+    )
     linear = linear_flops_per_token(shape, s.lora_r)
     decoder = linear - (6.0 if not s.lora_r else 4.0) * shape.vocab * shape.hidden  # the head is never recomputed
     attention = attention_flops_per_token(shape, min(sample_tokens or s.seq_len, s.seq_len))
@@ -173,7 +182,7 @@ def step_time(shape: ModelShape, s, constants: Card | None = None, sample_tokens
         again += decoder * mlp_share(shape) / 3
     compute = flops / (peak * efficiency)
     recompute = tokens * again / (peak * efficiency)
-    per_micro = c.micro_fixed_s + _gradient_work(shape, s, c)
+    per_micro = c.micro_fixed_s + _gradient_work(shape, s, c, bucket)
     communication = _communication(shape, s, c, compute + recompute)
     return StepTime(
         compute=s.accumulation * compute,
@@ -191,13 +200,20 @@ def _trainable(shape: ModelShape, s) -> float:
     return float(shape.lora_params(s.lora_r) if s.lora_r else shape.n_params)
 
 
-def _gradient_work(shape: ModelShape, s, c: Card) -> float:
-    """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
-    gradient into their buckets; ZeRO-3 its partition of each)."""
-    stage = str(s.zero_stage if s.zero_stage is not None else 0)
-    rate = c.gradient_s_per_gparam.get(stage, c.gradient_s_per_gparam.get("2", 0.0))
+def _gradient_work(shape: ModelShape, s, c: Card, bucket: int | None = None) -> float:
+    """ZeRO's gradient handling at each backward: per parameter this GPU's engine touches (ZeRO-1/2 copy every
+    gradient into their buckets; ZeRO-3 its partition of each) and per reduction (one per bucket of `bucket`
+    elements, default as `reduce_bucket_size: "auto"` becomes: `sft.engines.bucket_elements`)."""
+    if s.zero_stage is None:
+        return 0.0
+    stage = str(s.zero_stage)
+    rate = c.gradient_s_per_gparam.get(stage, c.gradient_s_per_gparam["2"])
     held = _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1)
-    return rate * held / 1e9
+    if bucket is None:
+        from sft.engines import bucket_elements
+
+        bucket = bucket_elements(shape.hidden, s.gpus, int(_trainable(shape, s)))
+    return rate * held / 1e9 + c.bucket_s * -(-_trainable(shape, s) // bucket)
 
 
 def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:

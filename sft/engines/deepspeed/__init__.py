@@ -31,6 +31,7 @@ from sft.engines.deepspeed.checkpoints import (  # noqa: F401 (the engine's chec
 from sft.engines.deepspeed.config import (  # noqa: F401 (the engine's configuration functions, named here)
     BUCKET_FLOOR,
     OFFLOAD_SECTIONS,
+    ONE_PROCESS_BUCKET,
     ZERO3_MEASURED,
     ZeroSetup,
     bucket_elements,
@@ -99,19 +100,23 @@ class DeepSpeed(Engine):
     def offload_auto(self) -> tuple[bool, bool]:
         return offload_auto(self._source)
 
-    def written(self, config, *, offload=None, hidden=None, universal=False, keep_experts=False):
+    def written(self, config, *, offload=None, hidden=None, processes=2, params=None, universal=False,
+                keep_experts=False):  # fmt: skip
         lines = []
         if offload is not None and any(offload_auto(config)):  # ZeRO's offload `"auto"`: as the plan decided
             config = place_offload(config, *offload)
             zero = config["zero_optimization"]
             lines += [f"DeepSpeed zero_optimization.{k}: auto -> {json.dumps(zero.get(k))}" for k in OFFLOAD_SECTIONS]
         if hidden is not None:
-            config, buckets = fill_buckets(config, hidden)
-            if buckets:
-                lines.append(
-                    f"DeepSpeed {' and '.join(buckets)}: auto -> {BUCKET_FLOOR:,} elements (hidden {hidden}: "
-                    f"hidden^2 = {hidden**2:,} would make one collective per {hidden**2 * 4 // 1024} KB)"
+            config, buckets = fill_buckets(config, hidden, processes, params)
+            for key, value in buckets.items():
+                why = (
+                    f"1 process: one reduction per {value:,} gradients instead of one per hidden^2 = {hidden**2:,}"
+                    if processes == 1 and key == "zero_optimization.reduce_bucket_size"
+                    else f"hidden {hidden}: hidden^2 = {hidden**2:,} would make one collective per "
+                    f"{hidden**2 * 4 // 1024} KB"
                 )
+                lines.append(f"DeepSpeed {key}: auto -> {value:,} elements ({why})")
         if keep_experts:
             from sft.engines.deepspeed import autoep
 
