@@ -176,7 +176,9 @@ def measure(args) -> None:
     env = environment()
     args.gpu = env["gpu"]
     card = speed.card(None if args.tiny else env["gpu"])
-    if args.only:
+    if args.default_only:
+        runs = []
+    elif args.only:
         base = base_setting(args, shape, arch)
         runs = []
         for name in args.only:
@@ -187,7 +189,7 @@ def measure(args) -> None:
     print(f"{len(runs)} candidates: {', '.join(name for name, _ in runs)}", flush=True)
     todo = [(name, overrides(r.estimate.setting), r) for name, r in runs]
     if not args.no_default:
-        todo.append(("default", {}, None))
+        todo.append((f"{args.tag}default", {}, None))
     for name, fields, ranked in todo:
         result = run_one(name, fields, args, work, data, model)
         result.update(shape=args.shape, gpus=args.gpus, zero=args.zero, card=card.name, device=env["device"],
@@ -329,12 +331,15 @@ def report(paths: list[Path]) -> str:
             lines.append(f"| {run['name']} | {run['exit_code']} | {got or 0:,.0f} | {est} | {mfu} | "
                          f"{run.get('peak_memory_gib', 0):.2f} | {run.get('planned_peak_gib', 0):.2f} | "
                          f"{run.get('peak_reserved_gib', 0):.2f} | {retries} |")  # fmt: skip
-        if "default" in measured and len(measured) > 1:
-            fastest = max((n for n in measured if n != "default"), key=measured.get)
-            plan_line = next((p for p in runs[-1].get("plan", []) if p.startswith("auto settings")), "")
-            lines += ["", f"sft's default: {measured['default']:,.0f} tokens/s/GPU = "
-                      f"{measured['default'] / measured[fastest]:.3f} x the fastest measured setting ({fastest}, "
-                      f"{measured[fastest]:,.0f}); {plan_line}"]  # fmt: skip
+        settings = [n for n in measured if not n.endswith("default")]
+        for name in [n for n in measured if n.endswith("default")]:
+            run = next(r for r in runs if r["name"] == name)
+            plan_line = next((p for p in run.get("plan", []) if p.startswith("auto settings")), "")
+            lines += ["", f"{name}: {measured[name]:,.0f} tokens/s/GPU, MFU {run['mfu']:.1%}; {plan_line}"]
+            if settings:
+                fastest = max(settings, key=measured.get)
+                lines[-1] += (f"; {measured[name] / measured[fastest]:.3f} x the fastest setting measured in this "
+                              f"file ({fastest}, {measured[fastest]:,.0f})")  # fmt: skip
         lines.append("")
     text = "\n".join(lines)
     print(text)
@@ -356,6 +361,8 @@ def main() -> None:
     parser.add_argument("--max-runs", type=int, default=8)
     parser.add_argument("--run-timeout", type=float, default=300)
     parser.add_argument("--no-default", action="store_true", help="Leave out the run with sft's defaults")
+    parser.add_argument("--default-only", action="store_true", help="Only the run with sft's defaults")
+    parser.add_argument("--tag", default="", help="Prefix of the default run's name (e.g. old- for SFT_CODE's)")
     parser.add_argument("--only", nargs="*", help="These settings (names as z2-m8-ckpt-fp8, +exp: expandable "
                                                    "segments) instead of the plan's candidates")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")

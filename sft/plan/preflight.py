@@ -508,7 +508,8 @@ def _choose(training_args, shape, bases, target, micro_cap, limits) -> memplan.S
                                         sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
                                         kernels=kernels)]  # fmt: skip
         if fits:
-            fits.sort(key=lambda r: -r.time.tokens_per_second)
+            fits = sorted({r.estimate.setting: r for r in reversed(fits)}.values(),
+                          key=lambda r: -r.time.tokens_per_second)  # fmt: skip
             _log_ranking(fits, card)
             return fits[0].estimate.setting
     frugal = bases[0].with_tools(levels[-1])
