@@ -273,7 +273,7 @@ def fit(args) -> None:
         if best is None or residual < best[2]:
             best = (half, x, residual)
     half, x, _ = best
-    table = json.loads(speed.CONSTANTS.read_text())
+    table = json.loads(speed.CONSTANTS.read_text())  # the other cards and the constants this sweep does not fit
     previous = table["cards"].get(args.card) or table["cards"][speed.REFERENCE_CARD]
     entry = dict(previous)
     entry["efficiency"] = {**previous["efficiency"],
@@ -288,10 +288,11 @@ def fit(args) -> None:
     entry["bucket_s"] = _sig(x[-2])
     entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
     table["cards"][args.card] = entry
-    speed.CONSTANTS.write_text(json.dumps(table, indent=2) + "\n")
+    (args.write or speed.CONSTANTS).write_text(json.dumps(table, indent=2) + "\n")
     speed._table.cache_clear()
     print(json.dumps(entry, indent=2))
-    report(args.fit)
+    if not args.write:
+        report(args.fit)
 
 
 def _sig(value: float) -> float:
@@ -369,6 +370,7 @@ def main() -> None:
     parser.add_argument("--fit", nargs="*", type=Path, help="Fit the constants from these runs.jsonl; run nothing")
     parser.add_argument("--card", default=speed.REFERENCE_CARD, help="With --fit: the card's key in the file")
     parser.add_argument("--source", help="With --fit: what the constants came from (default: the files)")
+    parser.add_argument("--write", type=Path, help=f"With --fit: write here instead of {speed.CONSTANTS.name}")
     parser.add_argument("--report", nargs="*", type=Path, help="Plan vs measured of these runs.jsonl; run nothing")
     args = parser.parse_args()
     if args.fit:

@@ -124,7 +124,8 @@ class Architecture:
 
     def kernel(self, name: str) -> Kernel:
         """Whether fast path `name` (`liger`, `fp8`, `compile` (with FP8), `compile_bf16` (compiled layers without
-        FP8), `experts` (`sft.model.experts`)) is known good for this family, and why (not)."""
+        FP8), `experts` (`sft.model.experts`), `speed` (the plan's speed model)) is known good for this family, and
+        why (not)."""
         if name in self.kernels:
             return self.kernels[name]
         unknown = f"{self.family} is not in sft's architecture table: {GENERIC}"
@@ -213,8 +214,12 @@ def _liger(speed: float) -> Kernel:
 
 
 UNMEASURED = "not yet measured for this family on a GPU"
+# `speed`: the plan ranks what fits by its speed model (`sft.plan.speed`), whose constants were fitted on this family;
+# elsewhere the plan keeps its rule (the largest micro batch with the fewest levers) until the family is swept
+SPEED_MEASURED = Kernel(True, "the speed model's constants were fitted on Llama widths (1B, 3B; "
+                        "benchmarks/results/speed_sweep_h100)")  # fmt: skip
 KERNELS: dict[str, dict[str, Kernel]] = {
-    "llama": {"liger": LLAMA_MEASURED, "fp8": LLAMA_MEASURED, "compile": LLAMA_MEASURED},
+    "llama": {"liger": LLAMA_MEASURED, "fp8": LLAMA_MEASURED, "compile": LLAMA_MEASURED, "speed": SPEED_MEASURED},
     "qwen2": {"liger": _liger(0.86), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},  # windowed: 0.93
     "qwen3": {"liger": _liger(0.996), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
     "mistral": {"liger": _liger(1.16), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},

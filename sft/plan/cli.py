@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         model_config = load_config(args.model, False)
         shape = load_shape(args.model, False, model_config)
-        setting = _setting(args, _kernels(args, model_config, shape))
+        kernels = _kernels(args, model_config, shape)
+        setting = _setting(args, kernels)
+        args.by_speed = kernels[3]
         if args.gpus % setting.sp:
             raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
         result = estimate(shape, setting)
@@ -143,7 +145,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool]:
+def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:
     """(Liger, FP8, compiled layers) as the command line gives them, `auto` as `sft train` decides them for the family
     on a GPU with FP8 tensor cores (`sft.plan.preflight`): Liger and FP8 where measured good for the family (FP8 not
     with LoRA, under ZeRO-3 or below `sft.model.fp8.AUTO_MIN_HIDDEN`), layers compiled with FP8 (or where compiled
@@ -158,7 +160,7 @@ def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool]:
     else:
         fp8_on = args.fp8 == "on"
     compiled = (fp8_on and arch.kernel("compile").on) or arch.kernel("compile_bf16").on
-    return liger, fp8_on, compiled
+    return liger, fp8_on, compiled, arch.kernel("speed").on
 
 
 def _card(args) -> speed.Card:
@@ -179,10 +181,12 @@ def _candidate_kernels(args):
     return kernels
 
 
-def _ranking_table(fits: list, card: speed.Card) -> str:
-    """The settings that fit, fastest first, with the speed model's estimate and the memory plan's peak."""
+def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
+    """The settings that fit, fastest first (or, for a family the speed model was not fitted on, in the plan's rule's
+    order), with the speed model's estimate and the memory plan's peak."""
+    order = "fastest first" if by_speed else "in the plan's order (the speed model is not fitted on this family)"
     lines = [
-        f"speed model: {card.name} ({card.source})",
+        f"speed model: {card.name} ({card.source}); {order}",
         "| # | setting | est. tokens/s/GPU | est. MFU | step s | peak GiB |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -195,9 +199,9 @@ def _ranking_table(fits: list, card: speed.Card) -> str:
     return "\n".join(lines)
 
 
-def _setting(args, kernels: tuple[bool, bool, bool] = (False, False, False)) -> Setting:
+def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting:
     """The setting the command line describes (with the kernel flags of `_kernels`)."""
-    liger, fp8_on, compiled = kernels
+    liger, fp8_on, compiled = kernels[:3]
     return Setting(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
@@ -243,13 +247,14 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
             micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
         fits_ranked = ranked(shape, setting, memory, args.headroom, micros, sp_choices=sp_choices, host_memory=host,
-                             target=args.global_batch, card=card, kernels=_candidate_kernels(args))  # fmt: skip
+                             target=args.global_batch, card=card, kernels=_candidate_kernels(args),
+                             by_speed=args.by_speed)  # fmt: skip
         if not fits_ranked:
             print(nothing_fits(setting, shape, memory, args.headroom, host))
         else:
             best = fits_ranked[0].estimate
             print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
-            print(_ranking_table(fits_ranked[: args.top], card))
+            print(_ranking_table(fits_ranked[: args.top], card, args.by_speed))
     if args.longest:
         sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
         top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)

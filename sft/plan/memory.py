@@ -667,6 +667,7 @@ def ranked(
     target: int | None = None,
     card: speed.Card | None = None,
     kernels=None,
+    by_speed: bool = True,
 ) -> list[Ranked]:
     """The settings that fit, fastest first by the speed model (`sft.plan.speed`).
 
@@ -699,7 +700,7 @@ def ranked(
             fits = [r for tools in fast for ratio in offload_ratios(shape, candidate, tools)
                     for r in fitting(candidate, sp, tools, ratio)]  # fmt: skip
             if fits:  # fastest first; among equals the earlier (fewer levers, larger micro batch) stays ahead
-                return sorted(fits, key=lambda r: -r.time.tokens_per_second)
+                return sorted(fits, key=lambda r: -r.time.tokens_per_second) if by_speed else fits
             for tools in rest:
                 for ratio in offload_ratios(shape, candidate, tools):
                     first = next(fitting(candidate, sp, tools, ratio), None)

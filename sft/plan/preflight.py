@@ -472,10 +472,14 @@ def _plan_memory(
     bf16 = None
     if auto:
         bases = [base]
-        if "fp8" in auto and base.fp8:  # FP8 is a candidate, not a given: bf16 (compiled where the family's is good)
+        by_speed = arch.kernel("speed")
+        if not by_speed.on:
+            logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
+                        by_speed.reason)  # fmt: skip
+        elif "fp8" in auto and base.fp8:  # FP8 is a candidate, not a given: bf16 (compiled where the family's is good)
             compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
             bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
-        chosen = _choose(training_args, shape, bases, target, micro_cap, (memory, headroom, host))
+        chosen = _choose(training_args, shape, bases, target, micro_cap, (memory, headroom, host), by_speed.on)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
         if base.fp8 and not chosen.fp8 and not chosen.keep_attention:  # kept attention turns FP8 off by itself
             bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
@@ -484,7 +488,7 @@ def _plan_memory(
     return micro, tools, sp, sentence, ratio, bf16
 
 
-def _choose(training_args, shape, bases, target, micro_cap, limits) -> memplan.Setting:
+def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
     """The `auto` settings as the memory plan and the speed model choose them: the smallest sp that fits (every step
     of sp costs all-to-all traffic), then the fastest of `bases` (their kernels: FP8 or bf16) with the micro batch and
     levers that fit (`sft.plan.memory.ranked`), the ranking logged; nothing fitting, the most frugal setting (reported
@@ -506,11 +510,12 @@ def _choose(training_args, shape, bases, target, micro_cap, limits) -> memplan.S
         fits = [r for base in bases
                 for r in memplan.ranked(shape, base, memory, headroom, micro_choices, [base], levels,
                                         sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
-                                        kernels=kernels)]  # fmt: skip
-        if fits:
+                                        kernels=kernels, by_speed=by_speed)]  # fmt: skip
+        if fits and by_speed:
             fits = sorted({r.estimate.setting: r for r in reversed(fits)}.values(),
                           key=lambda r: -r.time.tokens_per_second)  # fmt: skip
             _log_ranking(fits, card)
+        if fits:
             return fits[0].estimate.setting
     frugal = bases[0].with_tools(levels[-1])
     return dataclasses.replace(frugal, micro_batch=min(micro_choices), sp=max(sp_choices))
