@@ -16,10 +16,11 @@ chooses. Each run is `benchmarks/throughput.py`'s (same data, rows of 4,096 toke
 optimizer steps, the first `--warmup` left out. Per run: tokens/s/GPU, MFU, the step time, the peak memory, the
 allocator's retries, and the plan's estimates of the same setting (peak GiB, tokens/s and its parts).
 
-`--fit` solves for the card's constants by non-negative least squares on the relative error of the median step time
-(a step that compiled again is left out that way): the efficiency per kernel setting, the fixed per-micro-step cost,
-ZeRO's per-micro-step gradient work (per parameter and per bucket), the optimizer step; the half-efficiency tokens by
-a grid. It writes them with the runs they came from and prints each run's estimate against its measurement.
+`--fit` solves for the card's constants by least squares on the relative error of the median step time (a step that
+compiled again is left out that way; constants non-negative): the efficiency per kernel setting, the host's work per
+micro step (a fixed cost and one per gradient bucket, hidden while the GPU is busy), ZeRO's per-micro-step gradient
+work, the optimizer step; the half-efficiency tokens by a grid. It writes them with the runs they came from and prints
+each run's estimate against its measurement.
 """
 
 from __future__ import annotations
@@ -223,41 +224,66 @@ def _bucket(run: dict, shape) -> int:
     return run.get("bucket") or shape.hidden * shape.hidden
 
 
+def default_setting(run: dict) -> plan.Setting | None:
+    """The setting sft's default chose in a `default` run, from its `auto settings` line (None without one)."""
+    line = next((p for p in run.get("plan", []) if p.startswith("auto settings")), None)
+    if line is None:
+        return None
+    values = dict(part.split(" = ") for part in line.split(": ", 1)[1].split(", "))
+    micro = int(values["per_device_train_batch_size"])
+    flag = {key: value == "True" for key, value in values.items()}
+    setting = plan.Setting(gpus=run["gpus"], zero_stage=run["zero"], seq_len=4096, liger=flag["use_liger_kernel"],
+                           micro_batch=micro, accumulation=max(1, GLOBAL_BATCH // (run["gpus"] * micro)),
+                           fp8=flag["fp8"], compiled=flag["compile_decoder_layers"])  # fmt: skip
+    tools = plan.Tools(flag["activation_checkpointing"], False, False,
+                       keep_attention=flag.get("keep_attention_outputs", False))  # fmt: skip
+    return setting.with_tools(tools)
+
+
 def _kernel(s: plan.Setting) -> str:
     return speed.kernel_name(s.fp8, s.compiled or s.fp8, s.activation_checkpointing)
 
 
-def _design(runs: list[dict], shapes_: dict, half: float, kernels: list[str], stages: list[str]):
-    """Rows of the step-time regression at half-efficiency `half`: FLOPs over the peak per kernel setting, the micro
-    steps, the micro steps x parameters (per ZeRO stage), the optimizer's parameters; each row and its target divided
-    by the measured step (least squares on the relative error)."""
-    rows, target = [], []
-    for run in runs:
-        s, shape = _setting_of(run), shapes_[run["shape"]]
-        tokens = s.micro_batch * -(-s.seq_len // s.sp)
-        linear = speed.linear_flops_per_token(shape, s.lora_r)
-        decoder = linear - 6.0 * shape.vocab * shape.hidden
-        attention = speed.attention_flops_per_token(shape, min(run["sample_tokens"], s.seq_len))
-        again = (decoder / 3 + (0 if s.keep_attention else attention / 3)) if s.activation_checkpointing else 0
-        flops = s.accumulation * tokens * (linear + attention + again)
-        peak = speed.card(run["card"]).peak_tflops * 1e12
-        row = [0.0] * (len(kernels) + 2 + len(stages) + 1)
-        row[kernels.index(_kernel(s))] = flops / peak * (tokens + half) / tokens
-        row[len(kernels)] = s.accumulation
-        row[-2] = s.accumulation * -(-shape.n_params // _bucket(run, shape))
-        held = shape.n_params / (s.gpus if s.zero_stage == 3 else 1)
-        row[len(kernels) + 1 + stages.index(str(s.zero_stage))] = s.accumulation * held / 1e9
-        row[-1] = shape.n_params / s.gpus / 1e9
-        measured = float(np.median(run["step_seconds_each"]))  # robust to a step that recompiled
-        rows.append([v / measured for v in row])
-        target.append(1.0)
-    return np.array(rows), np.array(target)
+def _features(run: dict, shape, half: float) -> dict:
+    """What the step-time model multiplies its constants by, for one run at half-efficiency `half`: the micro step's
+    FLOPs (recomputation included) over the peak, the micro steps, the gradient buckets and the parameters."""
+    s = _setting_of(run)
+    tokens = s.micro_batch * -(-s.seq_len // s.sp)
+    linear = speed.linear_flops_per_token(shape, s.lora_r)
+    decoder = linear - 6.0 * shape.vocab * shape.hidden
+    attention = speed.attention_flops_per_token(shape, min(run["sample_tokens"], s.seq_len))
+    again = (decoder / 3 + (0 if s.keep_attention else attention / 3)) if s.activation_checkpointing else 0
+    peak = speed.card(run["card"]).peak_tflops * 1e12
+    return {
+        "kernel": _kernel(s),
+        "gpu": tokens * (linear + attention + again) / peak * (tokens + half) / tokens,
+        "micro_steps": s.accumulation,
+        "buckets": -(-shape.n_params // _bucket(run, shape)),
+        "held": shape.n_params / (s.gpus if s.zero_stage == 3 else 1) / 1e9,
+        "partition": shape.n_params / s.gpus / 1e9,
+        "measured": float(np.median(run["step_seconds_each"])),  # robust to a step that compiled again
+    }
+
+
+def _model(theta, features: list[dict], kernels: list[str], optimizer: float) -> np.ndarray:
+    """Step seconds as `sft.plan.speed.step_time` composes them: per micro step the larger of the GPU's work and the
+    host's (fixed cost + one launch per bucket; the host runs ahead while the GPU is busy), plus ZeRO's gradient
+    work; once per step the optimizer (`optimizer` seconds per 1e9 parameters, given). `theta`: 1 / efficiency per
+    kernel, fixed, per bucket, per 1e9 held."""
+    k = len(kernels)
+    fixed, bucket, gradient = theta[k:]
+    out = []
+    for f in features:
+        gpu = f["gpu"] * theta[kernels.index(f["kernel"])]
+        host = fixed + bucket * f["buckets"]
+        out.append(f["micro_steps"] * (max(gpu, host) + gradient * f["held"]) + optimizer * f["partition"])
+    return np.array(out)
 
 
 def fit(args) -> None:
-    """Least squares (non-negative) over every run with a setting and a measured step; the half-efficiency tokens by a
-    grid; the constants written for `--card`, the table printed."""
-    from scipy.optimize import nnls
+    """Least squares on the relative error of the median step (non-negative constants) over every one-GPU run with a
+    setting; the half-efficiency tokens by a grid; the constants written for `--card`, the table printed."""
+    from scipy.optimize import least_squares
 
     # one GPU: no collectives (the link and overlap constants are not fitted here)
     runs = [r for path in args.fit for r in read_jsonl(path)
@@ -265,27 +291,33 @@ def fit(args) -> None:
     shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
                for name in {r["shape"] for r in runs}}  # fmt: skip
     kernels = sorted({_kernel(_setting_of(r)) for r in runs})
-    stages = sorted({str(r["setting"]["zero_stage"]) for r in runs})
-    best = None
-    for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
-        a, b = _design(runs, shapes_, half, kernels, stages)
-        x, residual = nnls(a, b)
-        if best is None or residual < best[2]:
-            best = (half, x, residual)
-    half, x, _ = best
     table = json.loads(speed.CONSTANTS.read_text())  # the other cards and the constants this sweep does not fit
     previous = table["cards"].get(args.card) or table["cards"][speed.REFERENCE_CARD]
+    # every run steps the optimizer once per 131,072 tokens, so its cost cannot be told apart from the compute's: it is
+    # the card's (`optimizer_s_per_gparam`, from its memory bandwidth), not fitted
+    optimizer = previous["optimizer_s_per_gparam"]
+    lower = [1.0] * len(kernels) + [0.0, 0.0, 0.0]  # efficiencies at most 1
+    best = None
+    for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
+        features = [_features(r, shapes_[r["shape"]], half) for r in runs]
+        measured = np.array([f["measured"] for f in features])
+
+        def residual(theta, features=features, measured=measured):
+            return _model(theta, features, kernels, optimizer) / measured - 1
+
+        for host in ((0.01, 1e-3), (0.1, 1e-4), (0.0, 5e-4), (0.05, 0.0)):  # the max() has local minima: a few starts
+            start = np.array([1.6] * len(kernels) + [*host, 0.005])
+            result = least_squares(residual, start, bounds=(lower, np.inf))
+            if best is None or result.cost < best[2]:
+                best = (half, result.x, result.cost)
+    half, x, _ = best
+    k = len(kernels)
     entry = dict(previous)
-    entry["efficiency"] = {**previous["efficiency"],
-                           **{k: _sig(1 / x[i]) for i, k in enumerate(kernels) if x[i] > 0}}  # fmt: skip
+    entry["efficiency"] = {**previous["efficiency"], **{name: _sig(1 / x[i]) for i, name in enumerate(kernels)}}
     entry["half_tokens"] = half
-    entry["micro_fixed_s"] = _sig(x[len(kernels)])
-    entry["gradient_s_per_gparam"] = {
-        **previous["gradient_s_per_gparam"],
-        **{st: _sig(x[len(kernels) + 1 + i]) for i, st in enumerate(stages)},
-    }
-    entry["optimizer_s_per_gparam"] = _sig(x[-1])
-    entry["bucket_s"] = _sig(x[-2])
+    entry["micro_fixed_s"], entry["bucket_s"] = _sig(x[k]), _sig(x[k + 1])
+    stages = {str(r["setting"]["zero_stage"]) for r in runs}
+    entry["gradient_s_per_gparam"] = {**previous["gradient_s_per_gparam"], **{st: _sig(x[k + 2]) for st in stages}}
     entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
     table["cards"][args.card] = entry
     (args.write or speed.CONSTANTS).write_text(json.dumps(table, indent=2) + "\n")
@@ -319,7 +351,11 @@ def report(paths: list[Path]) -> str:
         for run in runs:
             got = run.get("tokens_per_second_per_gpu")
             est = ""
-            if run.get("setting"):
+            chosen = default_setting(run) if not run.get("setting") else None
+            if chosen is not None and run["name"] == "default":  # sft as it is now: its buckets
+                e = speed.step_time(shape, chosen, card, run["sample_tokens"]).tokens_per_second
+                est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"
+            elif run.get("setting"):
                 time_ = speed.step_time(shape, _setting_of(run), card, run["sample_tokens"], _bucket(run, shape))
                 e = time_.tokens_per_second
                 est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"

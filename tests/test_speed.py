@@ -29,7 +29,8 @@ H100 = 79.18 * plan.GiB  # what torch reports for an H100 80GB HBM3
 
 def test_the_h100_constants_are_what_the_committed_sweep_fits(tmp_path, sweep_shapes):
     """`python -m benchmarks.speed_sweep --fit` over the committed runs writes the H100's constants as shipped (no
-    constant typed in by hand), and its estimates are within 15% of every run it was fitted on."""
+    constant typed in by hand); its estimates are within 20% of every run it was fitted on, and within 15% of the
+    settings sft's default chose in the later call (call4: not fitted on)."""
     runs = sorted(str(p) for p in SWEEP.glob("call[123]_*/runs.jsonl"))
     shipped = json.loads(speed.CONSTANTS.read_text())["cards"][speed.REFERENCE_CARD]
     out = tmp_path / "constants.json"
@@ -50,9 +51,13 @@ def test_the_h100_constants_are_what_the_committed_sweep_fits(tmp_path, sweep_sh
             shape = sweep_shapes[run["shape"]]
             estimate = speed.step_time(shape, sweep._setting_of(run), card, run["sample_tokens"],
                                        sweep._bucket(run, shape))  # fmt: skip
-            assert 0.85 < estimate.tokens_per_second / run["tokens_per_second_per_gpu"] < 1.15, run["name"]
+            assert 0.8 < estimate.tokens_per_second / run["tokens_per_second_per_gpu"] < 1.2, run["name"]
             checked += 1
     assert checked >= 10
+    for path in SWEEP.glob("call4_defaults_*/runs.jsonl"):
+        run = next(r for r in map(json.loads, path.read_text().splitlines()) if r["name"] == "default")
+        estimate = speed.step_time(sweep_shapes[run["shape"]], sweep.default_setting(run), card, run["sample_tokens"])
+        assert 0.85 < estimate.tokens_per_second / run["tokens_per_second_per_gpu"] < 1.15, path
 
 
 @pytest.fixture(scope="module")

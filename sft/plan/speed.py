@@ -11,8 +11,10 @@ A step of `accumulation` micro-batches of `micro_batch` rows is
   checkpointing: the forward once more, but for the attention kernel where its outputs are kept; the tiled MLP: the
   MLP's forward), over the card's dense bf16 peak times the efficiency measured for that kernel setting (bf16 eager,
   bf16 compiled, FP8 compiled), which rises with the tokens of a micro-batch as `tokens / (tokens + half_tokens)`;
-- per-micro-step work: a fixed cost (launches, the loss, the data) plus ZeRO's handling of the gradients at each
-  backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its partition), per parameter held;
+- per-micro-step work: the host's (a fixed cost, and one reduction call per gradient bucket), of which only what the
+  GPU's compute does not cover shows (the host runs ahead while the GPU is busy), plus ZeRO's handling of the
+  gradients on the GPU at each backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its
+  partition), per parameter held;
 - communication (more than one process): ZeRO-3 gathers the 16-bit weights in the forward, the backward and a
   recomputation, and reduce-scatters the gradients; ZeRO-1/2 reduce the gradients at every backward; sequence
   parallelism's all-to-all per layer. The share the engine overlaps with compute is hidden;
@@ -182,7 +184,10 @@ def step_time(
         again += decoder * mlp_share(shape) / 3
     compute = flops / (peak * efficiency)
     recompute = tokens * again / (peak * efficiency)
-    per_micro = c.micro_fixed_s + _gradient_work(shape, s, c, bucket)
+    # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
+    # GPU's work does not cover shows
+    host = max(c.micro_fixed_s + c.bucket_s * _buckets(shape, s, bucket) - compute - recompute, 0.0)
+    per_micro = host + _gradient_work(shape, s, c)
     communication = _communication(shape, s, c, compute + recompute)
     return StepTime(
         compute=s.accumulation * compute,
@@ -200,20 +205,25 @@ def _trainable(shape: ModelShape, s) -> float:
     return float(shape.lora_params(s.lora_r) if s.lora_r else shape.n_params)
 
 
-def _gradient_work(shape: ModelShape, s, c: Card, bucket: int | None = None) -> float:
-    """ZeRO's gradient handling at each backward: per parameter this GPU's engine touches (ZeRO-1/2 copy every
-    gradient into their buckets; ZeRO-3 its partition of each) and per reduction (one per bucket of `bucket`
-    elements, default as `reduce_bucket_size: "auto"` becomes: `sft.engines.bucket_elements`)."""
+def _gradient_work(shape: ModelShape, s, c: Card) -> float:
+    """ZeRO's gradient handling at each backward on the GPU, per parameter this GPU's engine touches (ZeRO-1/2 copy
+    every gradient into their buckets; ZeRO-3 its partition of each)."""
     if s.zero_stage is None:
         return 0.0
-    stage = str(s.zero_stage)
-    rate = c.gradient_s_per_gparam.get(stage, c.gradient_s_per_gparam["2"])
-    held = _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1)
+    rate = c.gradient_s_per_gparam.get(str(s.zero_stage), c.gradient_s_per_gparam["2"])
+    return rate * _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1) / 1e9
+
+
+def _buckets(shape: ModelShape, s, bucket: int | None = None) -> int:
+    """Gradient reductions per micro step: one per bucket of `bucket` elements (default: what sft sets
+    `reduce_bucket_size: "auto"` to, `sft.engines.bucket_elements`)."""
+    if s.zero_stage is None:
+        return 0
     if bucket is None:
         from sft.engines import bucket_elements
 
         bucket = bucket_elements(shape.hidden, s.gpus, int(_trainable(shape, s)))
-    return rate * held / 1e9 + c.bucket_s * -(-_trainable(shape, s) // bucket)
+    return -(-int(_trainable(shape, s)) // bucket)
 
 
 def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:

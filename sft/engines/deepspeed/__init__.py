@@ -112,7 +112,7 @@ class DeepSpeed(Engine):
             for key, value in buckets.items():
                 why = (
                     f"1 process: one reduction per {value:,} gradients instead of one per hidden^2 = {hidden**2:,}"
-                    if processes == 1 and key == "zero_optimization.reduce_bucket_size"
+                    if processes == 1 and key == "zero_optimization.reduce_bucket_size" and value != BUCKET_FLOOR
                     else f"hidden {hidden}: hidden^2 = {hidden**2:,} would make one collective per "
                     f"{hidden**2 * 4 // 1024} KB"
                 )
