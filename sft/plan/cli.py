@@ -132,6 +132,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-name", help="The card whose speed constants rank the settings (default: this "
                                            f"machine's GPU, else {speed.REFERENCE_CARD}; sft.plan.speed)")  # fmt: skip
     parser.add_argument("--top", type=int, default=5, help="Settings --suggest lists, fastest first")
+    parser.add_argument("--same-stage", action="store_true",
+                        help="--suggest within --zero's stage and offload, as `sft train` does with its DeepSpeed "
+                             "config (default: the lowest stage that fits)")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--gpu-memory", "--gpu-memory-gib", type=float, help="GiB per GPU, e.g. 24 (default: this machine's GPU)"
@@ -246,7 +249,9 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         micros = plan.MICRO_BATCHES
         if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
             micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
-        fits_ranked = ranked(shape, setting, memory, args.headroom, micros, sp_choices=sp_choices, host_memory=host,
+        candidates = [setting] if args.same_stage else None
+        fits_ranked = ranked(shape, setting, memory, args.headroom, micros, candidates, sp_choices=sp_choices,
+                             host_memory=host,
                              target=args.global_batch, card=card, kernels=_candidate_kernels(args),
                              by_speed=args.by_speed)  # fmt: skip
         if not fits_ranked:
