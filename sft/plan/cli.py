@@ -187,7 +187,11 @@ def _candidate_kernels(args):
 def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
     """The settings that fit, fastest first (or, for a family the speed model was not fitted on, in the plan's rule's
     order), with the speed model's estimate and the memory plan's peak."""
-    order = "fastest first" if by_speed else "in the plan's order (the speed model is not fitted on this family)"
+    order = (
+        "fastest first"
+        if by_speed
+        else "in the plan's order (the speed model is not fitted on this family: no estimate)"
+    )
     lines = [
         f"speed model: {card.name} ({card.source}); {order}",
         "| # | setting | est. tokens/s/GPU | est. MFU | step s | peak GiB |",
@@ -197,8 +201,9 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
         s = r.estimate.setting
         zero = "no DeepSpeed" if s.zero_stage is None else f"ZeRO-{s.zero_stage}"
         sp = f", sp {s.sp}" if s.sp > 1 else ""
-        lines.append(f"| {i} | {zero}{sp}, {s.levers_and_micro()} | {r.time.tokens_per_second:,.0f} | "
-                     f"{r.time.mfu:.1%} | {r.time.seconds:.2f} | {r.estimate.peak / GiB:.2f} |")  # fmt: skip
+        speed_cells = (f"{r.time.tokens_per_second:,.0f} | {r.time.mfu:.1%} | {r.time.seconds:.2f}" if by_speed
+                       else "- | - | -")  # no estimate where the constants were not fitted  # fmt: skip
+        lines.append(f"| {i} | {zero}{sp}, {s.levers_and_micro()} | {speed_cells} | {r.estimate.peak / GiB:.2f} |")
     return "\n".join(lines)
 
 
