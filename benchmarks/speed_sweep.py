@@ -52,7 +52,7 @@ SHAPES = {
     "8b": LLAMA_SHAPES["llama-8b"],
     "tiny": None,
 }  # tiny: the demo model (--tiny)
-FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if plan._fast(t))  # none, attention kept, checkpointing
+FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if plan.speed_ranked(t))  # none, attention kept, checkpointing
 
 
 def setting_name(s: plan.Setting) -> str:
@@ -65,8 +65,8 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
     """The setting a name of `setting_name` stands for (a `+exp` suffix, the allocator's variant, left aside)."""
     stage, micro, levers, kernel = name.split("+")[0].split("-")
     setting = dataclasses.replace(base, zero_stage=int(stage[1:]), micro_batch=int(micro[1:]),
-                                  accumulation=max(1, -(-GLOBAL_BATCH // (base.gpus * int(micro[1:])))),
                                   fp8=kernel == "fp8", compiled=kernel in ("fp8", "bf16c"))  # fmt: skip
+    setting = dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH))
     return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention=levers == "keep"))
 
 
@@ -92,13 +92,6 @@ def base_setting(args, shape, arch) -> plan.Setting:
                         fp8=fp8_on, compiled=compiled, dtype_bytes=4 if args.tiny else 2)  # fmt: skip
 
 
-def eager(setting: plan.Setting) -> plan.Setting:
-    """Attention outputs kept: compiled layers off, and FP8 with them (`sft.plan.preflight._keep_attention_eager`)."""
-    if setting.keep_attention and setting.compiled:
-        return dataclasses.replace(setting, compiled=False, fp8=False)
-    return setting
-
-
 def candidates(args, shape, arch, memory: float) -> list[plan.Ranked]:
     """Of each group (levers x kernels) that fits: the fastest by the plan and the smallest micro batch."""
     base = base_setting(args, shape, arch)
@@ -108,7 +101,7 @@ def candidates(args, shape, arch, memory: float) -> list[plan.Ranked]:
     chosen: dict[str, plan.Ranked] = {}
     for b in bases:
         fits = plan.ranked(shape, b, memory, args.headroom, micros, [b], FAST_LEVELS, target=GLOBAL_BATCH,
-                           kernels=eager)  # fmt: skip
+                           kernels=plan.Setting.attention_kept_eager)  # fmt: skip
         groups: dict[tuple, list[plan.Ranked]] = {}
         for r in fits:
             s = r.estimate.setting
@@ -233,51 +226,35 @@ def default_setting(run: dict) -> plan.Setting | None:
     micro = int(values["per_device_train_batch_size"])
     flag = {key: value == "True" for key, value in values.items()}
     setting = plan.Setting(gpus=run["gpus"], zero_stage=run["zero"], seq_len=4096, liger=flag["use_liger_kernel"],
-                           micro_batch=micro, accumulation=max(1, GLOBAL_BATCH // (run["gpus"] * micro)),
+                           micro_batch=micro,
                            fp8=flag["fp8"], compiled=flag["compile_decoder_layers"])  # fmt: skip
     tools = plan.Tools(flag["activation_checkpointing"], False, False,
                        keep_attention=flag.get("keep_attention_outputs", False))  # fmt: skip
-    return setting.with_tools(tools)
+    setting = setting.with_tools(tools)
+    return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH))
 
 
 def _kernel(s: plan.Setting) -> str:
     return speed.kernel_name(s.fp8, s.compiled or s.fp8, s.activation_checkpointing)
 
 
-def _features(run: dict, shape, half: float) -> dict:
-    """What the step-time model multiplies its constants by, for one run at half-efficiency `half`: the micro step's
-    FLOPs (recomputation included) over the peak, the micro steps, the gradient buckets and the parameters."""
-    s = _setting_of(run)
-    tokens = s.micro_batch * -(-s.seq_len // s.sp)
-    linear = speed.linear_flops_per_token(shape, s.lora_r)
-    decoder = linear - 6.0 * shape.vocab * shape.hidden
-    attention = speed.attention_flops_per_token(shape, min(run["sample_tokens"], s.seq_len))
-    again = (decoder / 3 + (0 if s.keep_attention else attention / 3)) if s.activation_checkpointing else 0
-    peak = speed.card(run["card"]).peak_tflops * 1e12
-    return {
-        "kernel": _kernel(s),
-        "gpu": tokens * (linear + attention + again) / peak * (tokens + half) / tokens,
-        "micro_steps": s.accumulation,
-        "buckets": -(-shape.n_params // _bucket(run, shape)),
-        "held": shape.n_params / (s.gpus if s.zero_stage == 3 else 1) / 1e9,
-        "partition": shape.n_params / s.gpus / 1e9,
-        "measured": float(np.median(run["step_seconds_each"])),  # robust to a step that compiled again
-    }
-
-
-def _model(theta, features: list[dict], kernels: list[str], optimizer: float) -> np.ndarray:
-    """Step seconds as `sft.plan.speed.step_time` composes them: per micro step the larger of the GPU's work and the
-    host's (fixed cost + one launch per bucket; the host runs ahead while the GPU is busy), plus ZeRO's gradient
-    work; once per step the optimizer (`optimizer` seconds per 1e9 parameters, given). `theta`: 1 / efficiency per
-    kernel, fixed, per bucket, per 1e9 held."""
+def _card_of(theta, previous: speed.Card, kernels: list[str], half: float, stages: set[str]) -> speed.Card:
+    """`previous` with the fitted constants of `theta`: 1 / efficiency per kernel, the fixed host cost per micro step,
+    per bucket, ZeRO's gradient work per 1e9 parameters (for `stages`)."""
     k = len(kernels)
-    fixed, bucket, gradient = theta[k:]
-    out = []
-    for f in features:
-        gpu = f["gpu"] * theta[kernels.index(f["kernel"])]
-        host = fixed + bucket * f["buckets"]
-        out.append(f["micro_steps"] * (max(gpu, host) + gradient * f["held"]) + optimizer * f["partition"])
-    return np.array(out)
+    return dataclasses.replace(
+        previous, half_tokens=half, micro_fixed_s=theta[k], bucket_s=theta[k + 1],
+        efficiency={**previous.efficiency, **{name: 1 / theta[i] for i, name in enumerate(kernels)}},
+        gradient_s_per_gparam={**previous.gradient_s_per_gparam, **dict.fromkeys(stages, theta[k + 2])},
+    )  # fmt: skip
+
+
+def _model(card: speed.Card, runs: list[dict], shapes_: dict) -> np.ndarray:
+    """Each run's step seconds as the plan estimates them (`sft.plan.speed.step_time`) with `card`'s constants."""
+    return np.array([
+        speed.step_time(shapes_[r["shape"]], _setting_of(r), card, r["sample_tokens"], _bucket(r, shapes_[r["shape"]]))
+        .seconds for r in runs
+    ])  # fmt: skip
 
 
 def fit(args) -> None:
@@ -291,19 +268,19 @@ def fit(args) -> None:
     shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
                for name in {r["shape"] for r in runs}}  # fmt: skip
     kernels = sorted({_kernel(_setting_of(r)) for r in runs})
+    stages = {str(r["setting"]["zero_stage"]) for r in runs}
     table = json.loads(speed.CONSTANTS.read_text())  # the other cards and the constants this sweep does not fit
     previous = table["cards"].get(args.card) or table["cards"][speed.REFERENCE_CARD]
     # every run steps the optimizer once per 131,072 tokens, so its cost cannot be told apart from the compute's: it is
     # the card's (`optimizer_s_per_gparam`, from its memory bandwidth), not fitted
-    optimizer = previous["optimizer_s_per_gparam"]
+    card = speed.Card(args.card, **previous)
+    measured = np.array([float(np.median(r["step_seconds_each"])) for r in runs])  # robust to a step that recompiled
     lower = [1.0] * len(kernels) + [0.0, 0.0, 0.0]  # efficiencies at most 1
     best = None
     for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
-        features = [_features(r, shapes_[r["shape"]], half) for r in runs]
-        measured = np.array([f["measured"] for f in features])
 
-        def residual(theta, features=features, measured=measured):
-            return _model(theta, features, kernels, optimizer) / measured - 1
+        def residual(theta, half=half):
+            return _model(_card_of(theta, card, kernels, half, stages), runs, shapes_) / measured - 1
 
         for host in ((0.01, 1e-3), (0.1, 1e-4), (0.0, 5e-4), (0.05, 0.0)):  # the max() has local minima: a few starts
             start = np.array([1.6] * len(kernels) + [*host, 0.005])
@@ -316,7 +293,6 @@ def fit(args) -> None:
     entry["efficiency"] = {**previous["efficiency"], **{name: _sig(1 / x[i]) for i, name in enumerate(kernels)}}
     entry["half_tokens"] = half
     entry["micro_fixed_s"], entry["bucket_s"] = _sig(x[k]), _sig(x[k + 1])
-    stages = {str(r["setting"]["zero_stage"]) for r in runs}
     entry["gradient_s_per_gparam"] = {**previous["gradient_s_per_gparam"], **{st: _sig(x[k + 2]) for st in stages}}
     entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
     table["cards"][args.card] = entry

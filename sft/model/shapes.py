@@ -38,6 +38,10 @@ class ModelShape:
     mlp_kept: int = 4  # [tokens, intermediate] tensors the MLP keeps (`sft.model.architectures.Architecture.mlp_kept`)
     param_sizes: tuple[int, ...] = ()  # each parameter's size, in the model's order (DeepSpeed's sub-groups)
 
+    def trainable(self, lora_r: int = 0) -> int:
+        """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one."""
+        return self.lora_params(lora_r) if lora_r else self.n_params
+
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
         h, hq, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate

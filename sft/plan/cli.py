@@ -177,9 +177,7 @@ def _candidate_kernels(args):
     `auto` (`sft.plan.preflight._keep_attention_eager`)."""
 
     def kernels(setting: Setting) -> Setting:
-        if setting.keep_attention and setting.compiled:
-            return dataclasses.replace(setting, compiled=False, fp8=setting.fp8 and args.fp8 != "auto")
-        return setting
+        return setting.attention_kept_eager(fp8_auto=args.fp8 == "auto")
 
     return kernels
 
@@ -210,7 +208,7 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
 def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting:
     """The setting the command line describes (with the kernel flags of `_kernels`)."""
     liger, fp8_on, compiled = kernels[:3]
-    return Setting(
+    setting = Setting(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
         zero_stage=None if args.zero == "none" else int(args.zero),
@@ -231,10 +229,10 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         sp=args.sp or 1,
         fp8=fp8_on,
         compiled=compiled,
-        accumulation=max(1, -(-args.global_batch // (args.gpus // (args.sp or 1) * args.micro_batch)))
-        if args.global_batch
-        else 1,
     )
+    if not args.global_batch:
+        return setting
+    return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))
 
 
 def _fit_report(args, shape, setting: Setting, result, memory: float, host: float) -> int:

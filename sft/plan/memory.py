@@ -193,6 +193,14 @@ class Setting:
         kernels = "FP8 compiled" if self.fp8 else f"{dtype} compiled" if self.compiled else dtype
         return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}"
 
+    def attention_kept_eager(self, fp8_auto: bool = True) -> Setting:
+        """As a run sets it with attention outputs kept: layers not compiled (the selection of what to keep does not
+        reach inside a compiled layer), and FP8 off with them where `fp8_auto` (float8 is fast only compiled;
+        `sft.plan.preflight._keep_attention_eager`)."""
+        if not (self.keep_attention and self.compiled):
+            return self
+        return dataclasses.replace(self, compiled=False, fp8=self.fp8 and not fp8_auto)
+
     def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
         return dataclasses.replace(
             self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
@@ -417,7 +425,7 @@ def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]
 
 
 def trainable(shape: ModelShape, s: Setting) -> int:
-    return shape.lora_params(s.lora_r) if s.lora_r else shape.n_params
+    return shape.trainable(s.lora_r)
 
 
 def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
@@ -641,11 +649,11 @@ def suggest(
     levels: tuple[Tools, ...] = ACTIVATION_LEVELS,
     sp_choices: tuple[int, ...] | None = None,
     host_memory: float | None = None,
-    **speed,
+    **ranking,
 ) -> Estimate | None:
-    """The fastest setting that fits (`ranked`'s first), None if nothing fits."""
+    """The fastest setting that fits (`ranked`'s first, with its `ranking` arguments), None if nothing fits."""
     fits = ranked(shape, base, gpu_memory, headroom, micro_batches, candidates, levels, sp_choices, host_memory,
-                  **speed)  # fmt: skip
+                  **ranking)  # fmt: skip
     return fits[0].estimate if fits else None
 
 
@@ -674,22 +682,22 @@ def ranked(
     The search goes as far as something fits: the smallest sequence-parallel size of `sp_choices` (default: the
     base's), the first of `candidates` (default: `ladder(base)`: ZeRO-0..3, then offload; sft's measurements put a
     lower stage ahead wherever it fits, and the sweep has not calibrated the collectives of a higher one), then the
-    levers. Levers that the sweep measured (none, checkpointing, checkpointing that keeps attention outputs: `FAST`)
-    are ranked by the speed model with every micro batch of `micro_batches`; only where none of them fits do the
-    others (offloaded checkpoints, the tiled MLP, ZeRO's offload) come on, in `levels`' order, each with the largest
-    micro batch that fits. With `target` (rows per optimizer step) a candidate accumulates `target / (data-parallel
-    size x micro batch)` micro-batches; `kernels(setting)` gives a candidate's FP8 and compile flags where its
-    levers change them (attention outputs kept run eager)."""
+    levers. Levers that the sweep measured (none, checkpointing, checkpointing that keeps attention outputs:
+    `speed_ranked`) are ranked by the speed model with every micro batch of `micro_batches`; only where none fits
+    do the others (offloaded checkpoints, the tiled MLP, ZeRO's offload) come on, in `levels`' order, each with the
+    largest micro batch that fits. With `target` (rows per optimizer step) a candidate accumulates `target /
+    (data-parallel size x micro batch)` micro-batches; `kernels(setting)` gives a candidate's FP8 and compile flags
+    where its levers change them (attention outputs kept run eager)."""
     card = card or speed.card()
-    fast = [t for t in levels if _fast(t)]
-    rest = [t for t in levels if not _fast(t)]
+    fast = [t for t in levels if speed_ranked(t)]
+    rest = [t for t in levels if not speed_ranked(t)]
 
     def fitting(candidate: Setting, sp: int, tools: Tools, ratio: float):
         levered = lever_setting(candidate, tools, ratio)
         for micro in sorted(micro_batches, reverse=True) if levered is not None else ():
             setting = dataclasses.replace(levered, micro_batch=micro, sp=sp)
             if target:
-                setting = dataclasses.replace(setting, accumulation=_accumulation(setting, target))
+                setting = dataclasses.replace(setting, accumulation=accumulation_for(setting, target))
             setting = kernels(setting) if kernels else setting
             e = estimate(shape, setting)
             if e.fits(gpu_memory, headroom, host_memory):
@@ -709,7 +717,7 @@ def ranked(
     return []
 
 
-def _fast(tools: Tools) -> bool:
+def speed_ranked(tools: Tools) -> bool:
     """Levers the speed model ranks: none, or checkpointing (keeping attention outputs or not) on the GPU."""
     return not (tools.offload or tools.tiled_mlp or tools.offload_optimizer or tools.offload_params)
 
@@ -730,7 +738,8 @@ def first_fit(shape: ModelShape, base: Setting, gpu_memory: float, headroom: flo
     return None
 
 
-def _accumulation(s: Setting, target: int) -> int:
+def accumulation_for(s: Setting, target: int) -> int:
+    """Micro-batches per optimizer step for `target` rows: over the data-parallel size x micro batch, rounded up."""
     return max(1, -(-target // (s.gpus // s.sp * s.micro_batch)))
 
 

@@ -528,9 +528,9 @@ def _candidate_kernels(training_args, setting: memplan.Setting) -> memplan.Setti
     """A candidate's FP8 and compile flags as the run would set them: with attention outputs kept, compiled layers
     (and FP8 with them) off where `auto` (`_keep_attention_eager`)."""
     auto = training_args.auto_settings
-    if not (setting.keep_attention and setting.compiled and "compile_decoder_layers" in auto):
+    if "compile_decoder_layers" not in auto:
         return setting
-    return dataclasses.replace(setting, compiled=False, fp8=setting.fp8 and "fp8" not in auto)
+    return setting.attention_kept_eager(fp8_auto="fp8" in auto)
 
 
 def _log_ranking(fits: list, card, shown: int = 3) -> None:

@@ -116,10 +116,6 @@ def _table() -> dict:
     return json.loads(CONSTANTS.read_text())
 
 
-def cards() -> list[str]:
-    return [name for name in _table()["cards"]]
-
-
 def card(device_name: str | None = None) -> Card:
     """The constants of the card named `device_name` (a `torch.cuda.get_device_name()` or a key of the file: the
     first key whose words are all in the name), else the reference card's scaled by its peak."""
@@ -168,7 +164,7 @@ def step_time(
     `bucket` elements (default: as sft sets `"auto"`)."""
     c = constants or card()
     compiled = s.compiled or s.fp8  # float8 runs compiled
-    tokens = s.micro_batch * -(-s.seq_len // s.sp)  # per GPU per micro step
+    tokens = s.tokens  # per GPU per micro step
     peak = c.peak_tflops * 1e12
     efficiency = (
         c.efficiency[kernel_name(s.fp8, compiled, s.activation_checkpointing)] * tokens / (tokens + c.half_tokens)
@@ -202,7 +198,7 @@ def step_time(
 
 
 def _trainable(shape: ModelShape, s) -> float:
-    return float(shape.lora_params(s.lora_r) if s.lora_r else shape.n_params)
+    return float(shape.trainable(s.lora_r))
 
 
 def _gradient_work(shape: ModelShape, s, c: Card) -> float:
@@ -245,8 +241,7 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
         moved = 2 * share * grads if s.zero_stage < 2 else share * grads
     if s.sp > 1:  # Ulysses: four all-to-alls of a layer's q, k, v and output per layer, forward and backward
         hq, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-        tokens = s.micro_batch * -(-s.seq_len // s.sp)
-        moved += 2 * shape.layers * tokens * s.dtype_bytes * (2 * hq + 2 * kv) * share
+        moved += 2 * shape.layers * s.tokens * s.dtype_bytes * (2 * hq + 2 * kv) * share
     seconds = moved / link + _host_traffic(shape, s, c)
     return max(seconds - c.overlap * min(seconds, busy), 0.0)
 
@@ -258,8 +253,7 @@ def _host_traffic(shape: ModelShape, s, c: Card) -> float:
     if s.offload_params:
         moved += (2 + (1 if s.activation_checkpointing else 0)) * s.dtype_bytes * shape.n_params / s.gpus
     if s.offload_checkpoints:
-        tokens = s.micro_batch * -(-s.seq_len // s.sp)
-        moved += 2 * shape.layers * s.dtype_bytes * shape.hidden * tokens
+        moved += 2 * shape.layers * s.dtype_bytes * shape.hidden * s.tokens
     return moved / (c.pcie_gbps * 1e9)
 
 
