@@ -112,8 +112,11 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
+    # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
+    shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
+                                                 model_config, arch))  # fmt: skip
     micro, tools, sp, sentence, ratio, bf16 = _plan_memory(
-        training_args, model_args, target, kernels, retry.micro_cap if retry else None, model_config, arch
+        training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch
     )
     if bf16 is not None:
         _bf16_faster(training_args, kernels, changes, bf16)
@@ -135,7 +138,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
         logger.info("%s", line)
     params = None
     if dims.world_size == 1:  # one process's gradient bucket is at most the model (`sft.engines.bucket_elements`)
-        params = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch).n_params
+        params = shape_of().n_params
     config, buckets = engine.written(config, hidden=arch.hidden, processes=dims.world_size, params=params)
     batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
     if retry is not None:
@@ -427,12 +430,13 @@ def _plan_memory(
     model_args,
     target: int | None,
     kernels: dict,
-    micro_cap: int | None = None,
-    model_config=None,
-    arch: architectures.Architecture | None = None,
+    micro_cap: int | None,
+    shape_of,
+    arch: architectures.Architecture,
 ) -> tuple[int, memplan.Tools, int, str, float, bool | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
-    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None)): the `auto` ones
+    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None)), from the model's
+    shape (`shape_of()`, built on first call): the `auto` ones
     chosen by the memory plan and the speed model (the smallest sp first, then the fastest setting that fits; micro
     batches up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
@@ -460,8 +464,7 @@ def _plan_memory(
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None
-    remote = bool(getattr(model_args, "trust_remote_code", False))
-    shape = shapes.load_shape(model_args.model_name_or_path, remote, model_config, arch)
+    shape = shape_of()
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
                                compiled=kernels["compiled layers"].on)  # fmt: skip
     dp = training_args.parallel.dp
