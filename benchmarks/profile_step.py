@@ -232,30 +232,42 @@ def inner(args) -> None:
     main(["--config", str(args.inner), *args.rest])
 
 
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of (start, end) intervals (kernels of several streams overlap)."""
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy
+
+
 def summarize(prof, wall: float) -> dict:
     from torch.autograd import DeviceType
 
     kernels, by_class, cpu = defaultdict(float), defaultdict(float), defaultdict(float)
-    intervals = []
+    intervals, names = [], []
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
             us = evt.time_range.end - evt.time_range.start
             kernels[evt.name] += us
             by_class[kernel_class(evt.name)] += us
             intervals.append((evt.time_range.start, evt.time_range.end))
+            names.append(evt.name.lower())
         else:
             cpu[evt.name] += evt.self_cpu_time_total
-    busy, end = 0.0, float("-inf")  # union of kernel intervals (several streams may overlap)
-    for s, e in sorted(intervals):
-        if e > end:
-            busy += e - max(s, end)
-            end = e
+    busy, compute = (
+        _union(intervals),
+        _union([i for i, name in zip(intervals, names, strict=True) if "nccl" not in name]),
+    )
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     top_cpu = sorted(cpu.items(), key=lambda kv: -kv[1])[:25]
     return {
         "step_wall_s": wall,
         "gpu_busy_s": busy / 1e6,
         "gpu_busy_fraction": busy / 1e6 / wall,
+        # kernels other than NCCL's: wall minus this is what the step waited for the host or for collectives
+        "compute_busy_s": compute / 1e6,
         "by_class_s": {k: v / 1e6 for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         "top_kernels_s": [[k, v / 1e6] for k, v in top],
         "top_cpu_self_s": [[k, v / 1e6] for k, v in top_cpu],

@@ -37,7 +37,18 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, read_jsonl, sft_command, start
+from benchmarks.common import (
+    LLAMA_SHAPES,
+    ROOT,
+    environment,
+    make_sft_data,
+    model_dir,
+    read_jsonl,
+    sft_command,
+    start,
+    stop,
+    torchrun,
+)
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, collect
 from sft.engines import bucket_elements
 from sft.model import architectures
@@ -72,9 +83,18 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
 
 # Variants of a setting (a `+name` suffix): `exp`, PyTorch's expandable segments (fewer allocator retries near the
 # memory limit); `bkt`, ZeRO's gradient buckets of 5e8 elements instead of `auto` (hidden^2: hundreds of reductions
-# per micro step)
+# per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
+# torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
-            "bkt": {"ds": {"reduce_bucket_size": 5e8}}}  # fmt: skip
+            "bkt": {"ds": {"reduce_bucket_size": 5e8}},
+            "z3b": {"ds": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}},
+            "prof": {}}  # fmt: skip
+
+
+def stage_of(name: str, default: int) -> int:
+    """The ZeRO stage a run's name asks for (`z3-...`, `z2-default`), else `default`."""
+    head = name.removeprefix("old-").split("-")[0]
+    return int(head[1:]) if head[:1] == "z" and head[1:].isdigit() else default
 
 
 def overrides(s: plan.Setting) -> dict:
@@ -84,11 +104,13 @@ def overrides(s: plan.Setting) -> dict:
             "fp8": s.fp8, "compile_decoder_layers": s.compiled, "use_liger_kernel": s.liger}  # fmt: skip
 
 
-def base_setting(args, shape, arch) -> plan.Setting:
-    """The setting `sft train` starts from on this card: Liger, FP8 and compiled layers as `auto` decides."""
-    fp8_on = arch.kernel("fp8").on and args.zero != 3 and shape.hidden >= 2048 and not args.tiny
+def base_setting(args, shape, arch, stage: int | None = None) -> plan.Setting:
+    """The setting `sft train` starts from on this card (under ZeRO `stage`, default `--zero`): Liger, FP8 and
+    compiled layers as `auto` decides."""
+    stage = args.zero if stage is None else stage
+    fp8_on = arch.kernel("fp8").on and stage != 3 and shape.hidden >= 2048 and not args.tiny
     compiled = (fp8_on and arch.kernel("compile").on) or (arch.kernel("compile_bf16").on and not args.tiny)
-    return plan.Setting(gpus=args.gpus, zero_stage=args.zero, seq_len=args.seq_len, liger=not args.tiny,
+    return plan.Setting(gpus=args.gpus, zero_stage=stage, seq_len=args.seq_len, liger=not args.tiny,
                         fp8=fp8_on, compiled=compiled, dtype_bytes=4 if args.tiny else 2)  # fmt: skip
 
 
@@ -119,14 +141,15 @@ def sample_tokens(data: Path, max_length: int) -> float:
     return float((lengths**2).sum() / lengths.sum())
 
 
-def run_one(name: str, recipe_fields: dict, args, work: Path, data: Path, model: Path) -> dict:
+def launch(name: str, recipe_fields: dict, args, work: Path, data: Path, model: Path, gpu_ids: list[int]):
+    """Start run `name` (its recipe written to `work`) on the GPUs `gpu_ids`."""
     parts = [VARIANTS[part] for part in name.split("+")[1:]]
     variant = {k: v for part in parts for k, v in part.get("env", {}).items()}
     zero = {k: v for part in parts for k, v in part.get("ds", {}).items()}
     recipe = {**COMMON, "packing": True, "global_batch_size": GLOBAL_BATCH, **recipe_fields,
               "model_name_or_path": str(model), "max_length": args.seq_len}  # fmt: skip
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.steps)
-    recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{args.zero}.json")
+    recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{stage_of(name, args.zero)}.json")
     if zero:
         config = json.loads(Path(recipe["deepspeed"]).read_text())
         config["zero_optimization"].update(zero)
@@ -136,27 +159,63 @@ def run_one(name: str, recipe_fields: dict, args, work: Path, data: Path, model:
         recipe["plan_gpu_memory_gib"] = args.gpu_memory
     if args.tiny:
         recipe.update(bf16=False, dtype="float32", attn_implementation="auto", peak_tflops=1.0)
-    (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-    env = {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(args.gpus)))}
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    env = {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
     env.update(variant)
-    proc = start(sft_command(args.gpus if not args.tiny else 1, ["--config", str(work / f"{name}.yaml")]),
-                 work / "logs" / f"{name}.log", env)  # fmt: skip
-    result = collect({"name": name}, proc, args, work, [name])
+    nproc = args.gpus if not args.tiny else 1
+    if "+prof" in name:
+        cmd = [*torchrun(nproc), "-m", "benchmarks.profile_step", "--inner", str(config),
+               "--profile-step", str(args.steps), "--out", str(work / f"{name}.profile.json")]  # fmt: skip
+    else:
+        cmd = sft_command(nproc, ["--config", str(config)])
+    return start(cmd, work / "logs" / f"{name}.log", env)
+
+
+def _logged_steps(metrics: Path) -> int:
+    return sum('"loss"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def wait_for_steps(proc, metrics: Path, steps: int, timeout: float):
+    """How a run ended: its exit code, `"timeout"`, or `"stopped"` (killed once its `steps` steps were logged: the
+    final save of an 8B model takes longer than its steps, and the sweep deletes the model anyway)."""
+    while proc.poll() is None:
+        if _logged_steps(metrics) >= steps:
+            stop(proc)
+            return "stopped"
+        if time.time() - proc.started > timeout:
+            stop(proc)
+            return "timeout"
+        time.sleep(1)
+    return proc.returncode
+
+
+def finish(name: str, proc, args, work: Path) -> dict:
+    """The result of a run from `launch`, once it ended; its saved model deleted (GBs each), metrics kept."""
     metrics = work / name / "metrics.jsonl"
+    rc = wait_for_steps(proc, metrics, args.steps, args.run_timeout) if args.stop_after_steps else None
+    result = collect({"name": name}, proc, args, work, [name], rc=rc)
     steps = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
-    for path in (work / name).glob("*"):  # the saved model (GBs each: the disk fills over a sweep); metrics kept
+    for path in (work / name).glob("*"):
         if path.name != "metrics.jsonl":
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+    profiled = work / f"{name}.profile.json"
+    if profiled.exists():
+        result["profile"] = json.loads(profiled.read_text())
+        steps = steps[:-1]  # the profiled step runs slower
     timed = steps[args.warmup :]
     if timed and "tokens_per_second_per_gpu" in timed[0]:
         seconds = [r["tokens_per_step"] / args.gpus / r["tokens_per_second_per_gpu"] for r in timed]
         reserved = max((r.get("peak_reserved_gib", 0.0) for r in steps), default=0.0)
         result.update(step_seconds=float(np.mean(seconds)), step_seconds_each=seconds,
+                      tokens_per_second_per_gpu=float(np.mean([r["tokens_per_second_per_gpu"] for r in timed])),
+                      mfu=float(np.mean([r["mfu"] for r in timed])) if "mfu" in timed[0] else None,
                       alloc_retries=[r.get("alloc_retries") for r in steps], peak_reserved_gib=reserved)  # fmt: skip
     return result
 
 
 def measure(args) -> None:
+    started = time.time()
     work = Path(tempfile.mkdtemp(prefix="speed-sweep-"))
     (work / "logs").mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -173,34 +232,49 @@ def measure(args) -> None:
     if args.default_only:
         runs = []
     elif args.only:
-        base = base_setting(args, shape, arch)
         runs = []
         for name in args.only:
+            if name.split("+")[0].endswith("default"):  # z2-default: sft's defaults under that stage
+                runs.append((name, None))
+                continue
+            base = base_setting(args, shape, arch, stage_of(name, args.zero))
             s = from_name(name, base)
             runs.append((name, plan.Ranked(plan.estimate(shape, s), speed.step_time(shape, s, card))))
     else:
         runs = [(setting_name(r.estimate.setting), r) for r in candidates(args, shape, arch, memory)]
-    print(f"{len(runs)} candidates: {', '.join(name for name, _ in runs)}", flush=True)
-    todo = [(name, overrides(r.estimate.setting), r) for name, r in runs]
-    if not args.no_default:
+    print(f"{len(runs)} runs: {', '.join(name for name, _ in runs)}", flush=True)
+    todo = [(name, overrides(r.estimate.setting) if r else {}, r) for name, r in runs]
+    if not args.no_default and not any(r is None for _, r in runs):
         todo.append((f"{args.tag}default", {}, None))
-    for name, fields, ranked in todo:
-        result = run_one(name, fields, args, work, data, model)
-        result.update(shape=args.shape, gpus=args.gpus, zero=args.zero, card=card.name, device=env["device"],
-                      sample_tokens=span, model_params=shape.n_params)  # fmt: skip
-        if ranked is not None:
-            s = ranked.estimate.setting
-            estimate = speed.step_time(shape, s, card, span)
-            result["bucket"] = bucket_elements(shape.hidden, args.gpus, shape.n_params) if "+bkt" not in name else None
-            result.update(setting=dataclasses.asdict(s), planned_peak_gib=ranked.estimate.peak / plan.GiB,
-                          estimated_tokens_per_second=estimate.tokens_per_second,
-                          estimated_step_seconds=estimate.seconds, estimate=dataclasses.asdict(estimate))  # fmt: skip
-        with open(args.out / "runs.jsonl", "a") as f:
-            f.write(json.dumps(result) + "\n")
-        print(f"  {name}: exit {result['exit_code']}, {result['wall_s']} s, "
-              f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU (est. "
-              f"{result.get('estimated_tokens_per_second', 0):.0f}), peak {result.get('peak_memory_gib', 0):.2f} "
-              f"GiB, retries {result.get('alloc_retries')}, plan: {result.get('plan')}", flush=True)  # fmt: skip
+    side = max(1, args.parallel)  # runs at a time, each on its own GPUs
+    for first in range(0, len(todo), side):
+        if args.deadline and time.time() - started > args.deadline:
+            print(f"  deadline: {', '.join(n for n, _, _ in todo[first:])} not run", flush=True)
+            break
+        wave = todo[first : first + side]
+        procs = [launch(name, fields, args, work, data, model, list(range(i * args.gpus, (i + 1) * args.gpus)))
+                 for i, (name, fields, _) in enumerate(wave)]  # fmt: skip
+        for (name, _, ranked), proc in zip(wave, procs, strict=True):
+            result = finish(name, proc, args, work)
+            stage = stage_of(name, args.zero)
+            result.update(shape=args.shape, gpus=args.gpus, zero=stage, card=card.name, device=env["device"],
+                          sample_tokens=span, model_params=shape.n_params,
+                          side_by_side=[n for n, _, _ in wave if n != name])  # fmt: skip
+            if ranked is not None:
+                s = ranked.estimate.setting
+                estimate = speed.step_time(shape, s, card, span)
+                bucket = bucket_elements(shape.hidden, args.gpus, shape.n_params)
+                result["bucket"] = bucket if not {"+bkt", "+z3b"} & {f"+{p}" for p in name.split("+")[1:]} else None
+                result.update(setting=dataclasses.asdict(s), planned_peak_gib=ranked.estimate.peak / plan.GiB,
+                              estimated_tokens_per_second=estimate.tokens_per_second,
+                              estimated_step_seconds=estimate.seconds,
+                              estimate=dataclasses.asdict(estimate))  # fmt: skip
+            with open(args.out / "runs.jsonl", "a") as f:
+                f.write(json.dumps(result) + "\n")
+            print(f"  {name}: exit {result['exit_code']}, {result['wall_s']} s, "
+                  f"{result.get('tokens_per_second_per_gpu', 0):.0f} tokens/s/GPU (est. "
+                  f"{result.get('estimated_tokens_per_second', 0):.0f}), peak {result.get('peak_memory_gib', 0):.2f} "
+                  f"GiB, retries {result.get('alloc_retries')}, plan: {result.get('plan')}", flush=True)  # fmt: skip
     (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     shutil.make_archive(str(args.out / "logs"), "gztar", work, "logs")
 
@@ -379,6 +453,14 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="These settings (names as z2-m8-ckpt-fp8, +exp: expandable "
                                                    "segments) instead of the plan's candidates")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="Demo-sized model in fp32 on CPU: a smoke test")
+    parser.add_argument("--parallel", type=int, default=1, help="Runs at a time, each on its own --gpus GPUs")
+    parser.add_argument("--deadline", type=float, help="Seconds after which no further run starts")
+    parser.add_argument(
+        "--keep-save",
+        dest="stop_after_steps",
+        action="store_false",
+        help="Let each run save its model (default: stopped once its last step is logged)",
+    )
     parser.add_argument("--fit", nargs="*", type=Path, help="Fit the constants from these runs.jsonl; run nothing")
     parser.add_argument("--card", default=speed.REFERENCE_CARD, help="With --fit: the card's key in the file")
     parser.add_argument("--source", help="With --fit: what the constants came from (default: the files)")

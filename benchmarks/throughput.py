@@ -133,14 +133,17 @@ def launch(run: dict, gpu_ids: list[int], args, work: Path, data: Path):
     return start(cmd, work / "logs" / f"{run['name']}.log", env)
 
 
-def collect(run: dict, proc, args, work: Path, wave: list[str]) -> dict:
+def collect(run: dict, proc, args, work: Path, wave: list[str], rc=None) -> dict:
+    """A run's result from its metrics.jsonl and log, once it ended (waited for here unless `rc` says how it ended;
+    `"stopped"`: ended by the caller after its last step was logged, which counts as a success)."""
     import subprocess
 
-    try:
-        rc = proc.wait(timeout=max(args.run_timeout - (time.time() - proc.started), 1))
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        rc = "timeout"
+    if rc is None:
+        try:
+            rc = proc.wait(timeout=max(args.run_timeout - (time.time() - proc.started), 1))
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc = "timeout"
     proc.log.close()
     result = {**run, "exit_code": rc, "wall_s": round(time.time() - proc.started, 1), "wave": wave, "gpu": args.gpu}
     metrics = work / run["name"] / "metrics.jsonl"
@@ -152,7 +155,7 @@ def collect(run: dict, proc, args, work: Path, wave: list[str]) -> dict:
         line.split("sft.plan.preflight: ", 1)[1] for line in log_text.splitlines() if "sft.plan.preflight: " in line
     ]
     result["plan"] = [p for p in plan if p.startswith(("auto settings", "Batch plan"))]
-    if rc != 0 or not timed:
+    if rc not in (0, "stopped") or not timed:
         result["log_tail"] = log_text[-3000:]
         return result
     result.update(
