@@ -175,13 +175,28 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
     return proc
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGKILL a run from `start` and everything in its process group (torchrun's workers, their data loaders)."""
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILL a run from `start` and everything in its process group (torchrun's workers, their data loaders), and
+    wait until none of them is alive: a worker that is still dying holds its GPU memory, and the next run on that GPU
+    ran out of memory at its start (benchmarks/results/speed_sweep_h200x4)."""
     import signal
 
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + timeout
+    while _alive_in_group(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def _alive_in_group(group: int) -> bool:
+    """Whether a process of process group `group` is alive (a zombie holds no memory: not counted)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == group and fields[0] != "Z":
+                return True
+    return False
 
 
 def environment() -> dict:

@@ -163,7 +163,7 @@ def cli(argv: list[str] | None = None) -> int:
         if code == failsafe.OOM_EXIT_CODE:
             logger.warning("%s", message)
         else:
-            report_error(message)
+            report_error(message, every_rank=True)
         return code
     return 0
 

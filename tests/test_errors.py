@@ -324,3 +324,21 @@ def test_output_dir_that_cannot_be_written(tmp_path):
     result = run_cli(["--config", str(recipe), "--output_dir", "/proc/sft-out/run"])  # not even root writes there
     expect_error(result, "`output_dir` '/proc/sft-out/run' cannot be written: nothing can be created in '/proc'")
     assert result.returncode == 2
+
+
+def test_an_error_one_rank_meets_alone_is_printed_by_that_rank(monkeypatch, capsys):
+    """Under torchrun (no `sft train` folder for the workers' errors) rank 0 prints a configuration error, which every
+    rank meets alike; an out-of-memory error (`every_rank`) is printed by the rank that met it, named, since the
+    other ranks may never meet it (a rank 1 that ran out of memory alone exited 2 with no word of why)."""
+    from sft.parallel.launch import ERROR_FILE_ENV, report_error
+
+    monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    report_error("the recipe names no dataset")
+    report_error("out of memory at micro batch 8 x accumulation 2 (global batch 32)", every_rank=True)
+    assert capsys.readouterr().err == (
+        "sft: error (rank 1): out of memory at micro batch 8 x accumulation 2 (global batch 32)\n"
+    )
+    monkeypatch.setenv("RANK", "0")
+    report_error("the recipe names no dataset")
+    assert capsys.readouterr().err == "sft: error: the recipe names no dataset\n"

@@ -180,14 +180,19 @@ def _take_rdzv_timeout(launcher_args: list[str]) -> tuple[int, list[str]]:
     return int(value), launcher_args[:i] + launcher_args[i + 2 :]
 
 
-def report_error(message: str) -> None:
-    """A worker's configuration error: into the launcher's folder (it prints it last) or, without one, on stderr
-    from the main process. Every rank writes its own file, whole or not at all (renamed into place)."""
+def report_error(message: str, every_rank: bool = False) -> None:
+    """A worker's error: into the launcher's folder (it prints it last) or, without one, on stderr from the main
+    process. Every rank writes its own file, whole or not at all (renamed into place). `every_rank`: an error one rank
+    may meet alone (out of memory: another run's memory on its GPU, a rank with longer rows), printed by each rank that
+    meets it, with its rank, where there is no folder; else a rank other than 0 that failed alone left no word of why
+    (seen under torchrun: exit code 2 and nothing else)."""
     folder = os.environ.get(ERROR_FILE_ENV)
+    rank = int(os.environ.get("RANK", "0"))
     if folder:
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        partial = Path(folder) / f".rank{rank}.partial"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        partial = Path(folder) / f".rank{local}.partial"
         partial.write_text(message)
-        partial.replace(Path(folder) / f"rank{rank}.txt")
-    elif int(os.environ.get("RANK", "0")) == 0:
-        print(f"sft: error: {message}", file=sys.stderr, flush=True)
+        partial.replace(Path(folder) / f"rank{local}.txt")
+    elif rank == 0 or every_rank:
+        who = "" if rank == 0 else f" (rank {rank})"
+        print(f"sft: error{who}: {message}", file=sys.stderr, flush=True)
