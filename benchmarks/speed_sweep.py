@@ -312,69 +312,134 @@ def _kernel(s: plan.Setting) -> str:
     return speed.kernel_name(s.fp8, s.compiled or s.fp8, s.activation_checkpointing)
 
 
-def _card_of(theta, previous: speed.Card, kernels: list[str], half: float, stages: set[str]) -> speed.Card:
-    """`previous` with the fitted constants of `theta`: 1 / efficiency per kernel, the fixed host cost per micro step,
-    per bucket, ZeRO's gradient work per 1e9 parameters (for `stages`)."""
-    k = len(kernels)
-    return dataclasses.replace(
-        previous, half_tokens=half, micro_fixed_s=theta[k], bucket_s=theta[k + 1],
-        efficiency={**previous.efficiency, **{name: 1 / theta[i] for i, name in enumerate(kernels)}},
-        gradient_s_per_gparam={**previous.gradient_s_per_gparam, **dict.fromkeys(stages, theta[k + 2])},
-    )  # fmt: skip
+def card_key(run: dict) -> str:
+    """The key in speed_constants.json of the card a run was measured on (its `device`, e.g. "2 x NVIDIA H200")."""
+    device = run["device"].split(" x ", 1)[-1]
+    return next(key for key in ("H200", speed.REFERENCE_CARD) if all(w in device for w in key.split()))
 
 
-def _model(card: speed.Card, runs: list[dict], shapes_: dict) -> np.ndarray:
-    """Each run's step seconds as the plan estimates them (`sft.plan.speed.step_time`) with `card`'s constants."""
+def _gradient_key(s: plan.Setting) -> str:
+    return f"{s.zero_stage}+" if s.gpus > 1 else str(s.zero_stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each fitted constant sits in the least-squares vector: the bf16 efficiency of each card (as its inverse),
+    the other kernels' efficiency against bf16 (shared by the cards: one FP8 run per card cannot tell FP8's efficiency
+    from its host cost), the host's seconds per layer of each kernel, per gradient bucket, ZeRO's gradient work per
+    key (`_gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements)."""
+
+    cards: list[str]
+    kernels: list[str]  # every kernel of the runs; the first is bf16
+    gradients: list[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.cards) + 2 * len(self.kernels) - 1 + 1 + len(self.gradients) + 2
+
+    def cards_of(self, theta, previous: dict, half: float) -> dict:
+        c, k = len(self.cards), len(self.kernels)
+        ratio = {"bf16": 1.0, **{name: 1 / theta[c + i] for i, name in enumerate(self.kernels[1:])}}
+        host = {name: float(theta[c + k - 1 + i]) for i, name in enumerate(self.kernels)}
+        at = c + 2 * k - 1
+        gradients = {key: float(theta[at + 1 + i]) for i, key in enumerate(self.gradients)}
+        link = 1.0 / max(theta[at + 1 + len(self.gradients)], 1e-9)
+        cast = float(theta[at + 2 + len(self.gradients)])
+        out = {}
+        for i, name in enumerate(self.cards):
+            card = previous[name]
+            out[name] = dataclasses.replace(
+                card, half_tokens=half, bucket_s=float(theta[at]), link_gbps=link, host_s_per_layer=host,
+                fp8_cast_s_per_gelement=cast,
+                efficiency={**card.efficiency, **{kernel: r / theta[i] for kernel, r in ratio.items()}},
+                gradient_s_per_gparam={**card.gradient_s_per_gparam, **gradients},
+            )  # fmt: skip
+        return out
+
+
+def _model(cards: dict, runs: list[dict], shapes_: dict) -> np.ndarray:
+    """Each run's step seconds as the plan estimates them (`sft.plan.speed.step_time`) with its card's constants."""
     return np.array([
-        speed.step_time(shapes_[r["shape"]], _setting_of(r), card, r["sample_tokens"], _bucket(r, shapes_[r["shape"]]))
-        .seconds for r in runs
+        speed.step_time(shapes_[r["shape"]], _setting_of(r), cards[card_key(r)], r["sample_tokens"],
+                        _bucket(r, shapes_[r["shape"]])).seconds
+        for r in runs
     ])  # fmt: skip
 
 
+def fit_runs(paths: list[Path]) -> list[dict]:
+    """The runs a fit uses: those with a setting and step times, sft's default runs with the setting their log names
+    (and the buckets the package of the run set: transformers' hidden^2 for the previous package's, `old-`)."""
+    runs = []
+    for run in (r for path in paths for r in read_jsonl(Path(path)) if r.get("step_seconds")):
+        if not run.get("setting"):
+            setting = default_setting(run)
+            if setting is None:
+                continue
+            run = {**run, "setting": dataclasses.asdict(setting)}
+            if not run["name"].startswith("old-"):
+                run["bucket"] = bucket_elements(int(run.get("hidden") or SHAPES[run["shape"]]["hidden_size"]),
+                                                run["gpus"], run["model_params"])  # fmt: skip
+        runs.append(run)
+    return runs
+
+
 def fit(args) -> None:
-    """Least squares on the relative error of the median step (non-negative constants) over every one-GPU run with a
-    setting; the half-efficiency tokens by a grid; the constants written for `--card`, the table printed."""
+    """Least squares on the relative error of the median step (non-negative constants) over every run with a setting,
+    of every card at once (`Layout`: what the cards share, what each has); the half-efficiency tokens by a grid. The
+    constants are written for each card measured, the table printed."""
     from scipy.optimize import least_squares
 
-    # one GPU: no collectives (the link and overlap constants are not fitted here)
-    runs = [r for path in args.fit for r in read_jsonl(path)
-            if r.get("setting") and r.get("step_seconds") and r["gpus"] == 1]  # fmt: skip
+    runs = fit_runs(args.fit)
     shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
                for name in {r["shape"] for r in runs}}  # fmt: skip
-    kernels = sorted({_kernel(_setting_of(r)) for r in runs})
-    stages = {str(r["setting"]["zero_stage"]) for r in runs}
+    kernels = sorted({_kernel(_setting_of(r)) for r in runs}, key=lambda k: (k != "bf16", k))
+    layout = Layout(sorted({card_key(r) for r in runs}), kernels,
+                    sorted({_gradient_key(_setting_of(r)) for r in runs if r["setting"]["zero_stage"]}))  # fmt: skip
     table = json.loads(speed.CONSTANTS.read_text())  # the other cards and the constants this sweep does not fit
-    previous = table["cards"].get(args.card) or table["cards"][speed.REFERENCE_CARD]
     # every run steps the optimizer once per 131,072 tokens, so its cost cannot be told apart from the compute's: it is
-    # the card's (`optimizer_s_per_gparam`, from its memory bandwidth), not fitted
-    card = speed.Card(args.card, **previous)
+    # the card's (`optimizer_s_per_gparam`, from its memory bandwidth), not fitted; `overlap` is not either (only the
+    # exposed share of the collectives shows: the link's GB/s are fitted with it)
+    reference = table["cards"][speed.REFERENCE_CARD]
+    entries = {name: table["cards"].get(name) or {**reference, **CARD_DEFAULTS.get(name, {})} for name in layout.cards}
+    previous = {name: speed.Card(name, **entry) for name, entry in entries.items()}
     measured = np.array([float(np.median(r["step_seconds_each"])) for r in runs])  # robust to a step that recompiled
-    lower = [1.0] * len(kernels) + [0.0, 0.0, 0.0]  # efficiencies at most 1
+    lower = np.zeros(layout.size)
+    lower[: len(layout.cards) + len(kernels) - 1] = 1.0  # efficiencies at most 1 (and no kernel above bf16's peak x 1)
+    lower[len(layout.cards) : len(layout.cards) + len(kernels) - 1] = 0.25  # another kernel at most 4x bf16's
     best = None
-    for half in (0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0):
+    for half in (0.0, 256.0, 1024.0, 4096.0):
 
         def residual(theta, half=half):
-            return _model(_card_of(theta, card, kernels, half, stages), runs, shapes_) / measured - 1
+            return _model(layout.cards_of(theta, previous, half), runs, shapes_) / measured - 1
 
-        for host in ((0.01, 1e-3), (0.1, 1e-4), (0.0, 5e-4), (0.05, 0.0)):  # the max() has local minima: a few starts
-            start = np.array([1.6] * len(kernels) + [*host, 0.005])
+        for host in (1e-3, 1e-2):  # the max() has local minima: a few starts
+            start = np.concatenate([[1.6] * len(layout.cards), [1.0] * (len(kernels) - 1), [host] * len(kernels),
+                                    [5e-4], [0.01] * len(layout.gradients), [1 / 150], [1e-3]])  # fmt: skip
             result = least_squares(residual, start, bounds=(lower, np.inf))
             if best is None or result.cost < best[2]:
                 best = (half, result.x, result.cost)
     half, x, _ = best
-    k = len(kernels)
-    entry = dict(previous)
-    entry["efficiency"] = {**previous["efficiency"], **{name: _sig(1 / x[i]) for i, name in enumerate(kernels)}}
-    entry["half_tokens"] = half
-    entry["micro_fixed_s"], entry["bucket_s"] = _sig(x[k]), _sig(x[k + 1])
-    entry["gradient_s_per_gparam"] = {**previous["gradient_s_per_gparam"], **{st: _sig(x[k + 2]) for st in stages}}
-    entry["source"] = args.source or ", ".join(str(p) for p in args.fit)
-    table["cards"][args.card] = entry
+    fitted = layout.cards_of(x, previous, half)
+    source = args.source or ", ".join(str(p) for p in args.fit)
+    for name, card in fitted.items():
+        entry = dict(entries[name])
+        entry.pop("micro_fixed_s", None)  # replaced by host_s_per_layer
+        entry["efficiency"] = {k: _sig(v) for k, v in card.efficiency.items()}
+        entry["half_tokens"], entry["bucket_s"], entry["link_gbps"] = half, _sig(card.bucket_s), _sig(card.link_gbps)
+        entry["fp8_cast_s_per_gelement"] = _sig(card.fp8_cast_s_per_gelement)
+        entry["host_s_per_layer"] = {k: _sig(v) for k, v in card.host_s_per_layer.items()}
+        entry["gradient_s_per_gparam"] = {k: _sig(v) for k, v in sorted(card.gradient_s_per_gparam.items())}
+        entry["source"] = source
+        table["cards"][name] = dict(sorted(entry.items()))
     (args.write or speed.CONSTANTS).write_text(json.dumps(table, indent=2) + "\n")
     speed._table.cache_clear()
-    print(json.dumps(entry, indent=2))
+    print(json.dumps({name: table["cards"][name] for name in fitted}, indent=2))
     if not args.write:
         report(args.fit)
+
+
+# A card fitted for the first time starts from the reference card's entry with these values (its own spec)
+CARD_DEFAULTS = {"H200": {"optimizer_s_per_gparam": 36e9 / 4.8e12}}  # 36 bytes a parameter at 4.8 TB/s
 
 
 def _sig(value: float) -> float:
@@ -390,7 +455,7 @@ def report(paths: list[Path]) -> str:
         if not runs:
             continue
         first = runs[0]
-        card = speed.card(first["card"] if first["card"] != "cpu" else None)
+        card = speed.card(None if first["card"] == "cpu" else card_key(first))
         shape = load_shape(str(model_dir(Path(tempfile.mkdtemp()) / first["shape"], SHAPES[first["shape"]])))
         lines += [
             f"## {first['shape']}, {first['gpus']} GPU(s), ZeRO-{first['zero']}: {first['device']} ({path})", "",

@@ -26,7 +26,7 @@ from sft.plan.memory import (
     lever_report,
     longest,
     nothing_fits,
-    ranked,
+    ranked_bases,
     sp_sizes,
     suggest,
 )
@@ -172,6 +172,17 @@ def _card(args) -> speed.Card:
     return speed.card(args.gpu_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else None))
 
 
+def _bases(args, setting: Setting) -> list[Setting]:
+    """The kernel settings ranked, as `sft train` ranks them: with `--fp8 auto` turning FP8 on, bf16 beside it (FP8
+    is a candidate, not a given; layers compiled where the family's bf16 compile was measured faster)."""
+    if args.fp8 != "auto" or not setting.fp8 or not args.by_speed:
+        return [setting]
+    from sft.model import architectures
+
+    arch = architectures.of(load_config(args.model))
+    return [setting, dataclasses.replace(setting, fp8=False, compiled=arch.kernel("compile_bf16").on)]
+
+
 def _candidate_kernels(args):
     """A candidate's kernel flags as `sft train` sets them: attention outputs kept run eager, in bf16 where FP8 was
     `auto` (`sft.plan.preflight._keep_attention_eager`)."""
@@ -252,11 +263,9 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         micros = plan.MICRO_BATCHES
         if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
             micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
-        candidates = [setting] if args.same_stage else None
-        fits_ranked = ranked(shape, setting, memory, args.headroom, micros, candidates, sp_choices=sp_choices,
-                             host_memory=host,
-                             target=args.global_batch, card=card, kernels=_candidate_kernels(args),
-                             by_speed=args.by_speed)  # fmt: skip
+        fits_ranked = ranked_bases(shape, _bases(args, setting), memory, args.headroom, micros, args.same_stage,
+                                   sp_choices=sp_choices, host_memory=host, target=args.global_batch, card=card,
+                                   kernels=_candidate_kernels(args), by_speed=args.by_speed)  # fmt: skip
         if not fits_ranked:
             print(nothing_fits(setting, shape, memory, args.headroom, host))
         else:

@@ -717,6 +717,31 @@ def ranked(
     return []
 
 
+def ranked_bases(
+    shape: ModelShape,
+    bases: list[Setting],
+    gpu_memory: float,
+    headroom: float = 0.1,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    same_stage: bool = True,
+    **kwargs,
+) -> list[Ranked]:
+    """`ranked` over several bases that differ in their kernels (FP8 and bf16 where FP8 is `auto`: a candidate, not a
+    given), each within its own ZeRO stage (`same_stage`) or its ladder; one list, fastest first, a setting reached
+    from two bases once (attention outputs kept run in bf16 from either). `sft train`'s `auto` and `sft plan
+    --suggest` both rank through here."""
+    fits = [r for base in bases
+            for r in ranked(shape, base, gpu_memory, headroom, micro_batches, [base] if same_stage else None,
+                            **kwargs)]  # fmt: skip
+    if not kwargs.get("by_speed", True):
+        return fits
+    unique: dict = {}
+    for r in fits:
+        unique.setdefault(r.estimate.setting, r)
+    # fastest first; among equals the earlier (fewer levers, larger micro batch) stays ahead
+    return sorted(unique.values(), key=lambda r: -r.time.tokens_per_second)
+
+
 def speed_ranked(tools: Tools) -> bool:
     """Levers the speed model ranks: none, or checkpointing (keeping attention outputs or not) on the GPU."""
     return not (tools.offload or tools.tiled_mlp or tools.offload_optimizer or tools.offload_params)

@@ -510,16 +510,10 @@ def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bo
             rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
             rows = [m for m in rows if not micro_cap or m <= micro_cap]
             micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-        fits = [r for base in bases
-                for r in memplan.ranked(shape, base, memory, headroom, micro_choices, [base], levels,
-                                        sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
-                                        kernels=kernels, by_speed=by_speed)]  # fmt: skip
+        fits = memplan.ranked_bases(shape, bases, memory, headroom, micro_choices, levels=levels,
+                                    sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
+                                    kernels=kernels, by_speed=by_speed)  # fmt: skip
         if fits and by_speed:
-            unique: dict = {}
-            for r in fits:  # kept attention runs in bf16 from either base: the same setting twice
-                unique.setdefault(r.estimate.setting, r)
-            # fastest first; among equals the earlier (fewer levers, larger micro batch) stays ahead
-            fits = sorted(unique.values(), key=lambda r: -r.time.tokens_per_second)
             _log_ranking(fits, card)
         if fits:
             return fits[0].estimate.setting

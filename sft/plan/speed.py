@@ -11,10 +11,14 @@ A step of `accumulation` micro-batches of `micro_batch` rows is
   checkpointing: the forward once more, but for the attention kernel where its outputs are kept; the tiled MLP: the
   MLP's forward), over the card's dense bf16 peak times the efficiency measured for that kernel setting (bf16 eager,
   bf16 compiled, FP8 compiled), which rises with the tokens of a micro-batch as `tokens / (tokens + half_tokens)`;
-- per-micro-step work: the host's (a fixed cost, and one reduction call per gradient bucket), of which only what the
-  GPU's compute does not cover shows (the host runs ahead while the GPU is busy), plus ZeRO's handling of the
-  gradients on the GPU at each backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its
-  partition), per parameter held;
+  FP8 adds its casts to float8, memory-bound work per token and layer that weighs more on a narrow model (Llama 1B:
+  no faster than bf16; 8B: 1.17x);
+- per-micro-step work: the host's (launches and Python work per decoder layer, which depends on the kernels: FP8's
+  compiled layers cost the host far more than bf16's; and one reduction call per gradient bucket), of which only what
+  the GPU's compute does not cover shows (the host runs ahead while the GPU is busy), plus ZeRO's handling of the
+  gradients at each backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its partition), per
+  parameter held: serial on one process, overlapped with the backward on several (`overlap_comm`), so each has its
+  own constant;
 - communication (more than one process): ZeRO-3 gathers the 16-bit weights in the forward, the backward and a
   recomputation, and reduce-scatters the gradients; ZeRO-1/2 reduce the gradients at every backward; sequence
   parallelism's all-to-all per layer. The share the engine overlaps with compute is hidden;
@@ -51,14 +55,20 @@ class Card:
 
     name: str
     peak_tflops: float  # dense bf16 peak (`sft.model.flops.PEAK_TFLOPS`)
-    efficiency: dict  # kernel setting (KERNELS) -> share of the peak its matmuls and attention reach, saturated
+    efficiency: dict  # kernel setting (KERNELS) -> share of the bf16 peak its linear layers reach, saturated (FP8's
+    # can pass 1: its tensor cores have twice the peak); attention runs at bf16's (FlashAttention in every setting)
     half_tokens: float  # tokens per micro-batch at which the efficiency is half its saturated value
-    micro_fixed_s: float  # seconds per micro step whatever its size: launches, the loss's set-up, the batch
-    gradient_s_per_gparam: dict  # ZeRO stage (str) -> seconds per micro step per 1e9 parameters (default: ZeRO-2's)
+    host_s_per_layer: dict  # kernel setting (KERNELS) -> the host's seconds per decoder layer and micro step
+    # ZeRO stage -> seconds per micro step per 1e9 parameters: "2", "3" on one process (no overlap), "2+", "3+" on
+    # several (`overlap_comm` on); a key not measured takes "2+" (several processes), else "2"
+    gradient_s_per_gparam: dict
+    fp8_cast_s_per_gelement: float  # FP8: seconds per 1e9 elements cast to float8 (`_fp8_casts`)
     bucket_s: float  # seconds per gradient-reduction bucket (ZeRO's `reduce_bucket_size`) per micro step
     optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
-    link_gbps: float  # GB/s between the GPUs of a node that collectives reach (NVLink)
+    link_gbps: (
+        float  # GB/s between the GPUs of a node that collectives reach (NVLink), effective: fitted with `overlap`
+    )
     pcie_gbps: float  # GB/s between host and GPU (offloaded weights and checkpoints)
     overlap: float  # the share of ZeRO's communication hidden behind compute
     source: str  # what these figures were fitted from
@@ -164,25 +174,28 @@ def step_time(
     `bucket` elements (default: as sft sets `"auto"`)."""
     c = constants or card()
     compiled = s.compiled or s.fp8  # float8 runs compiled
+    kernel = kernel_name(s.fp8, compiled, s.activation_checkpointing)
     tokens = s.tokens  # per GPU per micro step
-    peak = c.peak_tflops * 1e12
-    efficiency = (
-        c.efficiency[kernel_name(s.fp8, compiled, s.activation_checkpointing)] * tokens / (tokens + c.half_tokens)
-    )
+    saturation = tokens / (tokens + c.half_tokens)
+    # the linear layers at the kernel setting's efficiency; attention's kernel is bf16 FlashAttention in every one
+    linear_rate = c.peak_tflops * 1e12 * c.efficiency[kernel] * saturation
+    bf16 = "bf16_compiled" if compiled and not s.fp8 else "bf16"
+    attention_rate = c.peak_tflops * 1e12 * c.efficiency[bf16] * saturation
     linear = linear_flops_per_token(shape, s.lora_r)
     decoder = linear - (6.0 if not s.lora_r else 4.0) * shape.vocab * shape.hidden  # the head is never recomputed
     attention = attention_flops_per_token(shape, min(sample_tokens or s.seq_len, s.seq_len))
     flops = tokens * (linear + attention)
-    again = 0.0
+    again_linear = again_attention = 0.0
     if s.activation_checkpointing:  # the forward is a third of a layer's training FLOPs
-        again += decoder / 3 + (0 if s.keep_attention else attention / 3)
+        again_linear, again_attention = decoder / 3, (0 if s.keep_attention else attention / 3)
     if s.tiled_mlp:
-        again += decoder * mlp_share(shape) / 3
-    compute = flops / (peak * efficiency)
-    recompute = tokens * again / (peak * efficiency)
+        again_linear += decoder * mlp_share(shape) / 3
+    compute = tokens * (linear / linear_rate + attention / attention_rate) + _fp8_casts(shape, s, c)
+    recompute = tokens * (again_linear / linear_rate + again_attention / attention_rate)
     # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
     # GPU's work does not cover shows
-    host = max(c.micro_fixed_s + c.bucket_s * _buckets(shape, s, bucket) - compute - recompute, 0.0)
+    per_layer = c.host_s_per_layer.get(kernel, 0.0)
+    host = max(shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket) - compute - recompute, 0.0)
     per_micro = host + _gradient_work(shape, s, c)
     communication = _communication(shape, s, c, compute + recompute)
     return StepTime(
@@ -197,16 +210,29 @@ def step_time(
     )
 
 
+def _fp8_casts(shape: ModelShape, s, c: Card) -> float:
+    """Seconds of a micro step's float8 casts (memory-bound, so their share shrinks with the width): per token and
+    layer about 8 x hidden + 3 x intermediate elements (the inputs of the forward's linears and the output gradients
+    of the backward's)."""
+    if not s.fp8:
+        return 0.0
+    elements = s.tokens * shape.layers * (8 * shape.hidden + 3 * shape.intermediate)
+    return c.fp8_cast_s_per_gelement * elements / 1e9
+
+
 def _trainable(shape: ModelShape, s) -> float:
     return float(shape.trainable(s.lora_r))
 
 
 def _gradient_work(shape: ModelShape, s, c: Card) -> float:
-    """ZeRO's gradient handling at each backward on the GPU, per parameter this GPU's engine touches (ZeRO-1/2 copy
-    every gradient into their buckets; ZeRO-3 its partition of each)."""
+    """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
+    gradient into their buckets; ZeRO-3 its partition of each); on several processes what the overlap leaves."""
     if s.zero_stage is None:
         return 0.0
-    rate = c.gradient_s_per_gparam.get(str(s.zero_stage), c.gradient_s_per_gparam["2"])
+    rates = c.gradient_s_per_gparam
+    several = s.gpus > 1
+    key = f"{s.zero_stage}+" if several else str(s.zero_stage)
+    rate = rates.get(key, rates.get("2+", rates["2"]) if several else rates["2"])
     return rate * _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1) / 1e9
 
 
