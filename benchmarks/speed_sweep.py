@@ -327,7 +327,8 @@ class Layout:
     """Where each fitted constant sits in the least-squares vector: the bf16 efficiency of each card (as its inverse),
     the other kernels' efficiency against bf16 (shared by the cards: one FP8 run per card cannot tell FP8's efficiency
     from its host cost), the host's seconds per layer of each kernel, per gradient bucket, ZeRO's gradient work per
-    key (`_gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements)."""
+    key (`_gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements), ZeRO-3's
+    hooks (the host's s per layer and pass)."""
 
     cards: list[str]
     kernels: list[str]  # every kernel of the runs; the first is bf16
@@ -335,7 +336,7 @@ class Layout:
 
     @property
     def size(self) -> int:
-        return len(self.cards) + 2 * len(self.kernels) - 1 + 1 + len(self.gradients) + 2
+        return len(self.cards) + 2 * len(self.kernels) - 1 + 1 + len(self.gradients) + 3
 
     def cards_of(self, theta, previous: dict, half: float) -> dict:
         c, k = len(self.cards), len(self.kernels)
@@ -345,12 +346,13 @@ class Layout:
         gradients = {key: float(theta[at + 1 + i]) for i, key in enumerate(self.gradients)}
         link = 1.0 / max(theta[at + 1 + len(self.gradients)], 1e-9)
         cast = float(theta[at + 2 + len(self.gradients)])
+        zero3_host = float(theta[at + 3 + len(self.gradients)])
         out = {}
         for i, name in enumerate(self.cards):
             card = previous[name]
             out[name] = dataclasses.replace(
                 card, half_tokens=half, bucket_s=float(theta[at]), link_gbps=link, host_s_per_layer=host,
-                fp8_cast_s_per_gelement=cast,
+                fp8_cast_s_per_gelement=cast, zero3_host_s_per_layer_pass=zero3_host,
                 efficiency={**card.efficiency, **{kernel: r / theta[i] for kernel, r in ratio.items()}},
                 gradient_s_per_gparam={**card.gradient_s_per_gparam, **gradients},
             )  # fmt: skip
@@ -414,11 +416,17 @@ def fit(args) -> None:
 
         for host in (1e-3, 1e-2):  # the max() has local minima: a few starts
             start = np.concatenate([[1.6] * len(layout.cards), [1.0] * (len(kernels) - 1), [host] * len(kernels),
-                                    [5e-4], [0.01] * len(layout.gradients), [1 / 150], [1e-3]])  # fmt: skip
+                                    [5e-4], [0.01] * len(layout.gradients), [1 / 150], [1e-3], [1e-3]])  # fmt: skip
             result = least_squares(residual, start, bounds=(lower, np.inf))
             if best is None or result.cost < best[2]:
                 best = (half, result.x, result.cost)
     half, x, _ = best
+    residual = _model(layout.cards_of(x, previous, half), runs, shapes_)
+    for i in range(len(kernels)):  # a kernel whose host cost never shows keeps no made-up value (its start) but 0
+        trial = x.copy()
+        trial[len(layout.cards) + len(kernels) - 1 + i] = 0.0
+        if np.allclose(_model(layout.cards_of(trial, previous, half), runs, shapes_), residual, rtol=0, atol=1e-9):
+            x = trial
     fitted = layout.cards_of(x, previous, half)
     source = args.source or ", ".join(str(p) for p in args.fit)
     for name, card in fitted.items():
@@ -427,6 +435,7 @@ def fit(args) -> None:
         entry["efficiency"] = {k: _sig(v) for k, v in card.efficiency.items()}
         entry["half_tokens"], entry["bucket_s"], entry["link_gbps"] = half, _sig(card.bucket_s), _sig(card.link_gbps)
         entry["fp8_cast_s_per_gelement"] = _sig(card.fp8_cast_s_per_gelement)
+        entry["zero3_host_s_per_layer_pass"] = _sig(card.zero3_host_s_per_layer_pass)
         entry["host_s_per_layer"] = {k: _sig(v) for k, v in card.host_s_per_layer.items()}
         entry["gradient_s_per_gparam"] = {k: _sig(v) for k, v in sorted(card.gradient_s_per_gparam.items())}
         entry["source"] = source

@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
 SWEEPS = sorted([*(RESULTS / "speed_sweep_h100").glob("call*/runs.jsonl"),
-                 *(RESULTS / "speed_sweep_h200x4").glob("call1_*/runs.jsonl")])  # fmt: skip
+                 *(RESULTS / "speed_sweep_h200x4").glob("call*/runs.jsonl")])  # fmt: skip
 H100 = 79.18 * plan.GiB  # what torch reports for an H100 80GB HBM3
 
 

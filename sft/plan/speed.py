@@ -15,7 +15,8 @@ A step of `accumulation` micro-batches of `micro_batch` rows is
   no faster than bf16; 8B: 1.17x);
 - per-micro-step work: the host's (launches and Python work per decoder layer, which depends on the kernels: FP8's
   compiled layers cost the host far more than bf16's; and one reduction call per gradient bucket), of which only what
-  the GPU's compute does not cover shows (the host runs ahead while the GPU is busy), plus ZeRO's handling of the
+  the GPU's compute does not cover shows (the host runs ahead while the GPU is busy; ZeRO-3's hooks add their work per
+  layer and pass: at micro batch 1 an 8B step waits for them), plus ZeRO's handling of the
   gradients at each backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its partition), per
   parameter held: serial on one process, overlapped with the backward on several (`overlap_comm`), so each has its
   own constant;
@@ -63,6 +64,7 @@ class Card:
     # several (`overlap_comm` on); a key not measured takes "2+" (several processes), else "2"
     gradient_s_per_gparam: dict
     fp8_cast_s_per_gelement: float  # FP8: seconds per 1e9 elements cast to float8 (`_fp8_casts`)
+    zero3_host_s_per_layer_pass: float  # ZeRO-3: the host's seconds per layer and pass (its fetch/release hooks)
     bucket_s: float  # seconds per gradient-reduction bucket (ZeRO's `reduce_bucket_size`) per micro step
     optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
@@ -195,7 +197,10 @@ def step_time(
     # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
     # GPU's work does not cover shows
     per_layer = c.host_s_per_layer.get(kernel, 0.0)
-    host = max(shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket) - compute - recompute, 0.0)
+    host = shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket)
+    if s.zero_stage == 3:  # ZeRO-3's hooks fetch and release each layer's weights in every pass
+        host += shape.layers * _passes(s) * c.zero3_host_s_per_layer_pass
+    host = max(host - compute - recompute, 0.0)
     per_micro = host + _gradient_work(shape, s, c)
     communication = _communication(shape, s, c, compute + recompute)
     return StepTime(
@@ -261,8 +266,7 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
     grads = s.dtype_bytes * _trainable(shape, s)
     moved = 0.0
     if s.zero_stage == 3 and not s.lora_r:
-        passes = 2 + (1 if s.activation_checkpointing else 0)  # forward, backward, the recomputation
-        moved = share * (passes * weights + grads)
+        moved = share * (_passes(s) * weights + grads)
     elif s.zero_stage is not None:  # ZeRO-0/1/2: every backward reduces the gradients (all-reduce or scatter)
         moved = 2 * share * grads if s.zero_stage < 2 else share * grads
     if s.sp > 1:  # Ulysses: four all-to-alls of a layer's q, k, v and output per layer, forward and backward
@@ -270,6 +274,11 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
         moved += 2 * shape.layers * s.tokens * s.dtype_bytes * (2 * hq + 2 * kv) * share
     seconds = moved / link + _host_traffic(shape, s, c)
     return max(seconds - c.overlap * min(seconds, busy), 0.0)
+
+
+def _passes(s) -> int:
+    """Passes over the layers in a micro step that gather ZeRO-3's weights: forward, backward, the recomputation."""
+    return 2 + (1 if s.activation_checkpointing else 0)
 
 
 def _host_traffic(shape: ModelShape, s, c: Card) -> float:
