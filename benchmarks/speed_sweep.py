@@ -326,7 +326,8 @@ def _gradient_key(s: plan.Setting) -> str:
 class Layout:
     """Where each fitted constant sits in the least-squares vector: the bf16 efficiency of each card (as its inverse),
     the other kernels' efficiency against bf16 (shared by the cards: one FP8 run per card cannot tell FP8's efficiency
-    from its host cost), the host's seconds per layer of each kernel, per gradient bucket, ZeRO's gradient work per
+    from its host cost), the host's seconds per layer of each kernel and of kept attention outputs (the selective
+    checkpoint's dispatch of every op), per gradient bucket, ZeRO's gradient work per
     key (`_gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements), ZeRO-3's
     hooks (the host's s per layer and pass)."""
 
@@ -335,14 +336,18 @@ class Layout:
     gradients: list[str]
 
     @property
+    def hosts(self) -> list[str]:
+        return [*self.kernels, speed.KEPT_ATTENTION]
+
+    @property
     def size(self) -> int:
-        return len(self.cards) + 2 * len(self.kernels) - 1 + 1 + len(self.gradients) + 3
+        return len(self.cards) + len(self.kernels) - 1 + len(self.hosts) + 1 + len(self.gradients) + 3
 
     def cards_of(self, theta, previous: dict, half: float) -> dict:
         c, k = len(self.cards), len(self.kernels)
         ratio = {"bf16": 1.0, **{name: 1 / theta[c + i] for i, name in enumerate(self.kernels[1:])}}
-        host = {name: float(theta[c + k - 1 + i]) for i, name in enumerate(self.kernels)}
-        at = c + 2 * k - 1
+        host = {name: float(theta[c + k - 1 + i]) for i, name in enumerate(self.hosts)}
+        at = c + k - 1 + len(self.hosts)
         gradients = {key: float(theta[at + 1 + i]) for i, key in enumerate(self.gradients)}
         link = 1.0 / max(theta[at + 1 + len(self.gradients)], 1e-9)
         cast = float(theta[at + 2 + len(self.gradients)])
@@ -415,14 +420,14 @@ def fit(args) -> None:
             return _model(layout.cards_of(theta, previous, half), runs, shapes_) / measured - 1
 
         for host in (1e-3, 1e-2):  # the max() has local minima: a few starts
-            start = np.concatenate([[1.6] * len(layout.cards), [1.0] * (len(kernels) - 1), [host] * len(kernels),
+            start = np.concatenate([[1.6] * len(layout.cards), [1.0] * (len(kernels) - 1), [host] * len(layout.hosts),
                                     [5e-4], [0.01] * len(layout.gradients), [1 / 150], [1e-3], [1e-3]])  # fmt: skip
             result = least_squares(residual, start, bounds=(lower, np.inf))
             if best is None or result.cost < best[2]:
                 best = (half, result.x, result.cost)
     half, x, _ = best
     residual = _model(layout.cards_of(x, previous, half), runs, shapes_)
-    for i in range(len(kernels)):  # a kernel whose host cost never shows keeps no made-up value (its start) but 0
+    for i in range(len(layout.hosts)):  # a host cost that never shows keeps no made-up value (its start) but 0
         trial = x.copy()
         trial[len(layout.cards) + len(kernels) - 1 + i] = 0.0
         if np.allclose(_model(layout.cards_of(trial, previous, half), runs, shapes_), residual, rtol=0, atol=1e-9):

@@ -73,17 +73,18 @@ def test_zero3_costs_are_the_committed_benchmarks():
 
     results = ROOT / "benchmarks" / "results"
     levers = json.loads((results / "zero3_levers" / "throughput.json").read_text())["runs"]
-    fp8 = json.loads((results / "fp8" / "fp8.json").read_text())["runs"]
+    defaults = results / "speed_sweep_h200x4" / "call2_8b_defaults" / "runs.jsonl"
+    sweep = {run["name"]: run for run in map(json.loads, defaults.read_text().splitlines())}
     pairs = {
         (1, 1): (levers["1b-1gpu-zero3-sft"], levers["1b-1gpu-zero2-sft"]),
         (3, 1): (levers["3b-1gpu-zero3-sft"], levers["3b-1gpu-zero2-sft"]),
-        (8, 2): (fp8["8b-2gpu-zero3-bf16"], fp8["8b-2gpu-zero2-fp8_tensorwise"]),
+        (8, 2): (sweep["z3-default"], sweep["z2-default"]),
     }
     measured = {
         k: round(z3["tokens_per_second_per_gpu"] / z2["tokens_per_second_per_gpu"], 3) for k, (z3, z2) in pairs.items()
     }
     assert {(m.params_b, m.gpus): m.ratio for m in ZERO3_MEASURED} == measured
-    assert all(z3["exit_code"] == z2["exit_code"] == 0 for z3, z2 in pairs.values())
+    assert all(z3["exit_code"] in (0, "stopped") and z2["exit_code"] in (0, "stopped") for z3, z2 in pairs.values())
     assert (zero3_cost(8_030_000_000, 2).params_b, zero3_cost(8_030_000_000, 2).gpus) == (8, 2)
     assert (zero3_cost(70_000_000_000, 8).params_b, zero3_cost(70_000_000_000, 8).gpus) == (8, 2)
     assert (zero3_cost(3_200_000_000, 1).params_b, zero3_cost(1_000_000, 1).params_b) == (3, 1)

@@ -48,6 +48,7 @@ CONSTANTS = Path(__file__).with_name("speed_constants.json")
 REFERENCE_CARD = "H100 80GB"
 # the efficiency rows of a card: FP8 (compiled) with activation checkpointing apart, measured much slower than either
 KERNELS = ("bf16", "bf16_compiled", "fp8_compiled", "fp8_compiled_checkpointed")
+KEPT_ATTENTION = "kept_attention"  # the host cost of checkpointing that keeps attention outputs (`host_s_per_layer`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,8 @@ class Card:
     efficiency: dict  # kernel setting (KERNELS) -> share of the bf16 peak its linear layers reach, saturated (FP8's
     # can pass 1: its tensor cores have twice the peak); attention runs at bf16's (FlashAttention in every setting)
     half_tokens: float  # tokens per micro-batch at which the efficiency is half its saturated value
-    host_s_per_layer: dict  # kernel setting (KERNELS) -> the host's seconds per decoder layer and micro step
+    host_s_per_layer: dict  # kernel setting (KERNELS) -> the host's seconds per decoder layer and micro step; with
+    # KEPT_ATTENTION: what attention outputs kept add (the selective checkpoint dispatches every op through Python)
     # ZeRO stage -> seconds per micro step per 1e9 parameters: "2", "3" on one process (no overlap), "2+", "3+" on
     # several (`overlap_comm` on); a key not measured takes "2+" (several processes), else "2"
     gradient_s_per_gparam: dict
@@ -196,7 +198,9 @@ def step_time(
     recompute = tokens * (again_linear / linear_rate + again_attention / attention_rate)
     # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
     # GPU's work does not cover shows
-    per_layer = c.host_s_per_layer.get(kernel, 0.0)
+    per_layer = c.host_s_per_layer.get(kernel, 0.0) + (
+        c.host_s_per_layer.get(KEPT_ATTENTION, 0.0) if s.keep_attention else 0
+    )
     host = shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket)
     if s.zero_stage == 3:  # ZeRO-3's hooks fetch and release each layer's weights in every pass
         host += shape.layers * _passes(s) * c.zero3_host_s_per_layer_pass
