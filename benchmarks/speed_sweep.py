@@ -373,21 +373,31 @@ def _model(cards: dict, runs: list[dict], shapes_: dict) -> np.ndarray:
     ])  # fmt: skip
 
 
+def resolved(run: dict) -> dict | None:
+    """The run with its setting: its own, or for sft's default runs the one their log names (and the buckets the
+    package of the run set: transformers' hidden^2 for the previous package's, `old-`); None without either."""
+    if run.get("setting"):
+        return run
+    setting = default_setting(run)
+    if setting is None:
+        return None
+    run = {**run, "setting": dataclasses.asdict(setting)}
+    if not run["name"].startswith("old-"):
+        run["bucket"] = bucket_elements(SHAPES[run["shape"]]["hidden_size"], run["gpus"], run["model_params"])
+    return run
+
+
+def median_tokens_per_second(run: dict) -> float | None:
+    """Tokens/s per GPU of the run's median step (what the fit uses: a step that compiled again does not count)."""
+    if not run.get("step_seconds_each") or not run.get("tokens_per_step"):
+        return None
+    return run["tokens_per_step"] / run["gpus"] / float(np.median(run["step_seconds_each"]))
+
+
 def fit_runs(paths: list[Path]) -> list[dict]:
-    """The runs a fit uses: those with a setting and step times, sft's default runs with the setting their log names
-    (and the buckets the package of the run set: transformers' hidden^2 for the previous package's, `old-`)."""
-    runs = []
-    for run in (r for path in paths for r in read_jsonl(Path(path)) if r.get("step_seconds")):
-        if not run.get("setting"):
-            setting = default_setting(run)
-            if setting is None:
-                continue
-            run = {**run, "setting": dataclasses.asdict(setting)}
-            if not run["name"].startswith("old-"):
-                run["bucket"] = bucket_elements(int(run.get("hidden") or SHAPES[run["shape"]]["hidden_size"]),
-                                                run["gpus"], run["model_params"])  # fmt: skip
-        runs.append(run)
-    return runs
+    """The runs a fit uses: those with step times and a setting (`resolved`)."""
+    runs = (resolved(r) for path in paths for r in read_jsonl(Path(path)) if r.get("step_seconds"))
+    return [r for r in runs if r is not None]
 
 
 def fit(args) -> None:
@@ -461,8 +471,9 @@ def _sig(value: float) -> float:
 
 
 def report(paths: list[Path]) -> str:
-    """Each run's measured tokens/s and peak beside the plan's estimates with the constants in the file now; the
-    default's choice against the fastest measured setting (per file). Printed and returned (markdown)."""
+    """Each run's measured tokens/s (mean of the timed steps, and of its median step) and peak beside the plan's
+    estimates with the constants in the file now; each default's choice against the fastest setting measured under its
+    stage in the same file. Printed and returned (markdown)."""
     lines = []
     for path in paths:
         runs = read_jsonl(path)
@@ -471,41 +482,38 @@ def report(paths: list[Path]) -> str:
         first = runs[0]
         card = speed.card(None if first["card"] == "cpu" else card_key(first))
         shape = load_shape(str(model_dir(Path(tempfile.mkdtemp()) / first["shape"], SHAPES[first["shape"]])))
+        stages = "/".join(f"ZeRO-{z}" for z in sorted({r["zero"] for r in runs}))
         lines += [
-            f"## {first['shape']}, {first['gpus']} GPU(s), ZeRO-{first['zero']}: {first['device']} ({path})", "",
-            "| setting | exit | tokens/s/GPU | est. tokens/s | est. / measured | MFU | peak GiB | planned GiB "
-            "| reserved GiB | alloc retries |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"## {first['shape']}, {first['gpus']} GPU(s), {stages}: {first['device']} ({path})", "",
+            "| run | exit | tokens/s/GPU | median step | est. tokens/s | est. / median | MFU | peak GiB | planned GiB "
+            "| reserved GiB | alloc retries |", "|" + " --- |" * 11,
         ]  # fmt: skip
         measured = {}
         for run in runs:
-            got = run.get("tokens_per_second_per_gpu")
-            est = ""
-            chosen = default_setting(run) if not run.get("setting") else None
-            if chosen is not None and run["name"] == "default":  # sft as it is now: its buckets
-                e = speed.step_time(shape, chosen, card, run["sample_tokens"]).tokens_per_second
-                est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"
-            elif run.get("setting"):
-                time_ = speed.step_time(shape, _setting_of(run), card, run["sample_tokens"], _bucket(run, shape))
-                e = time_.tokens_per_second
-                est = f"{e:,.0f} | {e / got:.3f}" if got else f"{e:,.0f} | -"
-            else:
-                est = "- | -"
+            got, median = run.get("tokens_per_second_per_gpu"), median_tokens_per_second(run)
+            with_setting = resolved(run)
+            est = "- | -"
+            if with_setting is not None:
+                e = speed.step_time(shape, _setting_of(with_setting), card, run["sample_tokens"],
+                                    _bucket(with_setting, shape)).tokens_per_second  # fmt: skip
+                est = f"{e:,.0f} | {e / median:.3f}" if median else f"{e:,.0f} | -"
             if got:
                 measured[run["name"]] = got
             mfu = f"{run['mfu']:.1%}" if run.get("mfu") else "-"
             retries = (run.get("alloc_retries") or [None])[-1]
-            lines.append(f"| {run['name']} | {run['exit_code']} | {got or 0:,.0f} | {est} | {mfu} | "
-                         f"{run.get('peak_memory_gib', 0):.2f} | {run.get('planned_peak_gib', 0):.2f} | "
+            lines.append(f"| {run['name']} | {run['exit_code']} | {got or 0:,.0f} | {median or 0:,.0f} | {est} "
+                         f"| {mfu} | {run.get('peak_memory_gib', 0):.2f} | {run.get('planned_peak_gib', 0):.2f} | "
                          f"{run.get('peak_reserved_gib', 0):.2f} | {retries} |")  # fmt: skip
-        settings = [n for n in measured if not n.endswith("default")]
         for name in [n for n in measured if n.endswith("default")]:
             run = next(r for r in runs if r["name"] == name)
             plan_line = next((p for p in run.get("plan", []) if p.startswith("auto settings")), "")
             lines += ["", f"{name}: {measured[name]:,.0f} tokens/s/GPU, MFU {run['mfu']:.1%}; {plan_line}"]
-            if settings:
-                fastest = max(settings, key=measured.get)
-                lines[-1] += (f"; {measured[name] / measured[fastest]:.3f} x the fastest setting measured in this "
-                              f"file ({fastest}, {measured[fastest]:,.0f})")  # fmt: skip
+            rivals = [n for n in measured if n.split("+")[0] != name and not n.endswith("default")
+                      and next(r for r in runs if r["name"] == n)["zero"] == run["zero"]]  # fmt: skip
+            if rivals:
+                fastest = max(rivals, key=measured.get)
+                lines[-1] += (f"; {measured[name] / measured[fastest]:.3f} x the fastest other setting under ZeRO-"
+                              f"{run['zero']} in this file ({fastest}, {measured[fastest]:,.0f})")  # fmt: skip
         lines.append("")
     text = "\n".join(lines)
     print(text)
