@@ -77,18 +77,27 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
     stage, micro, levers, kernel = name.split("+")[0].split("-")
     setting = dataclasses.replace(base, zero_stage=int(stage[1:]), micro_batch=int(micro[1:]),
                                   fp8=kernel == "fp8", compiled=kernel in ("fp8", "bf16c"))  # fmt: skip
-    setting = dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH))
+    setting = dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH),
+                                  moment_bytes=_moment_bytes(name))  # fmt: skip
     return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention=levers == "keep"))
+
+
+def _moment_bytes(name: str) -> float:
+    """Adam's moment bytes a run's variants ask for (`+adam8`: torchao's 8-bit AdamW)."""
+    fields = [VARIANTS[part].get("fields", {}) for part in name.split("+")[1:]]
+    return plan.moment_bytes_of(next((f["optim"] for f in fields if "optim" in f), None))
 
 
 # Variants of a setting (a `+name` suffix): `exp`, PyTorch's expandable segments (fewer allocator retries near the
 # memory limit); `bkt`, ZeRO's gradient buckets of 5e8 elements instead of `auto` (hidden^2: hundreds of reductions
 # per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
-# torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing)
+# torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
+# AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
             "bkt": {"ds": {"reduce_bucket_size": 5e8}},
             "z3b": {"ds": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}},
-            "prof": {}}  # fmt: skip
+            "prof": {},
+            "adam8": {"fields": {"optim": "adamw_torch_8bit"}}}  # fmt: skip
 
 
 def stage_of(name: str, default: int) -> int:
@@ -146,7 +155,8 @@ def launch(name: str, recipe_fields: dict, args, work: Path, data: Path, model: 
     parts = [VARIANTS[part] for part in name.split("+")[1:]]
     variant = {k: v for part in parts for k, v in part.get("env", {}).items()}
     zero = {k: v for part in parts for k, v in part.get("ds", {}).items()}
-    recipe = {**COMMON, "packing": True, "global_batch_size": GLOBAL_BATCH, **recipe_fields,
+    fields = {k: v for part in parts for k, v in part.get("fields", {}).items()}
+    recipe = {**COMMON, "packing": True, "global_batch_size": GLOBAL_BATCH, **recipe_fields, **fields,
               "model_name_or_path": str(model), "max_length": args.seq_len}  # fmt: skip
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.steps)
     recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{stage_of(name, args.zero)}.json")
@@ -301,7 +311,8 @@ def default_setting(run: dict) -> plan.Setting | None:
     flag = {key: value == "True" for key, value in values.items()}
     setting = plan.Setting(gpus=run["gpus"], zero_stage=run["zero"], seq_len=4096, liger=flag["use_liger_kernel"],
                            micro_batch=micro,
-                           fp8=flag["fp8"], compiled=flag["compile_decoder_layers"])  # fmt: skip
+                           fp8=flag["fp8"], compiled=flag["compile_decoder_layers"],
+                           moment_bytes=_moment_bytes(run["name"]))  # fmt: skip
     tools = plan.Tools(flag["activation_checkpointing"], False, False,
                        keep_attention=flag.get("keep_attention_outputs", False))  # fmt: skip
     setting = setting.with_tools(tools)

@@ -128,6 +128,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--fp8", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                         help="Decoder linears in torchao float8 (sft.model.fp8), compiled; auto: as `sft train` "
                              "decides for the family on an H100/H200")  # fmt: skip
+    parser.add_argument("--optim", default="adamw_torch", help="The training argument `optim`: adamw_torch_8bit "
+                        "(torchao's AdamW8bit) keeps Adam's moments in 8-bit blocks")  # fmt: skip
     parser.add_argument("--global-batch", type=int, help="Rows per optimizer step: the speed model's accumulation")
     parser.add_argument("--gpu-name", help="The card whose speed constants rank the settings (default: this "
                                            f"machine's GPU, else {speed.REFERENCE_CARD}; sft.plan.speed)")  # fmt: skip
@@ -240,6 +242,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         sp=args.sp or 1,
         fp8=fp8_on,
         compiled=compiled,
+        moment_bytes=plan.moment_bytes_of(args.optim),
     )
     if not args.global_batch:
         return setting

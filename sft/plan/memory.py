@@ -155,6 +155,15 @@ class Setting:
     offload_ratio: float = 1.0
     keep_attention: bool = False  # with checkpointing: the attention kernels' outputs kept (`sft.model.checkpointing`)
     compiled: bool = False  # compiled decoder layers (the speed model's; no memory of their own)
+    # Adam's two moments per trained parameter: fp32 (8 bytes), or 8-bit blocks (`optim: adamw_torch_8bit`, torchao's
+    # AdamW8bit: a byte each plus a fp32 scale per 256; `moment_bytes_of`)
+    moment_bytes: float = 8.0
+
+    @property
+    def state_bytes(self) -> float:
+        """Optimizer state per trained parameter: the fp32 master weight and Adam's moments (fp32 where the optimizer
+        is offloaded: DeepSpeed's CPU Adam steps it then, whatever `optim` says)."""
+        return 4 + (8.0 if self.offload_optimizer else self.moment_bytes)
 
     @property
     def tokens(self) -> int:
@@ -184,6 +193,7 @@ class Setting:
         return (
             f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
             f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
+            f"{', 8-bit Adam moments' if self.state_bytes < 12 else ''}"
         )
 
     def levers_and_micro(self) -> str:
@@ -348,8 +358,8 @@ def optimizer_groups(shape: ModelShape, s: Setting, ratio: float) -> tuple[list[
 def host_bytes(shape: ModelShape, s: Setting) -> float:
     """Host memory per node while training where anything is offloaded (without, host memory is not what limits a
     run): each process's own (`HOST_PER_PROCESS`), what it offloads and the 16-bit gradients DeepSpeed keeps there:
-    - the optimizer (its share under ZeRO-3): fp32 master weights and Adam moments (12 bytes per parameter) and the
-      fp32 gradients, pinned per sub-group; under ZeRO-3 a pinned 16-bit gradient of every parameter too;
+    - the optimizer (its share under ZeRO-3): fp32 master weights and Adam moments (`state_bytes` per parameter) and
+      the fp32 gradients, pinned per sub-group; under ZeRO-3 a pinned 16-bit gradient of every parameter too;
     - the weights (ZeRO-3 parameter offload): a pinned 16-bit copy;
     - the checkpoints: each layer's input, pinned.
     Pinned allocations are rounded up to a power of 2 (`pinned`). (DeepSpeed's estimator, printed beside it, counts
@@ -359,7 +369,7 @@ def host_bytes(shape: ModelShape, s: Setting) -> float:
     offloaded = 0.0
     if s.offload_optimizer:
         cpu = optimizer_groups(shape, s, s.ratio)[1] if s.zero_stage == 3 else [part]
-        offloaded += 12 * sum(cpu) + sum(pinned(4 * g) for g in cpu)
+        offloaded += s.state_bytes * sum(cpu) + sum(pinned(4 * g) for g in cpu)
         offloaded += pinned(s.dtype_bytes * part) if s.zero_stage == 3 else 0
     if s.offload_params:  # zero.Init pins each weight's partition, then copies them into one flat pinned buffer
         offloaded += pinned(s.dtype_bytes * part) + offloaded_weight_bytes(shape, s)
@@ -396,7 +406,10 @@ def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
     gpu, cpu = _zero_states(shape, s, trainable(shape, s) - split)
     if split:
         local, group = split / s.ep, max(s.gpus // s.ep, 1)
-        gpu += 4 * local + {1: 12 / group, 2: 16 / group}.get(s.zero_stage, 12) * local
+        gpu += (
+            4 * local
+            + {1: s.state_bytes / group, 2: (s.state_bytes + 4) / group}.get(s.zero_stage, s.state_bytes) * local
+        )
         cpu += 4 * local * (s.gpus_per_node or s.gpus) * 1.5  # the weights loaded on the host, as for the others
     return gpu, cpu
 
@@ -419,9 +432,9 @@ def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]
         gpu, cpu = states
         return gpu + frozen, cpu
     if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
-        return 4 * p + 12 * p / s.gpus + frozen, 4 * p * per_node * 1.5
+        return 4 * p + s.state_bytes * p / s.gpus + frozen, 4 * p * per_node * 1.5
     # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
-    return 16 * p + frozen, 4 * p * per_node * 1.5
+    return (4 + s.state_bytes) * p + frozen, 4 * p * per_node * 1.5
 
 
 def trainable(shape: ModelShape, s: Setting) -> int:
@@ -517,6 +530,21 @@ def _check_setting(s: Setting) -> None:
         raise ConfigError("Keeping attention outputs needs activation checkpointing, without offloaded checkpoints.")
 
 
+# `optim` values whose Adam moments are 8-bit blocks, bytes per parameter for both (torchao's AdamW8bit: a uint8 code
+# each plus a fp32 scale per block of 256; under ZeRO it quantizes each flat partition of 4,096 elements or more whose
+# size is a multiple of 256, and keeps the small ones in fp32)
+EIGHT_BIT_MOMENTS = {"adamw_torch_8bit": 2 + 8 / 256}
+
+
+def moment_bytes_of(optim) -> float:
+    """Bytes of Adam's two moments per parameter for the optimizer `optim` (transformers' `optim` name or enum)."""
+    return EIGHT_BIT_MOMENTS.get(str(getattr(optim, "value", optim) or "").lower(), 8.0)
+
+
+def _optimizer_line(s: Setting) -> str:
+    return "optimizer: fp32 master + Adam moments" + ("" if s.moment_bytes == 8 else " (8-bit)")
+
+
 def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float) -> tuple[dict, dict, float]:
     """What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning),
     what the optimizer step adds, and the model states alone; `p` trainable parameters, `held` whole on a GPU, `part`
@@ -531,11 +559,11 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
         if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
             stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
-            items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = 16 * stepped_here
+            items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = (s.state_bytes + 4) * stepped_here
             sub_group = 0
         else:
             items["gradient partition (16-bit)"] = b * p / n
-            items["optimizer: fp32 master + Adam moments"] = 12 * p / n
+            items[_optimizer_line(s)] = s.state_bytes * p / n
             sub_group = min(p / n, SUB_GROUP_SIZE)
         step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
         step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
@@ -543,7 +571,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
     elif s.zero_stage == 2:
         items["weights (16-bit)"] = b * held + frozen
-        items["optimizer: fp32 master + Adam moments"] = 0 if s.offload_optimizer else 12 * part
+        items[_optimizer_line(s)] = 0 if s.offload_optimizer else s.state_bytes * part
         on_gpu = 0 if s.offload_optimizer else part
         step["gradient partition (16-bit)"] = b * on_gpu
         step["fp32 gradient partition (step)"] = 4 * on_gpu
@@ -551,12 +579,12 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         states_own = sum(items.values()) + (b + 4) * on_gpu
     elif s.zero_stage == 1:
         items["weights (16-bit)"] = b * held + frozen
-        items["optimizer: fp32 master + Adam moments"] = 12 * part
+        items[_optimizer_line(s)] = s.state_bytes * part
         step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
         states_own = sum(items.values()) + sum(step.values())
     else:
         items["weights (16-bit)"] = b * held + frozen
-        items["optimizer: fp32 master + Adam moments"] = 12 * held
+        items[_optimizer_line(s)] = s.state_bytes * held
         step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
         states_own = sum(items.values()) + sum(step.values())
     return items, step, states_own

@@ -94,6 +94,7 @@ def base_setting(
         sp=dims.sp,
         ep=dims.ep,
         fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
+        moment_bytes=memplan.moment_bytes_of(training_args.optim),
     )
 
 
@@ -133,6 +134,10 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
         seqpar.check(dims, training_args, padding_free)
     seqpar.check_model(model_config, sp, attn, arch)
     offload = (tools.offload_optimizer, tools.offload_params, ratio)
+    if tools.offload_optimizer and memplan.moment_bytes_of(training_args.optim) < 8:
+        optim = getattr(training_args.optim, "value", training_args.optim)
+        logger.warning("optim %s: the optimizer is offloaded to the CPU, where DeepSpeed's CPU Adam steps it with "
+                       "fp32 moments instead (the plan counts those)", optim)  # fmt: skip
     config, lines = engine.written(changes.get("deepspeed", training_args.deepspeed), offload=offload)
     for line in lines:
         logger.info("%s", line)

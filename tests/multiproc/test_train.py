@@ -272,3 +272,27 @@ def test_a_run_decides_once(tmp_path):
     counts = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("DECIDED "))[8:])
     assert counts == {"architectures.of": 1, "json_parsed": 1}, counts
     assert len(train_losses(out)) == 2
+
+
+def test_eight_bit_adam_keeps_its_moments_in_8_bit_under_zero2_as_the_plan_counts(tmp_path):
+    """`optim: adamw_torch_8bit` (torchao's AdamW8bit) under ZeRO-2, one process, two steps: the plan counts Adam's
+    moments at 2 + 8/256 bytes a parameter, and the checkpoint's optimizer holds them as torchao's 8-bit blocks for
+    ZeRO's flat partition of the weights (the small partition of norms stays fp32, as torchao does below 4,096)."""
+    out = tmp_path / "out"
+    result = run_cli([
+        "--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), "--max_steps", "2",
+        "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2",
+        "--optim", "adamw_torch_8bit", "--report", "false", "--plan_gpu_memory_gib", "80",
+    ])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "full, 8-bit Adam moments" in result.stderr
+    assert "optimizer: fp32 master + Adam moments (8-bit)" in result.stderr
+    states = next((out / "checkpoint-2").glob("*/*optim_states.pt"))
+    saved = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    flat = [p.numel() for p in saved["single_partition_of_fp32_groups"]]
+    moments = saved["base_optimizer_state"]["state"]
+    kinds = {i: type(moments[i]["exp_avg"]).__name__ for i in range(len(flat))}
+    assert kinds == {i: "OptimState8bit" if n >= 4096 else "Tensor" for i, n in enumerate(flat)}
+    assert "OptimState8bit" in kinds.values()
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
