@@ -542,7 +542,7 @@ def moment_bytes_of(optim) -> float:
 
 
 def _optimizer_line(s: Setting) -> str:
-    return "optimizer: fp32 master + Adam moments" + ("" if s.moment_bytes == 8 else " (8-bit)")
+    return "optimizer: fp32 master + Adam moments" + (" (8-bit)" if s.state_bytes < 12 else "")
 
 
 def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float) -> tuple[dict, dict, float]:

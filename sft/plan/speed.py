@@ -9,17 +9,16 @@ A step of `accumulation` micro-batches of `micro_batch` rows is
 - compute: the micro-batch's training FLOPs (`sft.model.flops`' count: linear layers at 6 FLOPs per weight and token,
   4 for a frozen one; causal attention over rows of `seq_len`) plus what the memory levers run again (activation
   checkpointing: the forward once more, but for the attention kernel where its outputs are kept; the tiled MLP: the
-  MLP's forward), over the card's dense bf16 peak times the efficiency measured for that kernel setting (bf16 eager,
-  bf16 compiled, FP8 compiled), which rises with the tokens of a micro-batch as `tokens / (tokens + half_tokens)`;
-  FP8 adds its casts to float8, memory-bound work per token and layer that weighs more on a narrow model (Llama 1B:
-  no faster than bf16; 8B: 1.17x);
-- per-micro-step work: the host's (launches and Python work per decoder layer, which depends on the kernels: FP8's
-  compiled layers cost the host far more than bf16's; and one reduction call per gradient bucket), of which only what
-  the GPU's compute does not cover shows (the host runs ahead while the GPU is busy; ZeRO-3's hooks add their work per
-  layer and pass: at micro batch 1 an 8B step waits for them), plus ZeRO's handling of the
-  gradients at each backward (ZeRO-1/2 copy them into their buckets and partition, ZeRO-3 into its partition), per
-  parameter held: serial on one process, overlapped with the backward on several (`overlap_comm`), so each has its
-  own constant;
+  MLP's forward), over the card's dense bf16 peak times the efficiency measured for the linear layers' kernel setting
+  (bf16 eager, bf16 compiled, FP8 compiled) and bf16's for attention, which rises with the tokens of a micro-batch as
+  `tokens / (tokens + half_tokens)`; FP8 adds its casts to float8, memory-bound work per token and layer that weighs
+  more on a narrow model (Llama 1B: no faster than bf16; 8B: 1.17x);
+- per-micro-step work: the host's, of which only what the GPU's compute does not cover shows (the host runs ahead
+  while the GPU is busy): per decoder layer by kernel setting (FP8's compiled layers cost the host more than bf16's;
+  kept attention outputs add the selective checkpoint's dispatch of every op; ZeRO-3 adds its hooks per layer and
+  pass: at micro batch 1 an 8B step waits for them) and one reduction call per gradient bucket; plus ZeRO's handling
+  of the gradients at each backward (ZeRO-1/2 copy them into their buckets, ZeRO-3 into its partition), per parameter
+  held: serial on one process, overlapped with the backward on several (`overlap_comm`), each with its own constant;
 - communication (more than one process): ZeRO-3 gathers the 16-bit weights in the forward, the backward and a
   recomputation, and reduce-scatters the gradients; ZeRO-1/2 reduce the gradients at every backward; sequence
   parallelism's all-to-all per layer. The share the engine overlaps with compute is hidden;
@@ -70,9 +69,7 @@ class Card:
     bucket_s: float  # seconds per gradient-reduction bucket (ZeRO's `reduce_bucket_size`) per micro step
     optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
-    link_gbps: (
-        float  # GB/s between the GPUs of a node that collectives reach (NVLink), effective: fitted with `overlap`
-    )
+    link_gbps: float  # GB/s between a node's GPUs (NVLink) as collectives see it: fitted together with `overlap`
     pcie_gbps: float  # GB/s between host and GPU (offloaded weights and checkpoints)
     overlap: float  # the share of ZeRO's communication hidden behind compute
     source: str  # what these figures were fitted from
