@@ -1,9 +1,10 @@
 """The speed model's sweep: the settings the memory plan finds fitting, each trained by the real CLI, beside the plan's
-estimates; `--fit` turns the runs into the card's constants in `sft/plan/speed_constants.json`.
+estimates; `--fit` turns the runs into the cards' constants in `sft/plan/speed_constants.json`.
 
     python -m benchmarks.speed_sweep --shape 3b --out $OUT/3b                  # 1 GPU, ZeRO-2
-    python -m benchmarks.speed_sweep --shape 8b --gpus 2 --zero 3 --out $OUT/8b
-    python -m benchmarks.speed_sweep --fit benchmarks/results/speed_sweep_h100/*/runs.jsonl --card "H100 80GB"
+    python -m benchmarks.speed_sweep --shape 8b --gpus 2 --parallel 2 --out $OUT/8b \
+        --only z3-default z2-default z3-m16-ckpt-bf16 z3-m2-none-bf16+prof   # 4 GPUs: two 2-GPU runs at a time
+    python -m benchmarks.speed_sweep --fit benchmarks/results/speed_sweep_*/call*/runs.jsonl   # every card at once
     python -m benchmarks.speed_sweep --report benchmarks/results/speed_sweep_h100/*/runs.jsonl   # plan vs measured
     python -m benchmarks.speed_sweep --tiny --out /tmp/sweep                    # CPU smoke test, demo model
 
@@ -12,15 +13,17 @@ levers the speed model ranks (none, checkpointing, checkpointing that keeps atte
 `sft train` would use (Liger; FP8 and compiled layers as `auto` decides; attention outputs kept run eager in bf16),
 plus the same without FP8 (the bf16 rows of the fit). Of each group (levers x kernels) the one the plan ranks fastest
 and the smallest micro batch are run (the fit needs both ends), then sft's default (every lever `auto`): what the plan
-chooses. Each run is `benchmarks/throughput.py`'s (same data, rows of 4,096 tokens, random weights), `--steps`
-optimizer steps, the first `--warmup` left out. Per run: tokens/s/GPU, MFU, the step time, the peak memory, the
-allocator's retries, and the plan's estimates of the same setting (peak GiB, tokens/s and its parts).
+chooses. `--only` names settings instead (`z<stage>-m<micro>-<none|ckpt|keep>-<bf16|bf16c|fp8>`, `z2-default`, with
+`+variant`s: `VARIANTS`). Each run is `benchmarks/throughput.py`'s (same data, rows of 4,096 tokens, random weights),
+`--steps` optimizer steps, the first `--warmup` left out, stopped once its last step is logged (`--keep-save` lets it
+save). Per run: tokens/s/GPU, MFU, the step time, the peak memory, the allocator's retries, and the plan's estimates of
+the same setting (peak GiB, tokens/s and its parts).
 
-`--fit` solves for the card's constants by least squares on the relative error of the median step time (a step that
-compiled again is left out that way; constants non-negative): the efficiency per kernel setting, the host's work per
-micro step (a fixed cost and one per gradient bucket, hidden while the GPU is busy), ZeRO's per-micro-step gradient
-work, the optimizer step; the half-efficiency tokens by a grid. It writes them with the runs they came from and prints
-each run's estimate against its measurement.
+`--fit` solves for every card's constants at once (`Layout`) by least squares on the relative error of the median step
+time (a step that compiled again is left out that way; constants non-negative): the efficiencies, the host's work per
+layer and per gradient bucket (hidden while the GPU is busy), ZeRO's per-micro-step gradient work, the link, FP8's
+casts; the half-efficiency tokens by a grid. It writes them with the runs they came from and prints each run's
+estimate against its measurement.
 """
 
 from __future__ import annotations
@@ -329,18 +332,14 @@ def card_key(run: dict) -> str:
     return next(key for key in ("H200", speed.REFERENCE_CARD) if all(w in device for w in key.split()))
 
 
-def _gradient_key(s: plan.Setting) -> str:
-    return f"{s.zero_stage}+" if s.gpus > 1 else str(s.zero_stage)
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where each fitted constant sits in the least-squares vector: the bf16 efficiency of each card (as its inverse),
     the other kernels' efficiency against bf16 (shared by the cards: one FP8 run per card cannot tell FP8's efficiency
     from its host cost), the host's seconds per layer of each kernel and of kept attention outputs (the selective
-    checkpoint's dispatch of every op), per gradient bucket, ZeRO's gradient work per
-    key (`_gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements), ZeRO-3's
-    hooks (the host's s per layer and pass)."""
+    checkpoint's dispatch of every op), per gradient bucket, ZeRO's gradient work per key
+    (`sft.plan.speed.gradient_key`), the link's effective GB/s (as 1e9 / GB/s), FP8's casts (s per 1e9 elements),
+    ZeRO-3's hooks (the host's s per layer and pass)."""
 
     cards: list[str]
     kernels: list[str]  # every kernel of the runs; the first is bf16
@@ -421,8 +420,8 @@ def fit(args) -> None:
     shapes_ = {name: load_shape(str(model_dir(Path(tempfile.mkdtemp()) / name, SHAPES[name])))
                for name in {r["shape"] for r in runs}}  # fmt: skip
     kernels = sorted({_kernel(_setting_of(r)) for r in runs}, key=lambda k: (k != "bf16", k))
-    layout = Layout(sorted({card_key(r) for r in runs}), kernels,
-                    sorted({_gradient_key(_setting_of(r)) for r in runs if r["setting"]["zero_stage"]}))  # fmt: skip
+    gradients = sorted({speed.gradient_key(_setting_of(r)) for r in runs if r["setting"]["zero_stage"]})
+    layout = Layout(sorted({card_key(r) for r in runs}), kernels, gradients)
     table = json.loads(speed.CONSTANTS.read_text())  # the other cards and the constants this sweep does not fit
     # every run steps the optimizer once per 131,072 tokens, so its cost cannot be told apart from the compute's: it is
     # the card's (`optimizer_s_per_gparam`, from its memory bandwidth), not fitted; `overlap` is not either (only the
@@ -560,7 +559,6 @@ def main() -> None:
         help="Let each run save its model (default: stopped once its last step is logged)",
     )
     parser.add_argument("--fit", nargs="*", type=Path, help="Fit the constants from these runs.jsonl; run nothing")
-    parser.add_argument("--card", default=speed.REFERENCE_CARD, help="With --fit: the card's key in the file")
     parser.add_argument("--source", help="With --fit: what the constants came from (default: the files)")
     parser.add_argument("--write", type=Path, help=f"With --fit: write here instead of {speed.CONSTANTS.name}")
     parser.add_argument("--report", nargs="*", type=Path, help="Plan vs measured of these runs.jsonl; run nothing")

@@ -230,15 +230,18 @@ def _trainable(shape: ModelShape, s) -> float:
     return float(shape.trainable(s.lora_r))
 
 
+def gradient_key(s) -> str:
+    """The `gradient_s_per_gparam` key of a setting: its ZeRO stage, with `+` on several processes (`overlap_comm`)."""
+    return f"{s.zero_stage}+" if s.gpus > 1 else str(s.zero_stage)
+
+
 def _gradient_work(shape: ModelShape, s, c: Card) -> float:
     """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
     gradient into their buckets; ZeRO-3 its partition of each); on several processes what the overlap leaves."""
     if s.zero_stage is None:
         return 0.0
     rates = c.gradient_s_per_gparam
-    several = s.gpus > 1
-    key = f"{s.zero_stage}+" if several else str(s.zero_stage)
-    rate = rates.get(key, rates.get("2+", rates["2"]) if several else rates["2"])
+    rate = rates.get(gradient_key(s), rates.get("2+", rates["2"]) if s.gpus > 1 else rates["2"])
     return rate * _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1) / 1e9
 
 
