@@ -248,7 +248,9 @@ def summarize(prof, wall: float) -> dict:
     kernels, by_class, cpu = defaultdict(float), defaultdict(float), defaultdict(float)
     intervals, names = [], []
     for evt in prof.events():
-        if evt.device_type == DeviceType.CUDA:
+        # c10d's `nccl:<collective>` annotation is a GPU-side range over the same span as the NCCL kernel it launches:
+        # counted once, as the kernel
+        if evt.device_type == DeviceType.CUDA and not evt.name.startswith("nccl:"):
             us = evt.time_range.end - evt.time_range.start
             kernels[evt.name] += us
             by_class[kernel_class(evt.name)] += us
