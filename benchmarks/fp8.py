@@ -4,6 +4,7 @@
     python -m benchmarks.fp8 --parts 8b_2gpu --out $OUT                     # Llama-3.1-8B on 2 GPUs, ZeRO-2 and ZeRO-3
     python -m benchmarks.fp8 --parts zero3,accuracy,resume --out $OUT       # 8B widths under ZeRO-3/2; 300-step loss
                                                                             # curves; kill + resume with FP8
+    python -m benchmarks.fp8 --parts accuracy --against adam8 --out $OUT    # the same curves: 8-bit Adam vs fp32
     python -m benchmarks.fp8 --report DIR [DIR ...] --out benchmarks/results/fp8   # merge calls into one report
     SFT_FP8_ON_CPU=1 python -m benchmarks.fp8 --tiny --parts throughput,accuracy,resume --out /tmp/f   # CPU smoke
 
@@ -19,7 +20,9 @@ Every run is the real CLI (`sft/train.py` under torchrun), random-initialised Ll
 - `accuracy`: the 1B widths with the demo's character tokenizer, trained on the demo's four string tasks (200,000
   records, loss on every token: the random prompt letters keep the loss far from 0, the answers are learnt), 300
   steps of 8 packed rows of 2,048 tokens, bf16 and FP8 at once on the one GPU, the same seed and data. Reported: the
-  relative difference of the last-50-step mean loss, and a plot of both curves (`accuracy.png`).
+  relative difference of the last-50-step mean loss, and a plot of both curves (`accuracy.png`). `--against adam8`
+  runs the same curve for torchao's 8-bit AdamW (`optim: adamw_torch_8bit`, bf16) against fp32 Adam instead (issue
+  #53's optimizer-state lever).
 - `resume`: FP8 runs of a small model (hidden 2048, 4 layers): two uninterrupted, one SIGKILLed while writing a
   checkpoint and rerun (as `benchmarks.resume_exactness`); per-step loss/grad-norm differences and final weights.
 """
@@ -63,6 +66,7 @@ SETTINGS = {
     "fp8_rowwise_eager": {"fp8": True, "fp8_recipe": "rowwise", "compile_decoder_layers": False},
     "fp8_tensorwise_eager": {"fp8": True, "fp8_recipe": "tensorwise", "compile_decoder_layers": False},
     "fp8_tensorwise_compiled": {"fp8": True, "fp8_recipe": "tensorwise", "compile_decoder_layers": True},
+    "adam8": {"fp8": False, "optim": "adamw_torch_8bit"},  # Adam's moments in torchao's 8-bit blocks
     "fp8_tensorwise_no_liger_swiglu": {
         "fp8": True,
         "fp8_recipe": "tensorwise",
@@ -146,7 +150,8 @@ def accuracy_part(args, work: Path) -> None:
     model = model_dir(work / "model-acc", shape)
     steps = 20 if args.tiny else ACCURACY_STEPS
     procs = {}
-    for setting in ("bf16", f"fp8_{args.recipe}"):
+    against = args.against or f"fp8_{args.recipe}"
+    for setting in ("bf16", against):
         extra = {"max_steps": steps, "max_length": 2048, "global_batch_size": 8, "learning_rate": 3e-4,
                  "lr_scheduler_type": "cosine", "warmup_steps": 20, "assistant_only_loss": False,
                  "dataloader_num_workers": 1}  # fmt: skip
@@ -161,15 +166,21 @@ def accuracy_part(args, work: Path) -> None:
         metrics = work / f"acc-{setting}" / "metrics.jsonl"
         rows = [r for r in read_jsonl(metrics) if "loss" in r and "step" in r] if metrics.exists() else []
         curves[setting] = {"exit_code": rc, "steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows]}
-    bf16, fp8 = curves["bf16"]["loss"], curves[f"fp8_{args.recipe}"]["loss"]
+    bf16, other = curves["bf16"]["loss"], curves[against]["loss"]
     tail = ACCURACY_TAIL if not args.tiny else 5
-    result = {"curves": curves, "recipe": args.recipe, "steps": steps, "tail": tail}
-    if len(bf16) >= tail and len(fp8) >= tail:
-        a, b = float(np.mean(bf16[-tail:])), float(np.mean(fp8[-tail:]))
-        result.update(bf16_tail_mean=a, fp8_tail_mean=b, relative_difference=(b - a) / a)
-        result["first_loss"] = {"bf16": bf16[0], "fp8": fp8[0]}
-        print(f"accuracy: last-{tail}-step mean loss bf16 {a:.5f}, fp8 {b:.5f}, relative {(b - a) / a:+.4%}")
-    (args.out / "accuracy.json").write_text(json.dumps(result, indent=2) + "\n")  # plotted by the report
+    result = {"curves": curves, "recipe": args.recipe, "against": against, "steps": steps, "tail": tail}
+    if len(bf16) >= tail and len(other) >= tail:
+        a, b = float(np.mean(bf16[-tail:])), float(np.mean(other[-tail:]))
+        result.update(bf16_tail_mean=a, other_tail_mean=b, relative_difference=(b - a) / a)
+        result["first_loss"] = {"bf16": bf16[0], against: other[0]}
+        print(f"accuracy: last-{tail}-step mean loss bf16 {a:.5f}, {against} {b:.5f}, relative {(b - a) / a:+.4%}")
+    name = "accuracy.json" if against.startswith("fp8") else f"accuracy_{against}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")  # plotted by the report
+
+
+def _against(result: dict) -> str:
+    """What an accuracy result compared with bf16 (results before `--against`: FP8 with their recipe)."""
+    return result.get("against") or f"FP8 ({result['recipe']})"
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -185,7 +196,7 @@ def plot_curves(result: dict, path: Path) -> None:
     for name, curve in result["curves"].items():
         ax.plot(curve["steps"], curve["loss"], label=name, linewidth=1)
     if "relative_difference" in result:
-        ax.set_title(f"bf16 vs FP8 ({result['recipe']}): last-{result['tail']}-step mean loss differs by "
+        ax.set_title(f"bf16 vs {_against(result)}: last-{result['tail']}-step mean loss differs by "
                      f"{result['relative_difference']:+.3%}")  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
@@ -254,6 +265,7 @@ def plan_rows(runs: dict) -> list[str]:
 
 
 def report(args, dirs: list[Path]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
     runs = {}
     for d in dirs:
         if (d / "runs.jsonl").exists():
@@ -291,16 +303,18 @@ def report(args, dirs: list[Path]) -> None:
               "`sft.plan.memory` for each run's setting (stage, GPUs, the plan's micro batch, Liger, FP8 as run) "
               "against `max_memory_allocated`:", ""] + plan_rows(runs)  # fmt: skip
     for d in dirs:
-        for name in ("accuracy.json", "resume.json"):
-            if (d / name).exists():
-                (args.out / name).write_text((d / name).read_text())
-    if (args.out / "accuracy.json").exists():
-        acc = json.loads((args.out / "accuracy.json").read_text())
+        for path in [*d.glob("accuracy*.json"), d / "resume.json"]:
+            if path.exists() and path.parent != args.out:
+                (args.out / path.name).write_text(path.read_text())
+    for path in sorted(args.out.glob("accuracy*.json")):
+        acc = json.loads(path.read_text())
+        plot = path.with_suffix(".png").name
         if "relative_difference" in acc:
-            lines += ["", f"## Accuracy ({acc['steps']} steps, `accuracy.png`)", "",
-                      f"Last-{acc['tail']}-step mean loss: bf16 {acc['bf16_tail_mean']:.5f}, FP8 ({acc['recipe']}) "
-                      f"{acc['fp8_tail_mean']:.5f}: relative {acc['relative_difference']:+.3%}."]  # fmt: skip
-        plot_curves(acc, args.out / "accuracy.png")
+            other = acc.get("other_tail_mean", acc.get("fp8_tail_mean"))  # fp8_: results before `--against`
+            lines += ["", f"## Accuracy: bf16 against {_against(acc)} ({acc['steps']} steps, `{plot}`)", "",
+                      f"Last-{acc['tail']}-step mean loss: bf16 {acc['bf16_tail_mean']:.5f}, {_against(acc)} "
+                      f"{other:.5f}: relative {acc['relative_difference']:+.3%}."]  # fmt: skip
+        plot_curves(acc, args.out / plot)
     if (args.out / "resume.json").exists():
         res = json.loads((args.out / "resume.json").read_text())
         lines += ["", "## Resume with FP8", "", f"{res['what']}; exit codes {res['exit_codes']}", ""]
@@ -317,6 +331,8 @@ def main() -> None:
     parser.add_argument("--parts", default="throughput", help="Comma-separated: throughput, zero3, accuracy, resume")
     parser.add_argument("--report", nargs="*", type=Path, help="Merge the results of these output dirs; run nothing")
     parser.add_argument("--recipe", default="tensorwise", choices=["rowwise", "tensorwise"], help="accuracy/resume")
+    parser.add_argument("--against", choices=sorted(SETTINGS), help="accuracy: the setting against bf16 (default: "
+                        "FP8 with --recipe; adam8: torchao's 8-bit AdamW)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="Logged steps left out of the averages")
     parser.add_argument("--records", type=int, default=6000)
