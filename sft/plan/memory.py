@@ -534,11 +534,18 @@ def _check_setting(s: Setting) -> None:
 # each plus a fp32 scale per block of 256; under ZeRO it quantizes each flat partition of 4,096 elements or more whose
 # size is a multiple of 256, and keeps the small ones in fp32)
 EIGHT_BIT_MOMENTS = {"adamw_torch_8bit": 2 + 8 / 256}
+# ... and what its step holds besides, per element of the tensor it steps: both moments dequantised to fp32 (measured:
+# 8.031 bytes per element of a flat tensor of 1e9 and 4e9 elements, none for fused fp32 AdamW; benchmarks/results/
+# optimizer_step_memory). ZeRO-1/2 hand it the whole partition as one tensor, ZeRO-3 one sub-group at a time.
+EIGHT_BIT_STEP_BYTES = 8 + 8 / 256
 
 
 def moment_bytes_of(optim) -> float:
     """Bytes of Adam's two moments per parameter for the optimizer `optim` (transformers' `optim` name or enum)."""
     return EIGHT_BIT_MOMENTS.get(str(getattr(optim, "value", optim) or "").lower(), 8.0)
+
+
+EIGHT_BIT_STEP_LINE = "8-bit Adam moments as fp32 (step)"
 
 
 def _optimizer_line(s: Setting) -> str:
@@ -567,6 +574,8 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
             sub_group = min(p / n, SUB_GROUP_SIZE)
         step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
         step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
+        if s.state_bytes < 12:
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * sub_group
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
         states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
     elif s.zero_stage == 2:
@@ -575,17 +584,26 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         on_gpu = 0 if s.offload_optimizer else part
         step["gradient partition (16-bit)"] = b * on_gpu
         step["fp32 gradient partition (step)"] = 4 * on_gpu
-        step["flattened gradient copy (step)"] = b * on_gpu
+        # with 8-bit moments the flattened copy is gone by the optimizer's step (3B on 1 x H100 and 8B on 2 x H200,
+        # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1)
+        if s.state_bytes < 12:
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * on_gpu
+        else:
+            step["flattened gradient copy (step)"] = b * on_gpu
         states_own = sum(items.values()) + (b + 4) * on_gpu
     elif s.zero_stage == 1:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * part
         step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
+        if s.state_bytes < 12:
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * part
         states_own = sum(items.values()) + sum(step.values())
     else:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * held
         step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
+        if s.state_bytes < 12:  # without ZeRO the optimizer steps each parameter apart
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * shape.largest_module_params
         states_own = sum(items.values()) + sum(step.values())
     return items, step, states_own
 
