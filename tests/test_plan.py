@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import subprocess
@@ -24,7 +25,7 @@ from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from sft.plan import speed
-from sft.plan.preflight import preflight
+from sft.plan.preflight import Resume, preflight
 from tests.conftest import ROOT
 
 SHAPES = {name: LLAMA_SHAPES[name] for name in ("llama-1b", "llama-8b", "llama-70b")}
@@ -276,7 +277,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     dominates, so the largest micro batch, with checkpointing), or checkpointing when nothing fits without it."""
     _, _, training_args, model_args = demo_args(
         tmp_path, "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto",
-        "--plan_gpu_memory_gib", memory_gib,
+        "--plan_gpu_memory_gib", memory_gib, "--optim", "adamw_torch_fused",
     )  # fmt: skip
     assert training_args.auto_settings == {
         "per_device_train_batch_size", "activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8",
@@ -294,6 +295,34 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     bigger = dataclasses.replace(expected.setting, micro_batch=micro + 4)
     assert not plan.estimate(shape, bigger).fits(float(memory_gib) * plan.GiB, 0.1)
     assert resolved.auto_settings == set()
+
+
+def test_optim_auto_takes_8_bit_adam_only_where_the_plan_finds_it_much_faster(tmp_path, caplog):
+    """`optim: auto` (the default): on the demo planned for 0.04 GiB, fp32 moments leave room for micro batch 1, 8-bit
+    moments for micro batch 2 (the speed model: well over 1.1x), so the run takes torchao's 8-bit AdamW and says why;
+    with 0.15 GiB both fit micro batch 12 and fp32 Adam stays. LoRA keeps fp32 Adam, and a resumed run keeps its
+    checkpoint's optimizer whatever the plan would choose now."""
+    auto = ("--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto")
+    _, _, training_args, model_args = demo_args(tmp_path, *auto, "--plan_gpu_memory_gib", "0.04")
+    assert "optim" in training_args.auto_settings and training_args.optim == "adamw_torch_fused"
+    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+        run = preflight(training_args, model_args)
+    assert run.training_args.optim == "adamw_torch_8bit" and run.training_args.per_device_train_batch_size == 2
+    assert "optim: auto -> adamw_torch_8bit (torchao's 8-bit AdamW)" in caplog.text
+    assert "against micro batch 1 x " in caplog.text.split("optim: auto ->")[1].split("\n")[0]
+    shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))
+    chosen = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, micro_batch=2, accumulation=16,
+                          activation_checkpointing=True)  # fmt: skip
+    assert not plan.estimate(shape, chosen).fits(0.04 * plan.GiB, 0.1)
+    assert plan.estimate(shape, dataclasses.replace(chosen, moment_bytes=2.03125)).fits(0.04 * plan.GiB, 0.1)
+    roomy = preflight(*demo_args(tmp_path, *auto, "--plan_gpu_memory_gib", "0.15")[2:]).training_args
+    assert roomy.optim == "adamw_torch_fused" and roomy.per_device_train_batch_size == 12
+    _, _, lora_args, lora_model = demo_args(tmp_path, *auto, "--plan_gpu_memory_gib", "0.04", "--use_peft", "true",
+                                             "--from_scratch", "false")  # fmt: skip
+    assert preflight(lora_args, lora_model).training_args.optim == "adamw_torch_fused"
+    resume = Resume("checkpoint-4", 1, 1, 32, 32, optim="adamw_torch_fused")
+    resumed = preflight(training_args, model_args, resume).training_args
+    assert resumed.optim == "adamw_torch_fused" and resumed.per_device_train_batch_size == 1
 
 
 def test_preflight_refuses_a_plan_that_does_not_fit(tmp_path):

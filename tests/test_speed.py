@@ -163,16 +163,20 @@ def test_auto_takes_the_speed_models_first_and_logs_why(tmp_path, caplog):
 def test_sft_plan_decides_liger_as_train_does_and_names_the_lever_that_fits(capsys):
     """The issue's case: 8B, 2 GPUs of 139 GiB, ZeRO-3, rows of 262,144. `sft plan` takes Liger on for Llama as `sft
     train` does on a GPU and finds sp=2 with checkpointing; with Liger off nothing fits and the advice names Liger
-    (LoRA would not shrink the logits). 70B in full on 2 x 80 GB: LoRA is the lever."""
+    (LoRA would not shrink the logits) with fp32 Adam; 8-bit Adam's moments (`optim: auto`) make room too. 70B in full
+    on 2 x 80 GB: LoRA is the lever."""
     args = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "2", "--zero", "3", "--seq-len", "262144",
             "--gpu-memory", "139", "--host-memory", "24", "--suggest"]  # fmt: skip
     plan_cli.main(args)
     out = capsys.readouterr().out
     assert "Liger on" in out and "fastest setting that fits:" in out and "sequence-parallel 2" in out
     assert "| 1 |" in out and "speed model: H100 80GB" in out
-    plan_cli.main([*args, "--liger", "off"])
+    plan_cli.main([*args, "--liger", "off", "--optim", "adamw_torch"])
     out = capsys.readouterr().out
     assert "Nothing fits" in out and "turn Liger on (use_liger_kernel" in out and "LoRA" not in out.split("Nothing")[1]
+    plan_cli.main([*args, "--liger", "off"])  # `optim: auto`: 8-bit Adam moments make room for the logits
+    out = capsys.readouterr().out
+    assert "optim auto -> adamw_torch_8bit" in out and "sequence-parallel 2" in out and "8-bit Adam |" in out
     plan_cli.main(["--model", "meta-llama/Llama-3.1-70B", "--gpus", "2", "--zero", "3", "--seq-len", "4096",
                    "--gpu-memory", "80", "--host-memory", "256", "--suggest"])  # fmt: skip
     assert "use LoRA (use_peft): the model states are what does not fit" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 
@@ -128,8 +129,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--fp8", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                         help="Decoder linears in torchao float8 (sft.model.fp8), compiled; auto: as `sft train` "
                              "decides for the family on an H100/H200")  # fmt: skip
-    parser.add_argument("--optim", default="adamw_torch", help="The training argument `optim`: adamw_torch_8bit "
-                        "(torchao's AdamW8bit) keeps Adam's moments in 8-bit blocks")  # fmt: skip
+    parser.add_argument("--optim", default="auto",
+                        help="The training argument `optim`: adamw_torch_8bit (torchao's AdamW8bit) keeps Adam's "
+                             "moments in 8-bit blocks; auto: --suggest takes them as `sft train` does, where the "
+                             "fastest setting that fits with them is 1.1x as fast")  # fmt: skip
     parser.add_argument("--global-batch", type=int, help="Rows per optimizer step: the speed model's accumulation")
     parser.add_argument("--gpu-name", help="The card whose speed constants rank the settings (default: this "
                                            f"machine's GPU, else {speed.REFERENCE_CARD}; sft.plan.speed)")  # fmt: skip
@@ -249,6 +252,20 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))
 
 
+def _optimizer_states(rank, bases: list[Setting], fp32: list) -> list:
+    """`--optim auto`: the settings ranked with 8-bit Adam moments where `sft train` would take them
+    (`sft.plan.memory.eight_bit_wins`), said in a line; else `fp32`'s."""
+    eight = rank([dataclasses.replace(b, moment_bytes=plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM)) for b in bases])
+    if not eight:
+        return fp32
+    taken = plan.eight_bit_wins(fp32, eight)
+    fp32_speed = f"{fp32[0].time.tokens_per_second:,.0f}" if fp32 else "nothing fits"
+    print(f"optim auto -> {plan.EIGHT_BIT_OPTIM if taken else 'fp32 AdamW'}: with 8-bit Adam moments the fastest "
+          f"estimates {eight[0].time.tokens_per_second:,.0f} tokens/s/GPU, with fp32 moments {fp32_speed} (8-bit "
+          f"taken at {plan.EIGHT_BIT_GAIN}x or more)")  # fmt: skip
+    return eight if taken else fp32
+
+
 def _fit_report(args, shape, setting: Setting, result, memory: float, host: float) -> int:
     """Whether the setting fits this GPU and host; with --suggest (or when it does not fit) the fastest setting that
     does, with --longest the longest row. Returns the exit code: 0 fits, 1 does not."""
@@ -266,9 +283,13 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         micros = plan.MICRO_BATCHES
         if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
             micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
-        fits_ranked = ranked_bases(shape, _bases(args, setting), memory, args.headroom, micros, args.same_stage,
-                                   sp_choices=sp_choices, host_memory=host, target=args.global_batch, card=card,
-                                   kernels=_candidate_kernels(args), by_speed=args.by_speed)  # fmt: skip
+        rank = functools.partial(ranked_bases, shape, gpu_memory=memory, headroom=args.headroom, micro_batches=micros,
+                                 same_stage=args.same_stage, sp_choices=sp_choices, host_memory=host,
+                                 target=args.global_batch, card=card, kernels=_candidate_kernels(args),
+                                 by_speed=args.by_speed)  # fmt: skip
+        fits_ranked = rank(_bases(args, setting))
+        if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
+            fits_ranked = _optimizer_states(rank, _bases(args, setting), fits_ranked)
         if not fits_ranked:
             print(nothing_fits(setting, shape, memory, args.headroom, host))
         else:

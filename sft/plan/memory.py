@@ -201,7 +201,8 @@ class Setting:
         levers = ", ".join(self.tools.names()) or "no memory lever"
         dtype = "bf16" if self.dtype_bytes == 2 else "fp32"
         kernels = "FP8 compiled" if self.fp8 else f"{dtype} compiled" if self.compiled else dtype
-        return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}"
+        moments = ", 8-bit Adam" if self.state_bytes < 12 else ""
+        return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}{moments}"
 
     def attention_kept_eager(self, fp8_auto: bool = True) -> Setting:
         """As a run sets it with attention outputs kept: layers not compiled (the selection of what to keep does not
@@ -546,6 +547,30 @@ def moment_bytes_of(optim) -> float:
 
 
 EIGHT_BIT_STEP_LINE = "8-bit Adam moments as fp32 (step)"
+# `optim: auto` (`sft train` and `sft plan`): torchao's 8-bit AdamW where the fastest setting that fits with its
+# moments is this much faster than with fp32 moments. Its 300-step loss curve equals fp32 Adam's (1B widths on
+# 1 x H100, last-50-step mean -0.001%, benchmarks/results/fp8/call5_accuracy_adam8); 8B on 2 GPUs planned for 80 GB
+# under ZeRO-3 trained at 9,186 tokens/s with it against 6,053 with fp32 moments (benchmarks/results/
+# speed_sweep_h200x4/call5_8b_adam8); on 3B on 1 x H100 it gained 1-2% (call6_adam8): not worth another optimizer.
+EIGHT_BIT_GAIN = 1.1
+EIGHT_BIT_OPTIM = "adamw_torch_8bit"
+
+
+def eight_bit_candidate(s: Setting) -> bool:
+    """Whether `optim: auto` may give `s` 8-bit Adam moments: full fine-tuning (LoRA's states are small) under ZeRO
+    with the optimizer on the GPU (DeepSpeed's CPU Adam keeps fp32 moments), torchao installed."""
+    import importlib.util
+
+    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer
+            and importlib.util.find_spec("torchao") is not None)  # fmt: skip
+
+
+def eight_bit_wins(fp32: list[Ranked], eight: list[Ranked]) -> bool:
+    """`optim: auto`'s rule, given the settings that fit with fp32 and with 8-bit moments, each fastest first: 8-bit
+    where its fastest keeps the optimizer on the GPU and is `EIGHT_BIT_GAIN` x as fast as fp32's (or only it fits)."""
+    if not eight or eight[0].estimate.setting.offload_optimizer:
+        return False
+    return not fp32 or eight[0].time.tokens_per_second >= EIGHT_BIT_GAIN * fp32[0].time.tokens_per_second
 
 
 def _optimizer_line(s: Setting) -> str:

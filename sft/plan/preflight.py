@@ -51,13 +51,14 @@ class Resume:
     global_batch: int
     ep: int = 1  # expert-parallel size (fingerprints before it: 1)
     autoep: bool = False  # the MoE layers were AutoEP's (`sft.engines.deepspeed.autoep`)
+    optim: str | None = None  # the optimizer it was trained with (fingerprints before it: None)
 
     @classmethod
     def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
         parallel = fingerprint.get("parallel", {})
         ep = parallel.get("ep", 1)
         geometry = (fingerprint[k] for k in ckpt.GEOMETRY_FIELDS)  # present: sft.run.checkpoint.damage checked them
-        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1))
+        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1), fingerprint.get("optim"))
 
     def describe(self) -> str:
         return (
@@ -116,9 +117,12 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
     shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
                                                  model_config, arch))  # fmt: skip
-    micro, tools, sp, sentence, ratio, bf16 = _plan_memory(
-        training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch
+    resumed_optim = resume.optim if resume is not None and "optim" in training_args.auto_settings else None
+    micro, tools, sp, sentence, ratio, bf16, optim = _plan_memory(
+        training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch, resumed_optim
     )
+    if optim is not None:
+        changes["optim"] = optim
     if bf16 is not None:
         _bf16_faster(training_args, kernels, changes, bf16)
     if tools.keep_attention:
@@ -438,12 +442,14 @@ def _plan_memory(
     micro_cap: int | None,
     shape_of,
     arch: architectures.Architecture,
-) -> tuple[int, memplan.Tools, int, str, float, bool | None]:
+    resumed_optim: str | None = None,
+) -> tuple[int, memplan.Tools, int, str, float, bool | None, str | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
-    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None)), from the model's
-    shape (`shape_of()`, built on first call): the `auto` ones
+    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None), the optimizer where
+    `optim: auto` set it (else None)), from the model's shape (`shape_of()`, built on first call): the `auto` ones
     chosen by the memory plan and the speed model (the smallest sp first, then the fastest setting that fits; micro
-    batches up to `micro_cap`, an out-of-memory retry's); the plan logged and checked against the GPU and host."""
+    batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the checkpoint's `resumed_optim` on a
+    resume); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
@@ -460,7 +466,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None, resumed_optim
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -468,16 +474,18 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, resumed_optim
     shape = shape_of()
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
                                compiled=kernels["compiled layers"].on)  # fmt: skip
+    if resumed_optim:
+        base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
     dp = training_args.parallel.dp
     if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
         fixed = "per_device_train_batch_size" not in auto
         accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
         base = dataclasses.replace(base, accumulation=max(accumulation, 1))
-    bf16 = None
+    bf16, optim = None, resumed_optim
     if auto:
         bases = [base]
         by_speed = arch.kernel("speed")
@@ -487,20 +495,49 @@ def _plan_memory(
         elif "fp8" in auto and base.fp8:  # FP8 is a candidate, not a given: bf16 (compiled where the family's is good)
             compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
             bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
-        chosen = _choose(training_args, shape, bases, target, micro_cap, (memory, headroom, host), by_speed.on)
+        limits = (memory, headroom, host)
+        if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
+            bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
+        chosen = _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
+        if chosen.moment_bytes != base.moment_bytes:  # `optim: auto` chose 8-bit moments
+            base, optim = dataclasses.replace(base, moment_bytes=chosen.moment_bytes), memplan.EIGHT_BIT_OPTIM
         if base.fp8 and not chosen.fp8 and not chosen.keep_attention:  # kept attention turns FP8 off by itself
             bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
-    return micro, tools, sp, sentence, ratio, bf16
+    return micro, tools, sp, sentence, ratio, bf16, optim
 
 
-def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
+def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
+    """`optim: auto`: `bases` with 8-bit Adam moments where their fastest fitting setting beats fp32 moments' by
+    `EIGHT_BIT_GAIN` (then `optim` is set to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
+    eight = [dataclasses.replace(b, moment_bytes=memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM)) for b in bases]
+    fp32_fits = _fits(training_args, shape, bases, target, micro_cap, limits)
+    eight_fits = _fits(training_args, shape, eight, target, micro_cap, limits)
+    if not memplan.eight_bit_wins(fp32_fits, eight_fits):
+        return bases
+    fast = eight_fits[0].time.tokens_per_second
+    slow = fp32_fits[0].time.tokens_per_second if fp32_fits else 0.0
+    against = (f"{fp32_fits[0].estimate.setting.levers_and_micro()} at {slow:,.0f} tokens/s with fp32 moments"
+               if fp32_fits else "nothing fitting with fp32 moments")  # fmt: skip
+    logger.info("optim: auto -> %s (torchao's 8-bit AdamW): the fastest setting that fits with 8-bit Adam moments, "
+                "%s, estimates %s tokens/s per GPU against %s (its loss curve measured equal to fp32 Adam's)",
+                memplan.EIGHT_BIT_OPTIM, eight_fits[0].estimate.setting.levers_and_micro(), f"{fast:,.0f}",
+                against)  # fmt: skip
+    return eight
+
+
+def _fits(training_args, shape, bases, target, micro_cap, limits) -> list:
+    """What `_choose` ranks, not logged: the settings of the smallest sp that fits, fastest first (empty if none)."""
+    return _choose(training_args, shape, bases, target, micro_cap, limits, ranking=True)
+
+
+def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True, ranking: bool = False):
     """The `auto` settings as the memory plan and the speed model choose them: the smallest sp that fits (every step
     of sp costs all-to-all traffic), then the fastest of `bases` (their kernels: FP8 or bf16) with the micro batch and
     levers that fit (`sft.plan.memory.ranked`), the ranking logged; nothing fitting, the most frugal setting (reported
-    by `_check_plan`)."""
+    by `_check_plan`). `ranking`: the ranked list instead (empty where nothing fits), not logged."""
     memory, headroom, host = limits
     auto = training_args.auto_settings
     micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
@@ -518,10 +555,14 @@ def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bo
         fits = memplan.ranked_bases(shape, bases, memory, headroom, micro_choices, levels=levels,
                                     sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
                                     kernels=kernels, by_speed=by_speed)  # fmt: skip
+        if ranking and fits:
+            return fits
         if fits and by_speed:
             _log_ranking(fits, card)
         if fits:
             return fits[0].estimate.setting
+    if ranking:
+        return []
     frugal = bases[0].with_tools(levels[-1])
     return dataclasses.replace(frugal, micro_batch=min(micro_choices), sp=max(sp_choices))
 

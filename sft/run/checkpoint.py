@@ -222,6 +222,7 @@ def fingerprint(script_args, data_args, plan, model_args, tokenizer, n_train: in
         "world_size": dims.world_size,
         "parallel": {"dp": dims.dp, "sp": dims.sp, "ep": dims.ep, "autoep": plan.engine.experts is not None},
         "fp8": training_args.fp8_recipe if training_args.fp8 else False,
+        "optim": str(getattr(training_args.optim, "value", training_args.optim)),  # its states must load
         "per_device_train_batch_size": training_args.per_device_train_batch_size,
         "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
         "global_batch": plan.batch.global_batch_size,
@@ -242,7 +243,7 @@ LORA_FIELDS = (
 # Fingerprint keys added later, with the value a checkpoint written before them implies
 ADDED_KEYS = {"fp8": False}
 # ... and those a checkpoint written before them says nothing about (compared only when the checkpoint has them)
-UNKNOWN_BEFORE = {"architecture", "lora"}
+UNKNOWN_BEFORE = {"architecture", "lora", "optim"}
 
 
 def _differences(key: str, saved, current) -> list[str]:
