@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import DEMO, ROOT, cli_env, read_jsonl, run_cli
+from tests.multiproc.test_resume import kill_after_checkpoint
 
 STEPS, LOG_EVERY = 40, 5
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
@@ -274,25 +276,36 @@ def test_a_run_decides_once(tmp_path):
     assert len(train_losses(out)) == 2
 
 
-def test_eight_bit_adam_keeps_its_moments_in_8_bit_under_zero2_as_the_plan_counts(tmp_path):
-    """`optim: adamw_torch_8bit` (torchao's AdamW8bit) under ZeRO-2, one process, two steps: the plan counts Adam's
-    moments at 2 + 8/256 bytes a parameter, and the checkpoint's optimizer holds them as torchao's 8-bit blocks for
-    ZeRO's flat partition of the weights (the small partition of norms stays fp32, as torchao does below 4,096)."""
-    out = tmp_path / "out"
-    result = run_cli([
-        "--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), "--max_steps", "2",
-        "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2",
-        "--optim", "adamw_torch_8bit", "--report", "false", "--plan_gpu_memory_gib", "80",
-    ])  # fmt: skip
+def test_eight_bit_adam_keeps_its_moments_in_8_bit_under_zero2_and_resumes_exactly(tmp_path, init_model):
+    """`optim: adamw_torch_8bit` (torchao's AdamW8bit) under ZeRO-2 on 2 processes, 4 steps: the plan counts Adam's
+    moments at 2 + 8/256 bytes a parameter, and each rank's checkpoint holds them as torchao's 8-bit blocks for ZeRO's
+    flat partition of the weights (the small partition of norms stays fp32, as torchao does below 4,096 elements).
+    SIGKILLed after checkpoint-2 and run again, the run's losses and final weights equal the uninterrupted run's
+    (the 8-bit states load as they were saved)."""
+    args = [
+        "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--model_name_or_path",
+        str(init_model), "--max_steps", "4", "--max_length", "256", "--per_device_train_batch_size", "1",
+        "--global_batch_size", "4", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps",
+        "--save_steps", "2", "--optim", "adamw_torch_8bit", "--report", "false", "--plan_gpu_memory_gib", "80",
+    ]  # fmt: skip
+    out, again = tmp_path / "out", tmp_path / "again"
+    result = run_cli([*args, "--output_dir", str(out)], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "full, 8-bit Adam moments" in result.stderr
     assert "optimizer: fp32 master + Adam moments (8-bit)" in result.stderr
-    states = next((out / "checkpoint-2").glob("*/*optim_states.pt"))
-    saved = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-    flat = [p.numel() for p in saved["single_partition_of_fp32_groups"]]
-    moments = saved["base_optimizer_state"]["state"]
-    kinds = {i: type(moments[i]["exp_avg"]).__name__ for i in range(len(flat))}
-    assert kinds == {i: "OptimState8bit" if n >= 4096 else "Tensor" for i, n in enumerate(flat)}
-    assert "OptimState8bit" in kinds.values()
-    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    for states in sorted((out / "checkpoint-2").glob("*/*optim_states.pt")):
+        saved = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        flat = [p.numel() for p in saved["single_partition_of_fp32_groups"]]
+        moments = saved["base_optimizer_state"]["state"]
+        kinds = {i: type(moments[i]["exp_avg"]).__name__ for i in range(len(flat))}
+        assert kinds == {i: "OptimState8bit" if n >= 4096 else "Tensor" for i, n in enumerate(flat)}
+        assert "OptimState8bit" in kinds.values()
+    kill_after_checkpoint([*args, "--output_dir", str(again)], again, step=2)
+    resumed = run_cli([*args, "--output_dir", str(again)], nproc=2)
+    assert resumed.returncode == 0 and "Resuming from" in resumed.stderr, resumed.stderr[-3000:]
+    ref, res = ([(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(o / "metrics.jsonl") if "loss" in r]
+                for o in (out, again))  # fmt: skip
+    assert [s for s, _, _ in ref] == [1, 2, 3, 4] and all(math.isfinite(x) for _, x, _ in ref)
+    assert res == ref
+    a, b = (safetensors.torch.load_file(o / "model.safetensors") for o in (out, again))
+    assert all(torch.equal(a[k], b[k]) for k in a)
