@@ -315,7 +315,7 @@ def default_setting(run: dict) -> plan.Setting | None:
     setting = plan.Setting(gpus=run["gpus"], zero_stage=run["zero"], seq_len=4096, liger=flag["use_liger_kernel"],
                            micro_batch=micro,
                            fp8=flag["fp8"], compiled=flag["compile_decoder_layers"],
-                           moment_bytes=_moment_bytes(run["name"]))  # fmt: skip
+                           moment_bytes=plan.moment_bytes_of(values.get("optim")))  # fmt: skip
     tools = plan.Tools(flag["activation_checkpointing"], False, False,
                        keep_attention=flag.get("keep_attention_outputs", False))  # fmt: skip
     setting = setting.with_tools(tools)
@@ -404,16 +404,12 @@ def median_tokens_per_second(run: dict) -> float | None:
     return run["tokens_per_step"] / run["gpus"] / float(np.median(run["step_seconds_each"]))
 
 
-# Variants the speed model has no term for, so their runs check the fit rather than feed it: `adam8` (torchao's 8-bit
-# AdamW steps at its own speed; the model times it as fp32 Adam, and one such run's median step was a compile's)
-HELD_OUT = ("adam8",)
-
-
 def fit_runs(paths: list[Path], held_out: bool = False) -> list[dict]:
-    """The runs a fit uses: those with step times and a setting (`resolved`); `held_out`: instead those of a variant in
-    `HELD_OUT`."""
+    """The runs a fit uses: those with step times and a setting (`resolved`); `held_out`: instead those with 8-bit
+    Adam moments (`+adam8`, or a default that `optim: auto` gave them), which check the fit rather than feed it: the
+    model has no term for torchao's 8-bit step and times it as fp32 Adam's."""
     runs = (resolved(r) for path in paths for r in read_jsonl(Path(path)) if r.get("step_seconds"))
-    return [r for r in runs if r is not None and any(v in HELD_OUT for v in r["name"].split("+")[1:]) == held_out]
+    return [r for r in runs if r is not None and (r["setting"].get("moment_bytes", 8) < 8) == held_out]
 
 
 def fit(args) -> None:
