@@ -171,6 +171,10 @@ class TrainConfig(SFTConfig):
         fp8 (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Train the decoder's linear layers in FP8 (torchao float8, see `sft.model.fp8`). `auto`: on only with a GPU
             that has FP8 tensor cores, torchao installed, no LoRA, and a model wide enough that FP8 measured faster.
+        engine (`str`, *optional*, defaults to `"deepspeed"`):
+            What shards and steps the model: `deepspeed` (the `deepspeed` config; none: one replica per process) or
+            `fsdp2` (PyTorch's FSDP2 through accelerate's plugin, as transformers' `fsdp_config` with version 2 drives
+            it: sft writes the config, each decoder layer a unit, sharded checkpoints; see `sft.engines.fsdp2`).
         optim (`str`, *optional*, defaults to `"auto"`):
             transformers' optimizer name (`adamw_torch_fused`, `adamw_torch_8bit`, ...), or `auto`: fused AdamW with
             fp32 moments, or torchao's 8-bit AdamW (`adamw_torch_8bit`: Adam's moments in 8-bit blocks, a quarter of
@@ -254,6 +258,14 @@ class TrainConfig(SFTConfig):
         default="auto",
         metadata={"help": "Decoder linears in FP8 (torchao float8): true, false, or `auto` (FP8 GPU, where faster)."},
     )
+    engine: str = field(
+        default="deepspeed",
+        metadata={
+            "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded) or "
+            "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it).",
+            "choices": list(engines.ENGINES),
+        },  # fmt: skip
+    )
     optim: str = field(
         default="auto",
         metadata={
@@ -324,11 +336,32 @@ class TrainConfig(SFTConfig):
             logs.quiet_accelerator_detection()
         # sp must divide the launch's world size, ep its data-parallel size
         launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
+        self._prepare_engine(launch)
+        super().__post_init__()
+        if self.engine == "deepspeed":
+            engines.check_agrees(self)
+
+    def _prepare_engine(self, launch: ParallelDims) -> None:
+        """The `engine` checked and its configuration written: DeepSpeed's config resolved, or FSDP2's `fsdp` and
+        `fsdp_config` (`sft.engines.fsdp2`)."""
+        self.engine = str(self.engine).strip().lower()
+        if self.engine not in engines.ENGINES:
+            raise ConfigError(f"`engine` must be one of {', '.join(engines.ENGINES)}, got {self.engine!r}.")
+        if self.engine == "fsdp2":
+            self.fsdp, self.fsdp_config = engines.prepare_fsdp2(
+                self.deepspeed, self.fsdp, self.fsdp_config, launch.sp, launch.ep
+            )
+            self.deepspeed, self.resolved_ds_settings = None, {}
+            return
+        if self.fsdp or self.fsdp_config:
+            raise ConfigError(
+                "`fsdp` / `fsdp_config` are FSDP's settings, which sft drives as its second engine: set `engine: "
+                "fsdp2` (sft writes fsdp and fsdp_config; `fsdp_config` may keep reshard_after_forward and "
+                "cpu_offload), or drop them for DeepSpeed."
+            )
         self.deepspeed, self.resolved_ds_settings = engines.prepare_config(
             self.deepspeed, launch.world_size, launch.sp, launch.ep
         )
-        super().__post_init__()
-        engines.check_agrees(self)
 
     def _parse_sizes(self) -> None:
         """The micro batch and the parallel sizes: whole numbers, or `auto` (a placeholder until the plan chooses)."""
@@ -460,8 +493,9 @@ class TrainConfig(SFTConfig):
         return ParallelDims.of(self)
 
     @functools.cached_property
-    def engine(self) -> engines.Engine:
-        """The run's engine (`sft.engines`), built once from these arguments' resolved configuration."""
+    def run_engine(self) -> engines.Engine:
+        """The run's engine (`sft.engines`: the `engine` field's), built once from these arguments' resolved
+        configuration."""
         return engines.build(self)
 
 
@@ -530,6 +564,7 @@ HELP_GROUPS = {
         "max_steps": "stop after this many optimizer steps (overrides num_train_epochs)",
     },
     "DeepSpeed and precision": {
+        "engine": "deepspeed (the `deepspeed` config) or fsdp2 (PyTorch's FSDP2)",
         "deepspeed": "a DeepSpeed config (ds_configs/zero2.json, zero3.json, *_offload.json) or none",
         "bf16": "bf16 mixed precision (on GPUs)",
         "fp8": "FP8 linears (torchao): true, false, or auto (H100/H200, where faster)",
@@ -772,7 +807,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             f"{model_args.lora_dropout}`: PEFT's adapters on parameters (a MoE's experts) add B @ A to the weight "
             "itself, so no dropout can apply to their input. Set `lora_dropout: 0`."
         )
-    quantization.check(model_args, training_args, training_args.engine.sharding.stage)
+    quantization.check(model_args, training_args, training_args.run_engine.sharding.stage)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

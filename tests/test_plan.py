@@ -437,7 +437,8 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     from sft.config import TrainConfig
     from sft.plan.preflight import zero2_advice
 
-    engine = TrainConfig(output_dir=str(tmp_path / "out"), deepspeed=str(ROOT / "ds_configs" / "zero3.json")).engine
+    config = str(ROOT / "ds_configs" / "zero3.json")
+    engine = TrainConfig(output_dir=str(tmp_path / "out"), deepspeed=config).run_engine
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     zero3 = plan.Setting(gpus=2, zero_stage=3, micro_batch=2, seq_len=4096, liger=True)
     zero2 = dataclasses.replace(zero3, zero_stage=2)

@@ -1,11 +1,11 @@
 """Training engines: what sft needs from the library that shards and steps the model.
 
-`base.py` is the interface (`Engine`, `Sharding`); `deepspeed/` is the first engine. Outside this folder nothing
-imports deepspeed: the run's engine is built once (`build`, read through `TrainConfig.engine` and the run plan), and
-the few pieces of an engine's library that sft uses without a run (the tiled MLP, the memory equations, a model built
-outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint) are the functions below. This folder may import
-`sft.errors`, `sft.model.architectures` (which parameters are routed experts, for AutoEP) and the libraries it
-wraps, nothing else of sft.
+`base.py` is the interface (`Engine`, `Sharding`); `deepspeed/` is the first engine, `fsdp2/` the second. Outside
+this folder nothing imports deepspeed: the run's engine is built once (`build`, read through
+`TrainConfig.run_engine` and the run plan), and the few pieces of an engine's library that sft uses without a run (the
+tiled MLP, the memory equations, a model built outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint)
+are the functions below. This folder may import `sft.errors`, `sft.model.architectures` (which parameters are routed
+experts, for AutoEP) and the libraries it wraps, nothing else of sft.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 
 from sft.engines.base import Engine, Sharding
 
-__all__ = ["Engine", "Sharding", "prepare_config", "check_agrees", "build", "tiled_mlp", "model_states",
-           "bucket_elements", "outside_sharded_init", "lora_state"]  # fmt: skip
+__all__ = ["Engine", "Sharding", "ENGINES", "prepare_config", "prepare_fsdp2", "check_agrees", "build", "tiled_mlp",
+           "model_states", "bucket_elements", "outside_sharded_init", "lora_state"]  # fmt: skip
 
 
 def prepare_config(config, processes: int, sp: int = 1, ep: int = 1) -> tuple[str | dict | None, dict]:
@@ -34,8 +34,23 @@ def check_agrees(training_args) -> None:
     check(training_args)
 
 
+ENGINES = ("deepspeed", "fsdp2")
+
+
+def prepare_fsdp2(deepspeed, fsdp, fsdp_config, sp: int = 1, ep: int = 1) -> tuple[bool, dict]:
+    """`engine: fsdp2`: transformers' `fsdp` and `fsdp_config` as sft writes them (`sft.engines.fsdp2.prepare`)."""
+    from sft.engines.fsdp2 import prepare
+
+    return prepare(deepspeed, fsdp, fsdp_config, sp, ep)
+
+
 def build(training_args) -> Engine:
-    """The run's engine, from its resolved training arguments (DeepSpeed, on or off: the only engine today)."""
+    """The run's engine, from its resolved training arguments: FSDP2 where `engine: fsdp2`, else DeepSpeed (on or
+    off)."""
+    if training_args.engine == "fsdp2":
+        from sft.engines.fsdp2 import FSDP2
+
+        return FSDP2(training_args)
     from sft.engines.deepspeed import DeepSpeed
 
     return DeepSpeed(training_args)

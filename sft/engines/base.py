@@ -88,6 +88,16 @@ class Engine(abc.ABC):
         return None
 
     # --- the model and the optimizer ---
+    def accelerator_ready(self, trainer) -> None:
+        """After transformers made the trainer's accelerator: anything the engine needs of it before the model is
+        prepared (nothing by default)."""
+        return None
+
+    def model_state_to_save(self, trainer) -> dict | None:
+        """The whole model's weights for the final save where the library's `save_model` would not write them (a
+        collective: every process calls it), else None (transformers saves as it does)."""
+        return None
+
     @abc.abstractmethod
     def prepare_model_build(self) -> bool:
         """Before the model is built: start what the build needs; returns whether the model is built partitioned."""

@@ -70,7 +70,7 @@ class Resume:
 def base_setting(
     training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
 ) -> memplan.Setting:
-    zero = training_args.engine.sharding
+    zero = training_args.run_engine.sharding
     dims = training_args.parallel
     return memplan.Setting(
         gpus=dims.world_size,
@@ -109,7 +109,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
-    dims, engine = training_args.parallel, training_args.engine
+    dims, engine = training_args.parallel, training_args.run_engine
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
@@ -162,7 +162,8 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     auto = training_args.auto_settings
     if auto:
         logger.info(
-            "auto settings: %s", ", ".join(f"{k} = {changes.get(k, getattr(training_args, k))}" for k in sorted(auto))
+            "auto settings: %s",
+            ", ".join(f"{k} = {_shown(changes.get(k, getattr(training_args, k)))}" for k in sorted(auto)),
         )
     planned = dataclasses.replace(training_args, **changes) if changes else training_args
     chosen = "per_device_train_batch_size" in auto
@@ -175,6 +176,11 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     for line in buckets:
         logger.info("%s", line)
     return plan
+
+
+def _shown(value):
+    """A setting as a recipe writes it (an enum's value: `adamw_torch_fused`, not its name)."""
+    return getattr(value, "value", value)
 
 
 def check_lora_parameters(model_args, model_config, trust_remote_code: bool = False) -> None:
@@ -359,7 +365,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
     auto = training_args.auto_settings
     given = _given_levers(training_args)
-    optimizer, params = training_args.engine.offload_auto()
+    optimizer, params = training_args.run_engine.offload_auto()
     free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
     free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
     levels = []
@@ -372,7 +378,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
 
 def _given_levers(training_args) -> memplan.Tools:
     """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
-    zero = training_args.engine.sharding
+    zero = training_args.run_engine.sharding
     fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
     return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
 
@@ -454,7 +460,7 @@ def _plan_memory(
     auto = training_args.auto_settings
     micro = training_args.per_device_train_batch_size
     tools = _given_levers(training_args)
-    ratio = training_args.engine.sharding.offload_ratio
+    ratio = training_args.run_engine.sharding.offload_ratio
     sp = training_args.sequence_parallel_size
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
     memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
@@ -606,7 +612,7 @@ def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limi
         usable / memplan.GiB,
     )
     if fits:
-        advice = zero2_advice(shape, setting, memory, headroom, host, training_args.engine)
+        advice = zero2_advice(shape, setting, memory, headroom, host, training_args.run_engine)
         if advice:
             logger.warning(advice)
     if not fits:

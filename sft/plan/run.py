@@ -46,7 +46,7 @@ class RunPlan:
     @property
     def engine(self):
         """The run's engine (`sft.engines.Engine`), built once from the resolved configuration."""
-        return self.training_args.engine
+        return self.training_args.run_engine
 
     def kernel_on(self, name: str) -> bool:
         kernel = self.kernels.get(name)

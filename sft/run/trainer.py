@@ -93,6 +93,10 @@ class Trainer(SFTTrainer):
             self.experts.compatible_output_registry()
             self._hf_shapes = self.experts.hf_shapes(self.model)
 
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.plan.engine.accelerator_ready(self)
+
     @property
     def preempted(self) -> bool:
         return self.preemption.preempted
@@ -129,6 +133,10 @@ class Trainer(SFTTrainer):
                 "DeepSpeed calls are deprecated is not shown: harmless, sft.run.logs)",
                 self.plan.engine.sharding.stage,
             )
+        elif self.is_fsdp_enabled:
+            resharded = self.plan.engine.config.get("reshard_after_forward", True)
+            logger.info("Starting FSDP2 (PyTorch's fully_shard, each decoder layer a unit, weights %s after the "
+                        "forward), then training", "resharded" if resharded else "kept gathered")  # fmt: skip
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -177,10 +185,14 @@ class Trainer(SFTTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Under expert parallelism the model (and each checkpoint's copy) is saved in Hugging Face's layout, its
-        experts gathered from the expert ranks (`sft.engines.deepspeed.autoep.hf_state_dict`, collective)."""
-        if self._hf_shapes is None or not self.experts.layers(self.model):
+        experts gathered from the expert ranks (`sft.engines.deepspeed.autoep.hf_state_dict`, collective); the final
+        model gathered by the engine where transformers would not write it (`Engine.model_state_to_save`)."""
+        if self._hf_shapes is not None and self.experts.layers(self.model):
+            return self._save(output_dir, state_dict=self.experts.hf_state_dict(self.model, self._hf_shapes))
+        state = None if _internal_call else self.plan.engine.model_state_to_save(self)
+        if state is None:
             return super().save_model(output_dir, _internal_call)
-        self._save(output_dir, state_dict=self.experts.hf_state_dict(self.model, self._hf_shapes))
+        self._save(output_dir, state_dict=state)
 
     def _save_checkpoint(self, model, trial):
         step = self.state.global_step
