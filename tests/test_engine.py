@@ -108,3 +108,38 @@ def test_deepcompile_is_refused_with_what_was_measured(tmp_path, stage):
     config["compile"] = {"deepcompile": False}
     path.write_text(json.dumps(config))
     parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--deepspeed", str(path)])
+
+
+def test_fsdp2_is_written_by_sft_and_what_it_cannot_honour_is_refused(tmp_path):
+    """`engine: fsdp2` writes transformers' `fsdp` / `fsdp_config` (version 2, each decoder layer a unit, resharded,
+    sharded checkpoints) and builds the FSDP2 engine; a DeepSpeed config beside it, FSDP1's settings, sequence or
+    expert parallelism, `fsdp` without the engine and an unknown engine are refused at parse time, naming the field."""
+    from sft import engines
+    from sft.config import parse_args
+    from sft.errors import ConfigError
+    from tests.conftest import ROOT
+
+    def parsed(*extra):
+        return parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "o"),
+                           *extra])[2]  # fmt: skip
+
+    args = parsed("--engine", "fsdp2", "--deepspeed", "none")
+    assert args.fsdp is True and args.deepspeed is None and args.fsdp_plugin_args["fsdp_version"] == 2
+    assert {k: args.fsdp_config[k] for k in engines.fsdp2.DEFAULTS} == engines.fsdp2.DEFAULTS
+    assert args.run_engine.name == "fsdp2" and args.run_engine.sharding == engines.Sharding(3)
+    kept = engines.prepare_fsdp2(None, None, {"reshard_after_forward": False, "cpu_offload": True})[1]
+    built = engines.fsdp2.FSDP2(type("A", (), {"fsdp_config": kept, "parallel": None})())
+    assert built.sharding == engines.Sharding(2, True, True)
+    refusals = {
+        ("--engine", "fsdp2"): "`engine: fsdp2` with `deepspeed: ds_configs/zero2.json`",
+        ("--engine", "fsdp3"): "argument --engine: invalid choice: 'fsdp3'",
+        ("--fsdp", "full_shard"): "set `engine: fsdp2`",
+    }
+    for extra, message in refusals.items():
+        with pytest.raises(ConfigError, match=message.replace("`", ".").replace("(", ".").replace(")", ".")):
+            parsed(*extra)
+    for config, sp, ep, message in (({"backward_prefetch": "BACKWARD_PRE"}, 1, 1, "backward_prefetch is not"),
+                                    ({"version": 1}, 1, 1, "version: 1"), ({}, 2, 1, "sequence_parallel_size: 2"),
+                                    ({}, 1, 2, "expert_parallel_size: 2")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            engines.prepare_fsdp2(None, None, config, sp, ep)
