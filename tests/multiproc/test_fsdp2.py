@@ -4,18 +4,21 @@ One set of runs, many checks: the demo (one fixed random init, fp32, 12 steps) u
 same samples to the same per-step losses and gradient norms; FSDP2 really shards (each checkpoint holds
 torch.distributed.checkpoint shards of both ranks, no whole-model file) and the final model directory loads in
 transformers, its weights changed; a run SIGKILLed after its checkpoint and run again with the same command is
-bit-identical to the uninterrupted one.
+bit-identical to the uninterrupted one, and resumed on one process keeps the learning rate, tokens and samples of
+every step.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
+from sft.run.metrics import samples_per_step
 from tests.conftest import ROOT, read_jsonl, run_cli
 from tests.multiproc.test_resume import kill_after_checkpoint
 from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
@@ -25,7 +28,7 @@ ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--max_steps", str(STEPS),
     "--max_length", "256", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
     "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "6",
-    "--report", "false",
+    "--report", "false", "--trace_data", "true",
 ]  # fmt: skip
 ENGINES = {"fsdp2": ["--engine", "fsdp2", "--deepspeed", "none"], "zero2": ["--deepspeed", "ds_configs/zero2.json"]}
 
@@ -79,11 +82,19 @@ def test_fsdp2_shards_and_saves_a_model_directory(runs, init_model):  # noqa: F8
     assert "FSDP2" in runs["fsdp2_log"]
 
 
-def test_fsdp2_resumes_bit_identically_after_a_kill(runs, init_model, tmp_path):  # noqa: F811
-    """SIGKILLed once checkpoint-6 is complete, the same command again: every step's loss, learning rate, grad norm
-    and token count, and the final weights, equal the uninterrupted run's."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, init_model):  # noqa: F811
+    """An FSDP2 run on 2 processes SIGKILLed once checkpoint-6 is complete (copied by each test that resumes it)."""
+    out = tmp_path_factory.mktemp("killed") / "out"
     kill_after_checkpoint(args_for(init_model, out, "fsdp2"), out, step=6)
+    return out
+
+
+def test_fsdp2_resumes_bit_identically_after_a_kill(runs, killed, init_model, tmp_path):  # noqa: F811
+    """The killed run, the same command again: every step's loss, learning rate, grad norm and token count, and the
+    final weights, equal the uninterrupted run's."""
+    out = tmp_path / "out"
+    shutil.copytree(killed, out)
     result = run_cli(args_for(init_model, out, "fsdp2"), nproc=2)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Resuming from" in result.stderr
@@ -93,3 +104,23 @@ def test_fsdp2_resumes_bit_identically_after_a_kill(runs, init_model, tmp_path):
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = (safetensors.torch.load_file(o / "model.safetensors") for o in (runs["fsdp2"], out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp2_resumes_on_one_process(runs, killed, init_model, tmp_path):  # noqa: F811
+    """The 2-process checkpoint resumed by one process (`python sft/train.py`, no launcher):
+    torch.distributed.checkpoint reshards it; the global batch is kept (accumulation doubled), so the learning rate,
+    the tokens and the samples of every step equal the uninterrupted run's, and the losses after the change agree to
+    the summation order."""
+    out = tmp_path / "out"
+    shutil.copytree(killed, out)
+    result = run_cli(args_for(init_model, out, "fsdp2"), nproc=0)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "on 1 processes (was 2): global batch 4 " in result.stderr
+    ref, res = records(runs["fsdp2"]), records(out)
+    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
+    assert [r["learning_rate"] for r in ref] == [r["learning_rate"] for r in res]
+    assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]
+    assert samples_per_step(out) == samples_per_step(runs["fsdp2"])
+    assert [r["loss"] for r in ref[:6]] == [r["loss"] for r in res[:6]]
+    for a, b in zip(ref[6:], res[6:], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
