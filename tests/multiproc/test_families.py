@@ -1,7 +1,7 @@
 """Families other than Llama through the real CLI under ZeRO-3 with 2 gloo processes: a tiny Qwen3-MoE (experts), a
 tiny Gemma 3 (sliding-window layers mixed with global ones, windows shorter than the demo's packed samples) and a tiny
-gpt-oss (sinks, windows, experts through sft's experts implementation). The loss falls, the log names the family and
-its fast paths, and the saved model reloads and generates."""
+gpt-oss (sinks, windows, experts through sft's experts implementation); the MoE and the sliding-window family under
+FSDP2 too. The loss falls, the log names the family and its fast paths, and the saved model reloads and generates."""
 
 from __future__ import annotations
 
@@ -30,31 +30,36 @@ MODELS = {
                 "num_experts_per_tok": 2, "sliding_window": 16},
 }  # fmt: skip
 STEPS = 16
+# the runs: every family under ZeRO-3; the MoE and the sliding-window family under FSDP2 too (`engine: fsdp2`)
+RUNS = [(name, "zero3") for name in MODELS] + [("qwen3_moe", "fsdp2"), ("gemma3", "fsdp2")]
+ENGINES = {"zero3": ["--deepspeed", "ds_configs/zero3.json"], "fsdp2": ["--engine", "fsdp2", "--deepspeed", "none"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for name, config in MODELS.items():
-        model = tmp_path_factory.mktemp(name)
+    for name, engine in RUNS:
+        model = tmp_path_factory.mktemp(f"{name}-{engine}")
         for f in DEMO_MODEL.iterdir():
             if f.name != "config.json":
                 shutil.copy(f, model)
-        (model / "config.json").write_text(json.dumps({**TOKENS, **WIDTHS, **config}))
+        (model / "config.json").write_text(json.dumps({**TOKENS, **WIDTHS, **MODELS[name]}))
         result = run_cli(
             DEMO + ["--model_name_or_path", str(model), "--output_dir", str(model / "out")]
-            + ["--deepspeed", "ds_configs/zero3.json", "--max_steps", str(STEPS), "--logging_steps", "4"]
+            + ENGINES[engine] + ["--max_steps", str(STEPS), "--logging_steps", "4"]
             + ["--eval_strategy", "no", "--report", "false"],
             nproc=2,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-6000:]
-        out[name] = (model / "out", result.stdout + result.stderr)
+        out[name, engine] = (model / "out", result.stdout + result.stderr)
     return out
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_a_family_trains_under_zero3_and_reloads(runs, name):
-    out, log = runs[name]
+@pytest.mark.parametrize(("name", "engine"), RUNS)
+def test_a_family_trains_under_zero3_and_fsdp2_and_reloads(runs, name, engine):
+    out, log = runs[name, engine]
+    if engine == "fsdp2":
+        assert "Starting FSDP2" in log
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == STEPS // 4 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.3, losses

@@ -20,6 +20,7 @@ import torch
 
 from sft.run.metrics import samples_per_step
 from tests.conftest import ROOT, read_jsonl, run_cli
+from tests.multiproc.test_lora import merge
 from tests.multiproc.test_resume import kill_after_checkpoint
 from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
 
@@ -124,3 +125,26 @@ def test_fsdp2_resumes_on_one_process(runs, killed, init_model, tmp_path):  # no
     assert [r["loss"] for r in ref[:6]] == [r["loss"] for r in res[:6]]
     for a, b in zip(ref[6:], res[6:], strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+
+
+def test_lora_under_fsdp2_equals_lora_under_zero3_and_merges(init_model, tmp_path):  # noqa: F811
+    """LoRA (PEFT) on the saved init under FSDP2 and under ZeRO-3, 6 steps: the same per-step losses within 1e-5
+    relative and the same adapter weights within 1e-6; FSDP2's adapter merges into its base (`sft merge`) and
+    loads."""
+    from transformers import AutoModelForCausalLM
+
+    outs = {}
+    for engine, extra in (("fsdp2", ENGINES["fsdp2"]), ("zero3", ["--deepspeed", "ds_configs/zero3.json"])):
+        outs[engine] = tmp_path / engine
+        args = args_for(init_model, outs[engine], "zero2")[:-2] + extra  # the common args, then this engine's
+        result = run_cli([*args, "--use_peft", "true", "--max_steps", "6", "--save_strategy", "no"], nproc=2)
+        assert result.returncode == 0, result.stderr[-5000:]
+    fsdp2, zero3 = records(outs["fsdp2"]), records(outs["zero3"])
+    assert len(fsdp2) == len(zero3) == 6
+    assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5) for a, b in zip(fsdp2, zero3, strict=True))
+    a, b = (safetensors.torch.load_file(outs[e] / "adapter_model.safetensors") for e in ("fsdp2", "zero3"))
+    assert a.keys() == b.keys() and len(a) == 16 and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    merged = tmp_path / "merged"
+    result = merge(outs["fsdp2"], merged)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(merged).config.model_type == "llama"
