@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +183,37 @@ def test_zero3_checkpoints_need_every_ranks_model_states_and_optimizer_shards(tm
     )
     with pytest.raises(ConfigError, match="no checkpoint can be resumed, every complete one is damaged"):
         ckpt.resolve_resume(args(tmp_path / "other"))
+
+
+def test_fsdp2_checkpoints_need_their_shard_index_and_every_shard_it_names(tmp_path):
+    """FSDP2's torch.distributed.checkpoint folders (written here by one process): a complete one passes; its
+    `.metadata` missing or unreadable, a shard it names missing or cut short, each named (what `resolve_resume`
+    sets a checkpoint aside for, as for DeepSpeed's shards)."""
+    import torch.distributed.checkpoint as dcp
+
+    def fsdp2(out: Path) -> Path:
+        path = make(out, 8, world=1)
+        shutil.rmtree(path / "global_step8")
+        (path / "latest").unlink()
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+            dcp.save({"w": torch.arange(4096.0), "b": torch.ones(8)}, checkpoint_id=str(path / folder), no_dist=True)
+        return path
+
+    assert ckpt.damage(fsdp2(tmp_path / "ok")) is None
+    harms = {
+        "index": (lambda p: (p / "optimizer_0" / ".metadata").unlink(),
+                  "optimizer_0/.metadata is missing (torch.distributed.checkpoint's index of the shards)"),
+        "garbage": (lambda p: (p / "optimizer_0" / ".metadata").write_bytes(b"xx"),
+                    "optimizer_0/.metadata cannot be read (UnpicklingError"),
+        "gone": (lambda p: (p / "pytorch_model_fsdp_0" / "__0_0.distcp").unlink(),
+                 "pytorch_model_fsdp_0/__0_0.distcp is missing (one process's shard)"),
+        "cut": (lambda p: os.truncate(p / "pytorch_model_fsdp_0" / "__0_0.distcp", 100),
+                "pytorch_model_fsdp_0/__0_0.distcp is cut short (100 of "),
+    }  # fmt: skip
+    for name, (harm, named) in harms.items():
+        path = fsdp2(tmp_path / name)
+        harm(path)
+        assert ckpt.damage(path).startswith(named), name
 
 
 def test_another_model_or_adapter_is_named_field_by_field_and_old_checkpoints_are_not_refused_for_it():

@@ -110,10 +110,42 @@ def _file_damage(path: Path) -> str | None:
     return None
 
 
+def _sharded_folder(path: Path) -> bool:
+    """A torch.distributed.checkpoint folder, as transformers names FSDP's (`pytorch_model_fsdp_0`, `optimizer_0`) or
+    by what it holds."""
+    names = ("pytorch_model_fsdp_", "optimizer_")
+    return path.is_dir() and (path.name.startswith(names) or (path / ".metadata").is_file()
+                              or any(path.glob("*.distcp")))  # fmt: skip
+
+
+def _sharded_damage(folder: Path) -> str | None:
+    """What makes a torch.distributed.checkpoint folder (FSDP2's model or optimizer shards) unreadable: its
+    `.metadata` missing or not readable, or a shard it names missing or shorter than the bytes it records."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (folder / ".metadata").is_file():
+        return ".metadata is missing (torch.distributed.checkpoint's index of the shards)"
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 (any unpickling failure: the index is unreadable)
+        return f".metadata cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = folder / name
+        if not shard.is_file():
+            return f"{name} is missing (one process's shard)"
+        if shard.stat().st_size < size:
+            return f"{name} is cut short ({shard.stat().st_size} of {size} bytes)"
+    return None
+
+
 def damage(checkpoint: str | Path) -> str | None:
-    """What makes a complete checkpoint unusable, naming the file, or None. Checks what transformers and DeepSpeed
+    """What makes a complete checkpoint unusable, naming the file, or None. Checks what transformers and the engine
     will read: sft's state, the trainer state, each rank's RNG state, DeepSpeed's `latest` tag and its shards (one
-    per rank where there is one per rank), and every weight, optimizer and state file's structure."""
+    per rank where there is one per rank), FSDP2's torch.distributed.checkpoint folders (their index and every shard
+    it names), and every weight, optimizer and state file's structure."""
     ckpt = Path(checkpoint)
     try:
         state = read_state(ckpt)
@@ -155,6 +187,10 @@ def damage(checkpoint: str | Path) -> str | None:
             return f"{tag}/mp_rank_00_model_states.pt is missing (DeepSpeed's model and engine state)"
         if ranks["model_states"] and not ranks["optim_states"]:
             return f"{tag}/ has no optimizer shard (zero_pp_rank_<rank>_mp_rank_00_optim_states.pt) of any rank"
+    for folder in sorted(p for p in ckpt.iterdir() if _sharded_folder(p)):
+        problem = _sharded_damage(folder)
+        if problem:
+            return f"{folder.name}/{problem}"
     for path in sorted(ckpt.rglob("*")):
         if path.is_file() and path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".json"):
             problem = _file_damage(path)
