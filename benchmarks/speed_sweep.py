@@ -95,12 +95,14 @@ def _moment_bytes(name: str) -> float:
 # memory limit); `bkt`, ZeRO's gradient buckets of 5e8 elements instead of `auto` (hidden^2: hundreds of reductions
 # per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
 # torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
-# AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them)
+# AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `fsdp2`, the FSDP2 engine
+# instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
             "bkt": {"ds": {"reduce_bucket_size": 5e8}},
             "z3b": {"ds": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}},
             "prof": {},
-            "adam8": {"fields": {"optim": "adamw_torch_8bit"}}}  # fmt: skip
+            "adam8": {"fields": {"optim": "adamw_torch_8bit"}},
+            "fsdp2": {"fields": {"engine": "fsdp2"}}}  # fmt: skip
 
 
 def stage_of(name: str, default: int) -> int:
@@ -163,6 +165,8 @@ def launch(name: str, recipe_fields: dict, args, work: Path, data: Path, model: 
               "model_name_or_path": str(model), "max_length": args.seq_len}  # fmt: skip
     recipe.update(datasets=[{"path": str(data)}], output_dir=str(work / name), max_steps=args.steps)
     recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{stage_of(name, args.zero)}.json")
+    if fields.get("engine") == "fsdp2":  # FSDP2 shards instead of DeepSpeed
+        recipe["deepspeed"] = None
     if zero:
         config = json.loads(Path(recipe["deepspeed"]).read_text())
         config["zero_optimization"].update(zero)
