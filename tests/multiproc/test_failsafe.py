@@ -167,3 +167,23 @@ def test_out_of_memory_elsewhere_says_what_to_change(tmp_path):
         assert stopped["reason"] == "out of memory" and stopped["step"] == 3  # the step it ran out of memory in
         assert stopped["message"] == result.stderr.strip().splitlines()[-1].removeprefix("sft: error: ")
         assert read_jsonl(tmp_path / micro / "metrics.jsonl")[-1]["stopped"] == "out of memory"
+
+
+def test_under_fsdp2_a_non_finite_step_is_skipped_then_stops_the_run(tmp_path):
+    """The same diverging demo under FSDP2 (`engine: fsdp2`, 2 processes): the first non-finite step is skipped (its
+    gradients dropped: the weights' shards in the checkpoint after it are the bytes of the one before), the second
+    stops every rank with exit code 3, no final model written."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2", *DIVERGES, "--engine", "fsdp2",
+         "--deepspeed", "none", "--output_dir", str(out)],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == NONFINITE_EXIT_CODE, result.stderr[-4000:]
+    lines = result.stderr.strip().splitlines()
+    stopped = int(re.match(r"sft: error: step (\d+) was not finite", lines[-1]).group(1))
+    skipped = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "nonfinite_skipped" in r]
+    assert len(skipped) == 1 and 1 < skipped[0] < stopped and not (out / "model.safetensors").exists()
+    shards = [sorted((out / f"checkpoint-{s}" / "pytorch_model_fsdp_0").glob("*.distcp")) for s in (skipped[0] - 1,
+              skipped[0])]  # fmt: skip
+    assert len(shards[0]) == 2 and [p.read_bytes() for p in shards[0]] == [p.read_bytes() for p in shards[1]]
