@@ -502,7 +502,9 @@ def _plan_memory(
             compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
             bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
         limits = (memory, headroom, host)
-        if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
+        # 8-bit moments measured under DeepSpeed only (FSDP2 steps each parameter apart: not measured)
+        deepspeed = training_args.engine == "deepspeed"
+        if by_speed.on and "optim" in auto and deepspeed and not resumed_optim and memplan.eight_bit_candidate(base):
             bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
         chosen = _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
