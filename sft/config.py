@@ -348,9 +348,7 @@ class TrainConfig(SFTConfig):
         if self.engine not in engines.ENGINES:
             raise ConfigError(f"`engine` must be one of {', '.join(engines.ENGINES)}, got {self.engine!r}.")
         if self.engine == "fsdp2":
-            self.fsdp, self.fsdp_config = engines.prepare_fsdp2(
-                self.deepspeed, self.fsdp, self.fsdp_config, launch.sp, launch.ep
-            )
+            self.fsdp, self.fsdp_config = engines.prepare_fsdp2(self.deepspeed, self.fsdp_config, launch.sp, launch.ep)
             self.deepspeed, self.resolved_ds_settings = None, {}
             return
         if self.fsdp or self.fsdp_config:

@@ -37,11 +37,11 @@ def check_agrees(training_args) -> None:
 ENGINES = ("deepspeed", "fsdp2")
 
 
-def prepare_fsdp2(deepspeed, fsdp, fsdp_config, sp: int = 1, ep: int = 1) -> tuple[bool, dict]:
+def prepare_fsdp2(deepspeed, fsdp_config, sp: int = 1, ep: int = 1) -> tuple[bool, dict]:
     """`engine: fsdp2`: transformers' `fsdp` and `fsdp_config` as sft writes them (`sft.engines.fsdp2.prepare`)."""
     from sft.engines.fsdp2 import prepare
 
-    return prepare(deepspeed, fsdp, fsdp_config, sp, ep)
+    return prepare(deepspeed, fsdp_config, sp, ep)
 
 
 def build(training_args) -> Engine:

@@ -255,7 +255,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
 def _optimizer_states(rank, bases: list[Setting], fp32: list) -> list:
     """`--optim auto`: the settings ranked with 8-bit Adam moments where `sft train` would take them
     (`sft.plan.memory.eight_bit_wins`), said in a line; else `fp32`'s."""
-    eight = rank([dataclasses.replace(b, moment_bytes=plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM)) for b in bases])
+    eight = rank(plan.with_eight_bit_moments(bases))
     if not eight:
         return fp32
     taken = plan.eight_bit_wins(fp32, eight)

@@ -565,6 +565,11 @@ def eight_bit_candidate(s: Setting) -> bool:
             and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 
+def with_eight_bit_moments(bases: list[Setting]) -> list[Setting]:
+    """`bases` with torchao's 8-bit Adam moments (`optim: auto`'s other candidates)."""
+    return [dataclasses.replace(b, moment_bytes=moment_bytes_of(EIGHT_BIT_OPTIM)) for b in bases]
+
+
 def eight_bit_wins(fp32: list[Ranked], eight: list[Ranked]) -> bool:
     """`optim: auto`'s rule, given the settings that fit with fp32 and with 8-bit moments, each fastest first: 8-bit
     where its fastest keeps the optimizer on the GPU and is `EIGHT_BIT_GAIN` x as fast as fp32's (or only it fits)."""

@@ -520,9 +520,9 @@ def _plan_memory(
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
     """`optim: auto`: `bases` with 8-bit Adam moments where their fastest fitting setting beats fp32 moments' by
     `EIGHT_BIT_GAIN` (then `optim` is set to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
-    eight = [dataclasses.replace(b, moment_bytes=memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM)) for b in bases]
-    fp32_fits = _fits(training_args, shape, bases, target, micro_cap, limits)
-    eight_fits = _fits(training_args, shape, eight, target, micro_cap, limits)
+    eight = memplan.with_eight_bit_moments(bases)
+    fp32_fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
+    eight_fits = _ranked(training_args, shape, eight, target, micro_cap, limits)[0]
     if not memplan.eight_bit_wins(fp32_fits, eight_fits):
         return bases
     fast = eight_fits[0].time.tokens_per_second
@@ -536,16 +536,23 @@ def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) ->
     return eight
 
 
-def _fits(training_args, shape, bases, target, micro_cap, limits) -> list:
-    """What `_choose` ranks, not logged: the settings of the smallest sp that fits, fastest first (empty if none)."""
-    return _choose(training_args, shape, bases, target, micro_cap, limits, ranking=True)
+def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
+    """The `auto` settings as the memory plan and the speed model choose them: the fastest that fits (`_ranked`), the
+    ranking logged; nothing fitting, the most frugal setting (reported by `_check_plan`)."""
+    fits, card, frugal = _ranked(training_args, shape, bases, target, micro_cap, limits, by_speed)
+    if not fits:
+        return frugal
+    if by_speed:
+        _log_ranking(fits, card)
+    return fits[0].estimate.setting
 
 
-def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True, ranking: bool = False):
-    """The `auto` settings as the memory plan and the speed model choose them: the smallest sp that fits (every step
-    of sp costs all-to-all traffic), then the fastest of `bases` (their kernels: FP8 or bf16) with the micro batch and
-    levers that fit (`sft.plan.memory.ranked`), the ranking logged; nothing fitting, the most frugal setting (reported
-    by `_check_plan`). `ranking`: the ranked list instead (empty where nothing fits), not logged."""
+def _ranked(
+    training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True
+) -> tuple[list, speed.Card, memplan.Setting]:
+    """(the settings that fit at the smallest sp that fits any (every step of sp costs all-to-all traffic): `bases`
+    (their kernels: FP8 or bf16) with the micro batches and levers that fit, fastest first (`sft.plan.memory.ranked`),
+    empty where nothing fits; the speed model's card; the most frugal setting, for when nothing fits)."""
     memory, headroom, host = limits
     auto = training_args.auto_settings
     micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
@@ -555,6 +562,7 @@ def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bo
     micro_choices = (micro,)
     card = speed.card(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     kernels = functools.partial(_candidate_kernels, training_args)
+    fits = []
     for sp_choice in sp_choices:
         if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
             rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
@@ -563,16 +571,10 @@ def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bo
         fits = memplan.ranked_bases(shape, bases, memory, headroom, micro_choices, levels=levels,
                                     sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
                                     kernels=kernels, by_speed=by_speed)  # fmt: skip
-        if ranking and fits:
-            return fits
-        if fits and by_speed:
-            _log_ranking(fits, card)
         if fits:
-            return fits[0].estimate.setting
-    if ranking:
-        return []
-    frugal = bases[0].with_tools(levels[-1])
-    return dataclasses.replace(frugal, micro_batch=min(micro_choices), sp=max(sp_choices))
+            break
+    frugal = dataclasses.replace(bases[0].with_tools(levels[-1]), micro_batch=min(micro_choices), sp=max(sp_choices))
+    return fits, card, frugal
 
 
 def _candidate_kernels(training_args, setting: memplan.Setting) -> memplan.Setting:

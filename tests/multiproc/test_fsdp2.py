@@ -91,16 +91,23 @@ def killed(tmp_path_factory, init_model):  # noqa: F811
     return out
 
 
+def resumed(killed: Path, model: Path, tmp_path: Path, nproc: int):
+    """A copy of the killed run, the same command again on `nproc` processes (0: no launcher); (its output dir, the
+    result), checked to have finished and logged every step once."""
+    out = tmp_path / "out"
+    shutil.copytree(killed, out)
+    result = run_cli(args_for(model, out, "fsdp2"), nproc=nproc)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert [r["step"] for r in records(out)] == list(range(1, STEPS + 1))
+    return out, result
+
+
 def test_fsdp2_resumes_bit_identically_after_a_kill(runs, killed, init_model, tmp_path):  # noqa: F811
     """The killed run, the same command again: every step's loss, learning rate, grad norm and token count, and the
     final weights, equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    shutil.copytree(killed, out)
-    result = run_cli(args_for(init_model, out, "fsdp2"), nproc=2)
-    assert result.returncode == 0, result.stderr[-5000:]
+    out, result = resumed(killed, init_model, tmp_path, nproc=2)
     assert "Resuming from" in result.stderr
     ref, res = records(runs["fsdp2"]), records(out)
-    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = (safetensors.torch.load_file(o / "model.safetensors") for o in (runs["fsdp2"], out))
@@ -112,13 +119,9 @@ def test_fsdp2_resumes_on_one_process(runs, killed, init_model, tmp_path):  # no
     torch.distributed.checkpoint reshards it; the global batch is kept (accumulation doubled), so the learning rate,
     the tokens and the samples of every step equal the uninterrupted run's, and the losses after the change agree to
     the summation order."""
-    out = tmp_path / "out"
-    shutil.copytree(killed, out)
-    result = run_cli(args_for(init_model, out, "fsdp2"), nproc=0)
-    assert result.returncode == 0, result.stderr[-5000:]
+    out, result = resumed(killed, init_model, tmp_path, nproc=0)
     assert "on 1 processes (was 2): global batch 4 " in result.stderr
     ref, res = records(runs["fsdp2"]), records(out)
-    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     assert [r["learning_rate"] for r in ref] == [r["learning_rate"] for r in res]
     assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]
     assert samples_per_step(out) == samples_per_step(runs["fsdp2"])

@@ -31,7 +31,7 @@ ALLOWED = {*DEFAULTS, "cpu_offload", "transformer_layer_cls_to_wrap"}
 NORMALISED = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
 
 
-def prepare(deepspeed, fsdp, fsdp_config, sp: int, ep: int) -> tuple[bool, dict]:
+def prepare(deepspeed, fsdp_config, sp: int, ep: int) -> tuple[bool, dict]:
     """The training arguments `fsdp` and `fsdp_config` for `engine: fsdp2`, the recipe's own `fsdp_config` keys kept
     where FSDP2 honours them; a recipe that asks for what FSDP2 cannot do is refused, naming the field."""
     if deepspeed not in (None, "", "none", "null"):
@@ -40,8 +40,7 @@ def prepare(deepspeed, fsdp, fsdp_config, sp: int, ep: int) -> tuple[bool, dict]
             "`deepspeed` (FSDP2 shards as ZeRO-3 does; `fsdp_config: {reshard_after_forward: false}` keeps ZeRO-2's "
             "layout), or set `engine: deepspeed`."
         )
-    given = dict(fsdp_config or {})
-    given = {k.removeprefix("fsdp_"): v for k, v in given.items()}
+    given = {k.removeprefix("fsdp_"): v for k, v in (fsdp_config or {}).items()}
     unknown = sorted(k for k in set(given) - ALLOWED if not (k in NORMALISED and given[k] == NORMALISED[k]))
     if unknown:
         raise ConfigError(
