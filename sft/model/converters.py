@@ -44,8 +44,10 @@ def _fp8(model, plan) -> None:
     from sft.model import fp8
 
     recipe = plan.training_args.fp8_recipe
-    converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available())
-    logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling)", converted, recipe)
+    fsdp2 = plan.engine.name == "fsdp2"
+    converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available(), fsdp2=fsdp2)
+    gathered = ", all-gathered by FSDP2 in float8" if fsdp2 and fp8.all_gathers_float8(recipe) else ""
+    logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling%s)", converted, recipe, gathered)
 
 
 def compile_decoder_layers(model) -> None:

@@ -67,6 +67,10 @@ ZERO3_SLOWER = (
 )
 
 
+# `auto` under FSDP2 (float8 all-gather): not yet measured faster
+FSDP2_AUTO = "under FSDP2 FP8 is not yet measured faster than bf16 (`fp8: true` runs it, weights all-gathered in float8)"
+
+
 class Decision(NamedTuple):
     on: bool
     reason: str
@@ -81,7 +85,9 @@ def fp8_gpu() -> str | None:
     return torch.cuda.get_device_name()
 
 
-def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, under_zero3: bool = False) -> Decision:
+def resolve(
+    value: bool, is_auto: bool, hidden_size: int, use_peft: bool, under_zero3: bool = False, fsdp2: bool = False
+) -> Decision:
     """Whether this run trains in FP8, and why: `fp8: true` refused where it cannot run, `auto` decided."""
     gpu = fp8_gpu()
     on_cpu = not torch.cuda.is_available() and os.environ.get(CPU_ENV) == "1"
@@ -112,6 +118,8 @@ def resolve(value: bool, is_auto: bool, hidden_size: int, use_peft: bool, under_
         return Decision(False, "LoRA/QLoRA trains in bf16")
     if under_zero3:
         return Decision(False, "under ZeRO-3 FP8 measured slower than bf16 (0.875x, Llama-3.1-8B shape on 2 x H200)")
+    if fsdp2:
+        return Decision(False, FSDP2_AUTO)
     if not has_torchao:
         return Decision(False, f"{gpu} has FP8 tensor cores but torchao is not installed (`pip install torchao`)")
     if hidden_size < AUTO_MIN_HIDDEN:
@@ -143,20 +151,35 @@ def layer_filter(recipe: str | None, decoder: tuple[str, ...] = ()):
     return keep
 
 
-def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> int:
+def all_gathers_float8(recipe: str) -> bool:
+    """Whether FSDP2 all-gathers this recipe's weights in float8 (torchao: tensorwise scaling only)."""
+    return recipe == "tensorwise"
+
+
+def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True, fsdp2: bool = False) -> int:
     """Swap the decoder's qualifying linear layers for float8 ones in place (torchao's `swap_linear_layers`, as
     `convert_to_float8_training` does); the number swapped. `size_filter=False` keeps only the multiple-of-16 rule
-    (CPU tests, whose models are far below torchao's thresholds)."""
+    (CPU tests, whose models are far below torchao's thresholds).
+
+    `fsdp2`: the model is sharded by FSDP2 next: torchao's own `Float8Linear` (FSDP2 swaps whole parameters, the
+    leaf-weight variant below is ZeRO-3's), with tensorwise scaling its weights all-gathered in float8 (half the bytes
+    of bf16: each shard cast with the scale of the whole weight, precomputed after every optimizer step by
+    `PrecomputedScales`)."""
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_linear_utils import swap_linear_layers
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if not torch.cuda.is_available():  # the CPU tests: the same float8 casts, the matmul emulated (see the module)
         config = dataclasses.replace(config, emulate=True)
+    if fsdp2 and all_gathers_float8(recipe):
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     keep = layer_filter(recipe if size_filter else None, architectures.decoder_prefixes(model))
-    linear_class = _leaf_weight_float8_linear()
+    linear_class = Float8Linear if fsdp2 else _leaf_weight_float8_linear()
     swap_linear_layers(model, lambda m: linear_class.from_float(m, config=config), module_filter_fn=keep)
     converted = [name for name, m in model.named_modules() if isinstance(m, linear_class)]
+    if fsdp2 and all_gathers_float8(recipe):
+        _addressable(model, linear_class)
     if not converted:
         linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         widths = sorted({tuple(getattr(m.weight, "ds_shape", m.weight.shape)) for m in linear})
@@ -165,6 +188,19 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True) -> in
             f"shapes here {widths}). FP8 would only add casts to this model: set fp8: false (or auto)."
         )
     return len(converted)
+
+
+def _addressable(model: torch.nn.Module, linear_class) -> None:
+    """Each float8-all-gathered weight's `data_ptr()` made its storage's address.
+
+    Why: torchao's weight wrapper (`WeightWithDynamicFloat8CastTensor`) has no storage of its own and answers 0, and
+    accelerate's FSDP2 prepare re-points the optimizer at the sharded parameters by the old ones' `data_ptr()`
+    (`Accelerator._prepare_fsdp2`); it looks inside the wrapper only when accelerate itself did the float8
+    conversion. With every float8 weight at address 0, each optimizer entry would map to the same sharded weight and
+    the others would never be stepped (measured on CPU: the linear weights stayed at their init)."""
+    for module in model.modules():
+        if isinstance(module, linear_class):
+            module.weight.data_ptr = module.weight._tensor.data_ptr
 
 
 @functools.cache
@@ -213,3 +249,19 @@ def _leaf_weight_float8_linear():
             return output
 
     return LeafWeightFloat8Linear
+
+
+
+def precomputed_scales_callback():
+    """A trainer callback that, after every optimizer step, computes the float8 scales of the FSDP2-sharded weights at
+    once (torchao's `precompute_float8_dynamic_scale_for_fsdp`: one all-reduce of every weight's amax) instead of one
+    all-reduce per weight in each all-gather. The scales are the same either way (the amax of the whole weight): a
+    resumed run's first step, with none precomputed, computes them in the all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from transformers import TrainerCallback
+
+    class PrecomputedScales(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    return PrecomputedScales()

@@ -113,7 +113,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
-    kernels, changes = _decide_kernels(training_args, model_args, arch, engine.sharding.stage == 3)
+    kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
     # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
     shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
                                                  model_config, arch))  # fmt: skip
@@ -213,13 +213,13 @@ def _target(training_args, resume: Resume | None, retry) -> int | None:
     return training_args.global_batch_size
 
 
-def _decide_kernels(training_args, model_args, arch, zero3: bool) -> tuple[dict, dict]:
+def _decide_kernels(training_args, model_args, arch, engine) -> tuple[dict, dict]:
     """Liger, FP8, compiled layers (and sft's experts for a MoE) decided for the family, each with its reason,
     logged in one line; returns (kernels, changes to the training arguments). Decided here, applied in the one
     rebuild at the end (a rebuild would turn every `auto` into its placeholder)."""
     liger_on = _family_liger(training_args, arch)
     changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
-    fp8_decision = _resolve_fp8(training_args, model_args, zero3, arch)
+    fp8_decision = _resolve_fp8(training_args, model_args, engine, arch)
     compile_on = training_args.compile_decoder_layers
     if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
         compile_on = (fp8_decision.on and arch.kernel("compile").on) or _compile_bf16(arch)
@@ -423,11 +423,13 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
     return arch.kernel("compile").reason
 
 
-def _resolve_fp8(training_args, model_args, zero3: bool, arch: architectures.Architecture) -> fp8.Decision:
+def _resolve_fp8(training_args, model_args, engine, arch: architectures.Architecture) -> fp8.Decision:
     """`fp8` resolved by `sft.model.fp8` (`true` refused where it cannot run; `auto` also needs the family measured
     good), the choice and its reason logged."""
     auto = "fp8" in training_args.auto_settings
-    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft), zero3)
+    fsdp2 = engine.name == "fsdp2"
+    zero3 = engine.sharding.stage == 3 and not fsdp2
+    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft), zero3, fsdp2)
     if auto and decision.on and not arch.kernel("fp8").on:
         decision = fp8.Decision(False, arch.kernel("fp8").reason)
     if decision.on:

@@ -81,7 +81,7 @@ class Trainer(SFTTrainer):
         self.throughput = metrics.Throughput(self.model, self.args.peak_tflops, dims.world_size, plan.arch)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)
         self.preemption = ckpt.PreemptionCallback()
-        for callback in (self.metrics_log, self.throughput, self.preemption):
+        for callback in (self.metrics_log, self.throughput, self.preemption, *plan.engine.callbacks(self.model)):
             self.add_callback(callback)
         self.resumed_from: str | None = None
         self._wandb_recorded = False
