@@ -68,7 +68,7 @@ ZERO3_SLOWER = (
 
 
 # `auto` under FSDP2 (float8 all-gather): not yet measured faster
-FSDP2_AUTO = "under FSDP2 FP8 is not yet measured faster than bf16 (`fp8: true` runs it, weights all-gathered in float8)"
+FSDP2_AUTO = "under FSDP2 FP8 is not yet measured faster than bf16 (`fp8: true` runs it, all-gathered in float8)"
 
 
 class Decision(NamedTuple):
@@ -249,7 +249,6 @@ def _leaf_weight_float8_linear():
             return output
 
     return LeafWeightFloat8Linear
-
 
 
 def precomputed_scales_callback():

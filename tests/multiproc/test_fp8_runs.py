@@ -161,7 +161,7 @@ def test_fsdp2_fp8_gathers_float8_and_trains_as_zero2_fp8(runs):
     optimizer re-pointing was fixed, sft.model.fp8._addressable, the float8 weights never moved and step 4 was 2.4%
     off). Every weight moved from the init, and the model saves as plain transformers weights."""
     log = runs["fp8_fsdp2_log"]
-    assert "FP8: 28 decoder linear layers in torchao float8 (tensorwise scaling, all-gathered by FSDP2 in float8)" in log
+    assert "FP8: 28 decoder linear layers in torchao float8 (tensorwise scaling, all-gathered by FSDP2" in log
     assert "their scales precomputed after each optimizer step" in log
     assert "FP8 under ZeRO-3 measured slower" not in log
     a, b = records(runs["fp8_zero2"]), records(runs["fp8_fsdp2"])
