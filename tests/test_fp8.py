@@ -220,3 +220,29 @@ def test_tiled_mlp_tiles_are_multiples_of_16_with_fp8():
     out = mlp(x)
     assert seen == [32, 32]  # 37 tokens padded to 64, two tiles
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_fsdp2_conversion_all_gathers_float8_with_fp32_masters_and_real_addresses():
+    """For FSDP2 (tensorwise): torchao's own Float8Linear with float8 all-gather; each wrapped weight cast to fp32
+    before it is wrapped (accelerate's later cast would change only the wrapper's dtype: the wrapped tensor stayed
+    bf16, checked here), and its `data_ptr()` the wrapped storage's (0 would let accelerate point every optimizer
+    entry at one weight)."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    for master in (True, False):
+        model = demo_model().to(torch.bfloat16)
+        assert fp8.convert(model, "tensorwise", size_filter=False, fsdp2=True, fp32_master=master) == 28
+        linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(linears) == 28 and all(m.config.enable_fsdp_float8_all_gather for m in linears)
+        weights = [m.weight for m in linears]
+        assert all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in weights)
+        assert {w._tensor.dtype for w in weights} == {torch.float32 if master else torch.bfloat16}
+        addresses = {w.data_ptr() for w in weights}
+        assert len(addresses) == 28 and 0 not in addresses
+        if not master:  # what accelerate's upcast does to a wrapped bf16 weight: the wrapped tensor stays bf16
+            weights[0].data = weights[0].data.to(torch.float32)
+            assert weights[0].dtype == torch.float32 and weights[0]._tensor.dtype == torch.bfloat16
+    model = demo_model()
+    fp8.convert(model, "rowwise", size_filter=False, fsdp2=True)
+    assert not any(m.config.enable_fsdp_float8_all_gather for m in model.modules() if isinstance(m, Float8Linear))

@@ -156,7 +156,9 @@ def all_gathers_float8(recipe: str) -> bool:
     return recipe == "tensorwise"
 
 
-def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True, fsdp2: bool = False) -> int:
+def convert(
+    model: torch.nn.Module, recipe: str, size_filter: bool = True, fsdp2: bool = False, fp32_master: bool = False
+) -> int:
     """Swap the decoder's qualifying linear layers for float8 ones in place (torchao's `swap_linear_layers`, as
     `convert_to_float8_training` does); the number swapped. `size_filter=False` keeps only the multiple-of-16 rule
     (CPU tests, whose models are far below torchao's thresholds).
@@ -164,7 +166,9 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True, fsdp2
     `fsdp2`: the model is sharded by FSDP2 next: torchao's own `Float8Linear` (FSDP2 swaps whole parameters, the
     leaf-weight variant below is ZeRO-3's), with tensorwise scaling its weights all-gathered in float8 (half the bytes
     of bf16: each shard cast with the scale of the whole weight, precomputed after every optimizer step by
-    `PrecomputedScales`)."""
+    `precomputed_scales_callback`). `fp32_master`: the linears' weights cast to fp32 before they are wrapped, as
+    accelerate's FSDP2 prepare casts every trainable weight under mixed precision (its `param.data = ...float()` on
+    torchao's weight wrapper changes the wrapper's dtype but not the tensor it wraps, which would stay bf16)."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_linear_utils import swap_linear_layers
@@ -176,7 +180,11 @@ def convert(model: torch.nn.Module, recipe: str, size_filter: bool = True, fsdp2
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     keep = layer_filter(recipe if size_filter else None, architectures.decoder_prefixes(model))
     linear_class = Float8Linear if fsdp2 else _leaf_weight_float8_linear()
-    swap_linear_layers(model, lambda m: linear_class.from_float(m, config=config), module_filter_fn=keep)
+
+    def swap(module: torch.nn.Module) -> torch.nn.Module:
+        return linear_class.from_float(module.float() if fp32_master else module, config=config)
+
+    swap_linear_layers(model, swap, module_filter_fn=keep)
     converted = [name for name, m in model.named_modules() if isinstance(m, linear_class)]
     if fsdp2 and all_gathers_float8(recipe):
         _addressable(model, linear_class)
