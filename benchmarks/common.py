@@ -189,6 +189,35 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def free_gpus(gpu_ids: list[int], timeout: float = 60) -> list[str]:
+    """Wait until no process computes on the GPUs `gpu_ids` (nvidia-smi), SIGKILL what is still there after `timeout`
+    seconds; returns "pid (MiB)" of each process killed. Why: runs stopped by SIGKILL to their process group left a
+    worker holding 120 GiB on its GPU into the next runs, which ran out of memory at their start (4 x H200,
+    benchmarks/results/fsdp2_h200x4, call 2 and 3), and a machine's processes are all this sweep's."""
+    import signal
+
+    def holders() -> list[tuple[int, str]]:
+        uuids = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], text=True,
+                               capture_output=True).stdout  # fmt: skip
+        wanted = {u.split(",")[1].strip() for u in uuids.splitlines() if int(u.split(",")[0]) in gpu_ids}
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"],
+                              text=True, capture_output=True).stdout  # fmt: skip
+        rows = [[f.strip() for f in line.split(",")] for line in apps.splitlines() if line.strip()]
+        return [(int(pid), memory) for pid, uuid, memory in rows if uuid in wanted]
+
+    deadline = time.time() + timeout
+    while holders() and time.time() < deadline:
+        time.sleep(1)
+    killed = []
+    for pid, memory in holders():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(f"{pid} ({memory})")
+    while holders() and time.time() < deadline + timeout:
+        time.sleep(1)
+    return killed
+
+
 def _alive_in_group(group: int) -> bool:
     """Whether a process of process group `group` is alive (a zombie holds no memory: not counted)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -44,6 +44,7 @@ from benchmarks.common import (
     LLAMA_SHAPES,
     ROOT,
     environment,
+    free_gpus,
     make_sft_data,
     model_dir,
     read_jsonl,
@@ -96,13 +97,15 @@ def _moment_bytes(name: str) -> float:
 # per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
 # torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
 # AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `fsdp2`, the FSDP2 engine
-# instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout)
+# instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout); `fsdp2g`, FSDP2 with the weights kept
+# gathered from the forward to the backward (`fsdp_config: {reshard_after_forward: false}`)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
             "bkt": {"ds": {"reduce_bucket_size": 5e8}},
             "z3b": {"ds": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}},
             "prof": {},
             "adam8": {"fields": {"optim": "adamw_torch_8bit"}},
-            "fsdp2": {"fields": {"engine": "fsdp2"}}}  # fmt: skip
+            "fsdp2": {"fields": {"engine": "fsdp2"}},
+            "fsdp2g": {"fields": {"engine": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}}}  # fmt: skip
 
 
 def stage_of(name: str, default: int) -> int:
@@ -269,10 +272,15 @@ def measure(args) -> None:
             print(f"  deadline: {', '.join(n for n, _, _ in todo[first:])} not run", flush=True)
             break
         wave = todo[first : first + side]
-        procs = [launch(name, fields, args, work, data, model, list(range(i * args.gpus, (i + 1) * args.gpus)))
-                 for i, (name, fields, _) in enumerate(wave)]  # fmt: skip
+        gpu_sets = [list(range(i * args.gpus, (i + 1) * args.gpus)) for i in range(len(wave))]
+        leftovers = [] if args.tiny else free_gpus([g for gpus in gpu_sets for g in gpus])
+        if leftovers:
+            print(f"  killed processes left on the GPUs by earlier runs: {', '.join(leftovers)}", flush=True)
+        procs = [launch(name, fields, args, work, data, model, gpus)
+                 for (name, fields, _), gpus in zip(wave, gpu_sets, strict=True)]  # fmt: skip
         for (name, _, ranked), proc in zip(wave, procs, strict=True):
             result = finish(name, proc, args, work)
+            result["leftovers_killed"] = leftovers
             stage = stage_of(name, args.zero)
             result.update(shape=args.shape, gpus=args.gpus, zero=stage, card=card.name, device=env["device"],
                           sample_tokens=span, model_params=shape.n_params,

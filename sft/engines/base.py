@@ -93,10 +93,6 @@ class Engine(abc.ABC):
         prepared (nothing by default)."""
         return None
 
-    def callbacks(self, model: torch.nn.Module) -> list:
-        """Trainer callbacks the engine needs for this model (none by default)."""
-        return []
-
     def model_state_to_save(self, trainer) -> dict | None:
         """The whole model's weights for the final save where the library's `save_model` would not write them (a
         collective: every process calls it), else None (transformers saves as it does)."""

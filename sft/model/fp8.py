@@ -15,6 +15,10 @@
 - Under ZeRO-3, `auto` stays off: measured on the Llama-3.1-8B shape on 2 x H200 (`benchmarks/results/fp8/
   call4_8b_2gpu`), FP8 with compiled decoder layers ran at 0.875x of bf16 under ZeRO-3 (1.16x under ZeRO-2).
   `fp8: true` under ZeRO-3 runs (compiled, ZeRO-3's hooks eager between the compiled pieces) with that figure logged.
+- Under FSDP2 (`engine: fsdp2`) `auto` is on as without sharding: torchao's own `Float8Linear`, whose weights FSDP2
+  all-gathers in float8 (tensorwise: a byte a weight, each shard cast with the whole weight's scale, the scales
+  precomputed after each optimizer step), measured 1.13x bf16 on the Llama-3.1-8B widths on 2 x H200 at micro batch 2
+  (`benchmarks/results/fsdp2_h200x4`); the speed model still weighs FP8 against bf16 for what fits.
 - LoRA/QLoRA with FP8 is refused: the frozen base would be re-cast every step for adapters that hold the gradients,
   and that was never measured.
 
@@ -67,8 +71,8 @@ ZERO3_SLOWER = (
 )
 
 
-# `auto` under FSDP2 (float8 all-gather): not yet measured faster
-FSDP2_AUTO = "under FSDP2 FP8 is not yet measured faster than bf16 (`fp8: true` runs it, all-gathered in float8)"
+# `auto` under FSDP2, with the weights all-gathered in float8 (benchmarks/results/fsdp2_h200x4, call 2)
+FSDP2_MEASURED = "under FSDP2 1.13x bf16 measured (Llama-3.1-8B widths, 2 x H200, micro batch 2, gathered in float8)"
 
 
 class Decision(NamedTuple):
@@ -118,13 +122,12 @@ def resolve(
         return Decision(False, "LoRA/QLoRA trains in bf16")
     if under_zero3:
         return Decision(False, "under ZeRO-3 FP8 measured slower than bf16 (0.875x, Llama-3.1-8B shape on 2 x H200)")
-    if fsdp2:
-        return Decision(False, FSDP2_AUTO)
     if not has_torchao:
         return Decision(False, f"{gpu} has FP8 tensor cores but torchao is not installed (`pip install torchao`)")
     if hidden_size < AUTO_MIN_HIDDEN:
         return Decision(False, f"hidden size {hidden_size} < {AUTO_MIN_HIDDEN}, where FP8 measured no faster")
-    return Decision(True, f"{gpu} has FP8 tensor cores, hidden size {hidden_size} >= {AUTO_MIN_HIDDEN}")
+    under = f"; {FSDP2_MEASURED}" if fsdp2 else ""
+    return Decision(True, f"{gpu} has FP8 tensor cores, hidden size {hidden_size} >= {AUTO_MIN_HIDDEN}{under}")
 
 
 def layer_filter(recipe: str | None, decoder: tuple[str, ...] = ()):
@@ -166,7 +169,7 @@ def convert(
     `fsdp2`: the model is sharded by FSDP2 next: torchao's own `Float8Linear` (FSDP2 swaps whole parameters, the
     leaf-weight variant below is ZeRO-3's), with tensorwise scaling its weights all-gathered in float8 (half the bytes
     of bf16: each shard cast with the scale of the whole weight, precomputed after every optimizer step by
-    `precomputed_scales_callback`). `fp32_master`: the linears' weights cast to fp32 before they are wrapped, as
+    `step_callbacks`). `fp32_master`: the linears' weights cast to fp32 before they are wrapped, as
     accelerate's FSDP2 prepare casts every trainable weight under mixed precision (its `param.data = ...float()` on
     torchao's weight wrapper changes the wrapper's dtype but not the tensor it wraps, which would stay bf16)."""
     from torchao.float8 import Float8LinearConfig
@@ -259,16 +262,26 @@ def _leaf_weight_float8_linear():
     return LeafWeightFloat8Linear
 
 
-def precomputed_scales_callback():
-    """A trainer callback that, after every optimizer step, computes the float8 scales of the FSDP2-sharded weights at
-    once (torchao's `precompute_float8_dynamic_scale_for_fsdp`: one all-reduce of every weight's amax) instead of one
-    all-reduce per weight in each all-gather. The scales are the same either way (the amax of the whole weight): a
-    resumed run's first step, with none precomputed, computes them in the all-gather."""
+def step_callbacks(model: torch.nn.Module) -> list:
+    """The trainer callbacks FP8 needs: with weights that FSDP2 all-gathers in float8 (`convert(fsdp2=True)`), one
+    that, after every optimizer step, computes their float8 scales at once (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp`: one all-reduce of every weight's amax) instead of one all-reduce per
+    weight in each all-gather. The scales are the same either way (the amax of the whole weight): a resumed run's
+    first step, with none precomputed, computes them in the all-gather."""
+    gathered = any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
+                   for m in model.modules() if type(m).__name__ == "Float8Linear")  # fmt: skip
+    if not gathered:
+        return []
+    import logging
+
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from transformers import TrainerCallback
+
+    logging.getLogger(__name__).info("FP8 under FSDP2: the float8 weights all-gathered in float8, their scales "
+                                     "precomputed after each optimizer step (one all-reduce)")  # fmt: skip
 
     class PrecomputedScales(TrainerCallback):
         def on_optimizer_step(self, args, state, control, model=None, **kwargs):
             precompute_float8_dynamic_scale_for_fsdp(model)
 
-    return PrecomputedScales()
+    return [PrecomputedScales()]

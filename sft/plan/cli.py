@@ -111,6 +111,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
     parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
     parser.add_argument("--zero", default="2", choices=["none", "0", "1", "2", "3"], help="DeepSpeed ZeRO stage")
+    parser.add_argument("--engine", default="deepspeed", choices=["deepspeed", "fsdp2"],
+                        help="fsdp2: PyTorch's FSDP2 in ZeRO-3's layout (--zero 3; its memory planned as ZeRO-3's, "
+                             "its speed without ZeRO-3's per-layer hooks)")  # fmt: skip
     parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
     parser.add_argument("--sp", type=int, help="Sequence-parallel size (default 1; --suggest tries the smallest fit)")
     parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
@@ -246,6 +249,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         fp8=fp8_on,
         compiled=compiled,
         moment_bytes=plan.moment_bytes_of(args.optim),
+        engine=args.engine,
     )
     if not args.global_batch:
         return setting

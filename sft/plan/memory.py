@@ -158,6 +158,9 @@ class Setting:
     # Adam's two moments per trained parameter: fp32 (8 bytes), or 8-bit blocks (`optim: adamw_torch_8bit`, torchao's
     # AdamW8bit: a byte each plus a fp32 scale per 256; `moment_bytes_of`)
     moment_bytes: float = 8.0
+    # the engine that shards (`sft.engines`): "fsdp2" has none of ZeRO-3's per-layer host hooks (the speed model's
+    # `zero3_host_s_per_layer_pass`); its memory is planned with DeepSpeed's terms for the same layout
+    engine: str = "deepspeed"
 
     @property
     def state_bytes(self) -> float:
@@ -557,11 +560,12 @@ EIGHT_BIT_OPTIM = "adamw_torch_8bit"
 
 
 def eight_bit_candidate(s: Setting) -> bool:
-    """Whether `optim: auto` may give `s` 8-bit Adam moments: full fine-tuning (LoRA's states are small) under ZeRO
-    with the optimizer on the GPU (DeepSpeed's CPU Adam keeps fp32 moments), torchao installed."""
+    """Whether `optim: auto` may give `s` 8-bit Adam moments: full fine-tuning (LoRA's states are small) under
+    DeepSpeed's ZeRO with the optimizer on the GPU (DeepSpeed's CPU Adam keeps fp32 moments), torchao installed. Not
+    under FSDP2: it steps each parameter apart, and its memory with 8-bit Adam was not measured."""
     import importlib.util
 
-    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer
+    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer and s.engine == "deepspeed"
             and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 

@@ -96,6 +96,7 @@ def base_setting(
         ep=dims.ep,
         fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
         moment_bytes=memplan.moment_bytes_of(training_args.optim),
+        engine=training_args.run_engine.name,
     )
 
 
@@ -504,9 +505,7 @@ def _plan_memory(
             compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
             bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
         limits = (memory, headroom, host)
-        # 8-bit moments measured under DeepSpeed only (FSDP2 steps each parameter apart: not measured)
-        deepspeed = training_args.engine == "deepspeed"
-        if by_speed.on and "optim" in auto and deepspeed and not resumed_optim and memplan.eight_bit_candidate(base):
+        if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
             bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
         chosen = _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio

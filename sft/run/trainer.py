@@ -23,7 +23,7 @@ from pathlib import Path
 from trl import SFTTrainer
 
 from sft.errors import ConfigError
-from sft.model import converters, quantization
+from sft.model import converters, fp8, quantization
 from sft.model.attention import check_batch
 from sft.parallel import sequence as seqpar
 from sft.plan.batch import steps_per_epoch
@@ -81,7 +81,7 @@ class Trainer(SFTTrainer):
         self.throughput = metrics.Throughput(self.model, self.args.peak_tflops, dims.world_size, plan.arch)
         self.trace = metrics.DataTrace(self.args.output_dir, self.args.process_index, dims.world_size)
         self.preemption = ckpt.PreemptionCallback()
-        for callback in (self.metrics_log, self.throughput, self.preemption, *plan.engine.callbacks(self.model)):
+        for callback in (self.metrics_log, self.throughput, self.preemption, *fp8.step_callbacks(self.model)):
             self.add_callback(callback)
         self.resumed_from: str | None = None
         self._wandb_recorded = False

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import logging
 
 import torch
 
 from sft.engines.base import Engine, Sharding
 from sft.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 NAME = "fsdp2"
 # The fsdp_config sft writes; a recipe's `fsdp_config` may set `reshard_after_forward: false` (ZeRO-2's layout: the
@@ -122,18 +119,6 @@ class FSDP2(Engine):
             trainer.is_fsdp_enabled = True
         if not trainer.is_fsdp_enabled or state.fsdp_plugin.fsdp_version != 2:
             raise ConfigError(f"`engine: fsdp2`: accelerate did not take FSDP2 ({state.distributed_type}).")
-
-    def callbacks(self, model: torch.nn.Module) -> list:
-        """With float8 weights all-gathered in float8 (`sft.model.fp8`), their scales precomputed after each step."""
-        from sft.model import fp8
-
-        gathered = any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
-                       for m in model.modules() if type(m).__name__ == "Float8Linear")  # fmt: skip
-        if not gathered:
-            return []
-        logger.info("FP8 under FSDP2: the float8 weights all-gathered in float8, their scales precomputed after each "
-                    "optimizer step (one all-reduce)")  # fmt: skip
-        return [fp8.precomputed_scales_callback()]
 
     def model_state_to_save(self, trainer) -> dict | None:
         """Checkpoints are sharded (`SHARDED_STATE_DICT`), and transformers' `save_model` then writes no weights at
