@@ -166,7 +166,7 @@ def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, b
     arch = architectures.of(model_config)
     liger = arch.kernel("liger").on if args.liger == "auto" else args.liger == "on"
     if args.fp8 == "auto":
-        fp8_on = (arch.kernel("fp8").on and not args.lora_r and args.zero != "3"
+        fp8_on = (arch.kernel("fp8").on and not args.lora_r and (args.zero != "3" or args.engine == "fsdp2")
                   and shape.hidden >= fp8.AUTO_MIN_HIDDEN)  # fmt: skip
     else:
         fp8_on = args.fp8 == "on"
