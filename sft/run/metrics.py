@@ -120,10 +120,10 @@ class Throughput(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         step, tokens, _ = self._last
         self.start(step, tokens)
-        if torch.cuda.is_available():  # the model build and DeepSpeed's set-up are done: their peak is apart
+        if torch.cuda.is_available():  # the model build and the engine's set-up are done: their peak is apart
             self.setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
             logger.info(
-                "GPU memory before the first step: peak %.2f GiB while building the model and DeepSpeed's engine, "
+                "GPU memory before the first step: peak %.2f GiB while building the model and the engine, "
                 "%.2f GiB held now; `peak_memory_gib` in the logs counts from here",
                 self.setup_peak_gib,
                 torch.cuda.memory_allocated() / 2**30,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -107,13 +108,27 @@ PLANNED = [
 OOM = {OOM_TEST_ENV: "1"}
 
 
-def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the_same_samples(tmp_path):
+@pytest.fixture(scope="module")
+def micro_batch_1(tmp_path_factory) -> Path:
+    """The planned run with micro batch 1 from the start (ZeRO-2, the demo recipe's engine)."""
+    small = tmp_path_factory.mktemp("small") / "out"
+    reference = run_cli([*PLANNED, "--per_device_train_batch_size", "1", "--output_dir", str(small)], nproc=2)
+    assert reference.returncode == 0, reference.stderr[-5000:]
+    return small
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the_same_samples(
+    tmp_path, micro_batch_1, engine
+):
     """`sft train` runs the command again with micro batch 4 -> 2 -> 1 (accumulation 1 -> 2 -> 4), each time from
-    checkpoint-2, and the run trains the samples of a run with micro batch 1 from the start, step for step."""
-    out, small = tmp_path / "retried", tmp_path / "small"
+    checkpoint-2, and the run trains the samples of a run with micro batch 1 from the start, step for step: under
+    DeepSpeed (ZeRO-2) and under FSDP2 (its sharded checkpoint resumed with the new accumulation)."""
+    out, small = tmp_path / "retried", micro_batch_1
     sft_train = [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2"]
+    fsdp2 = ["--engine", "fsdp2", "--deepspeed", "none"] if engine == "fsdp2" else []
     result = subprocess.run(
-        [*sft_train, *PLANNED, "--per_device_train_batch_size", "auto", "--output_dir", str(out)],
+        [*sft_train, *PLANNED, *fsdp2, "--per_device_train_batch_size", "auto", "--output_dir", str(out)],
         cwd=ROOT, env={**cli_env(), **OOM}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
@@ -130,8 +145,7 @@ def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the
     assert manifest["out_of_memory_retries"] == [{"step": 2, **e} for e in expected] and manifest["finished_step"] == 8
     page = (out / "report" / "index.html").read_text()  # written at the end of the run
     assert "<th>out-of-memory retries</th><td>from step 2 at micro batch 2, from step 2 at micro batch 1</td>" in page
-    reference = run_cli([*PLANNED, "--per_device_train_batch_size", "1", "--output_dir", str(small)], nproc=2)
-    assert reference.returncode == 0, reference.stderr[-5000:]
+    assert ("FSDP2 (resharded" in log) == (engine == "fsdp2")
     a, b = (
         [r for r in read_jsonl(d / "metrics.jsonl") if "loss" in r] for d in (small, out)
     )  # fmt: skip
