@@ -805,7 +805,7 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             f"{model_args.lora_dropout}`: PEFT's adapters on parameters (a MoE's experts) add B @ A to the weight "
             "itself, so no dropout can apply to their input. Set `lora_dropout: 0`."
         )
-    quantization.check(model_args, training_args, training_args.run_engine.sharding.stage)
+    quantization.check(model_args, training_args, training_args.run_engine)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

@@ -83,7 +83,8 @@ def _build(
             "Built %s from %s/config.json with random weights on %s", type(model).__name__, config.name_or_path, device
         )
         return model
-    quantized = quantization.load_kwargs(model_args, training_args, partitioned)
+    sharded = quantization.packed(plan.engine) and not partitioned  # FSDP2 shards the model once it is built
+    quantized = quantization.load_kwargs(model_args, training_args, partitioned, sharded)
     kwargs.update(quantized)
     try:
         with quantization.loading(bool(quantized) and partitioned):
@@ -105,6 +106,8 @@ def _build(
             f" (packed in {quantization.zero3_storage(training_args)}; loaded in host memory, then partitioned by "
             "ZeRO-3 one weight at a time)"
             if partitioned
+            else f" (packed in {quantization.zero3_storage(training_args)}; FSDP2 shards them)"
+            if sharded
             else "",
         )
     return model

@@ -18,6 +18,10 @@ weights go:
   bf16/fp16/fp32, as PEFT's DeepSpeed guide sets it by hand); a `bnb_4bit_quant_storage` that differs is refused.
   8-bit weights (LLM.int8 keeps row statistics outside the parameter) cannot be partitioned and are refused under
   ZeRO-3.
+- FSDP2: `fully_shard` shards only floating-point parameters (accelerate leaves `uint8`-packed 4-bit weights out, whole
+  on every GPU), so the 4-bit weights are packed in the run's precision as under ZeRO-3 (the FSDP-QLoRA recipe), and
+  each rank holds its share of them; 8-bit weights are refused as under ZeRO-3. The model loads whole on each rank
+  (onto its GPU) before `fully_shard` cuts it: the host-memory load of ZeRO-3 above is not used under FSDP2.
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ def zero3_storage(training_args) -> str:
     return "bfloat16" if training_args.bf16 else "float16" if training_args.fp16 else "float32"
 
 
-def check(model_args, training_args, zero_stage: int | None) -> None:
+def packed(engine) -> bool:
+    """Whether the engine shards the 4-bit weights, which must then be packed in a floating dtype: ZeRO-3, FSDP2."""
+    return engine.sharding.stage == 3 or engine.name == "fsdp2"
+
+
+def check(model_args, training_args, engine) -> None:
     """Refuse quantized base weights that cannot train here, before any work."""
     if not quantized(model_args):
         return
@@ -51,18 +60,19 @@ def check(model_args, training_args, zero_stage: int | None) -> None:
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"`{flag}: true` needs bitsandbytes: pip install bitsandbytes (or remove `{flag}`).")
-    if zero_stage != 3:
+    if not packed(engine):
         return
+    under = "FSDP2" if engine.name == "fsdp2" else "ZeRO-3"
     if model_args.load_in_8bit:
         raise ConfigError(
-            "`load_in_8bit: true` under ZeRO-3: 8-bit (LLM.int8) weights cannot be partitioned. Use `load_in_4bit: "
+            f"`load_in_8bit: true` under {under}: 8-bit (LLM.int8) weights cannot be partitioned. Use `load_in_4bit: "
             "true` (QLoRA), or a ZeRO-2 config (ds_configs/zero2.json)."
         )
     storage = model_args.bnb_4bit_quant_storage
     wanted = zero3_storage(training_args)
     if storage is not None and str(storage).removeprefix("torch.") != wanted:
         raise ConfigError(
-            f"`bnb_4bit_quant_storage: {storage}` under ZeRO-3, which partitions every parameter as {wanted} (the "
+            f"`bnb_4bit_quant_storage: {storage}` under {under}, which partitions every parameter as {wanted} (the "
             f"run's precision): the 4-bit weights must be packed in {wanted}. Remove the field (sft sets it) or set "
             f"it to {wanted}."
         )
@@ -88,15 +98,17 @@ def check_experts(model_args, arch, trust_remote_code: bool = False) -> None:
     )
 
 
-def load_kwargs(model_args, training_args, partitioned: bool) -> dict:
-    """`from_pretrained` keyword arguments for quantized base weights (empty for a 16/32-bit base)."""
+def load_kwargs(model_args, training_args, partitioned: bool, sharded: bool = False) -> dict:
+    """`from_pretrained` keyword arguments for quantized base weights (empty for a 16/32-bit base). `partitioned`:
+    built under ZeRO-3's `zero.Init`; `sharded`: the engine shards the weights later (FSDP2's `fully_shard`)."""
     from trl import get_quantization_config
 
     config = get_quantization_config(model_args)
     if config is None:
         return {}
-    if partitioned:  # zero.Init places and partitions the weights; one dtype for its flat buffers
+    if partitioned or sharded:  # packed in the dtype the engine shards (zero.Init's flat buffers; FSDP2's floats)
         config.bnb_4bit_quant_storage = getattr(torch, zero3_storage(training_args))
+    if partitioned:  # zero.Init places and partitions the weights
         return {"quantization_config": config}
     device = training_args.local_process_index if torch.cuda.is_available() else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}  # each rank loads onto its own GPU

@@ -176,7 +176,8 @@ class Setting:
     def describe(self) -> str:
         zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
         if self.engine == "fsdp2":  # planned with ZeRO's terms for the same layout
-            zero = f"FSDP2 ({'resharded' if self.zero_stage == 3 else 'kept gathered'}: ZeRO-{self.zero_stage}'s layout)"
+            layout = "resharded" if self.zero_stage == 3 else "kept gathered"
+            zero = f"FSDP2 ({layout}: ZeRO-{self.zero_stage}'s layout)"
         if self.offload_optimizer or self.offload_params:
             optimizer = "optimizer" + (f" ({self.ratio:.0%})" if self.ratio < 1 else "")
             zero += " + offload " + "+".join(
