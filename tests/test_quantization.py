@@ -32,6 +32,11 @@ def test_zero3_refuses_8bit_and_a_storage_it_cannot_partition(tmp_path):
         args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
     assert args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "float32")  # the same: fine
     assert args(tmp_path, "--load_in_8bit", "true")  # 8-bit under ZeRO-2: fine
+    fsdp2 = ("--engine", "fsdp2", "--deepspeed", "none")
+    with pytest.raises(ConfigError, match=r"`load_in_8bit: true` under FSDP2.*Use `load_in_4bit: true`"):
+        args(tmp_path, *fsdp2, "--load_in_8bit", "true")
+    with pytest.raises(ConfigError, match=r"`bnb_4bit_quant_storage: uint8` under FSDP2.*as float32"):
+        args(tmp_path, *fsdp2, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
 
 
 def test_load_kwargs_place_the_weights_by_stage(tmp_path):
@@ -44,6 +49,9 @@ def test_load_kwargs_place_the_weights_by_stage(tmp_path):
     _, _, training_args, model_args = args(tmp_path, "--load_in_4bit", "true", "--bf16", "true", "--dtype", "bfloat16")
     kwargs = quantization.load_kwargs(model_args, training_args, partitioned=True)
     assert kwargs["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16
+    sharded = quantization.load_kwargs(model_args, training_args, partitioned=False, sharded=True)  # FSDP2
+    assert sharded["device_map"] == {"": "cpu"}
+    assert sharded["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16
     _, _, training_args, model_args = args(tmp_path)
     assert quantization.load_kwargs(model_args, training_args, partitioned=True) == {}  # a 16/32-bit base
 
