@@ -217,6 +217,7 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
     for i, r in enumerate(fits, 1):
         s = r.estimate.setting
         zero = "no DeepSpeed" if s.zero_stage is None else f"ZeRO-{s.zero_stage}"
+        zero = f"FSDP2 ({zero}'s layout)" if s.engine == "fsdp2" else zero
         sp = f", sp {s.sp}" if s.sp > 1 else ""
         speed_cells = (f"{r.time.tokens_per_second:,.0f} | {r.time.mfu:.1%} | {r.time.seconds:.2f}" if by_speed
                        else "- | - | -")  # no estimate where the constants were not fitted  # fmt: skip
