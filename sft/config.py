@@ -171,10 +171,13 @@ class TrainConfig(SFTConfig):
         fp8 (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Train the decoder's linear layers in FP8 (torchao float8, see `sft.model.fp8`). `auto`: on only with a GPU
             that has FP8 tensor cores, torchao installed, no LoRA, and a model wide enough that FP8 measured faster.
-        engine (`str`, *optional*, defaults to `"deepspeed"`):
-            What shards and steps the model: `deepspeed` (the `deepspeed` config; none: one replica per process) or
+        engine (`str`, *optional*, defaults to `"auto"`):
+            What shards and steps the model: `deepspeed` (the `deepspeed` config; none: one replica per process),
             `fsdp2` (PyTorch's FSDP2 through accelerate's plugin, as transformers' `fsdp_config` with version 2 drives
-            it: sft writes the config, each decoder layer a unit, sharded checkpoints; see `sft.engines.fsdp2`).
+            it: sft writes the config, each decoder layer a unit, sharded checkpoints; see `sft.engines.fsdp2`), or
+            `auto`: DeepSpeed, except FSDP2 in place of a ZeRO-3 config where the plan's speed model estimates it
+            faster (full fine-tuning on a GPU, no offload, sequence or expert parallelism; a resume keeps its
+            checkpoint's engine; `sft.plan.preflight`).
         optim (`str`, *optional*, defaults to `"auto"`):
             transformers' optimizer name (`adamw_torch_fused`, `adamw_torch_8bit`, ...), or `auto`: fused AdamW with
             fp32 moments, or torchao's 8-bit AdamW (`adamw_torch_8bit`: Adam's moments in 8-bit blocks, a quarter of
@@ -259,11 +262,12 @@ class TrainConfig(SFTConfig):
         metadata={"help": "Decoder linears in FP8 (torchao float8): true, false, or `auto` (FP8 GPU, where faster)."},
     )
     engine: str = field(
-        default="deepspeed",
+        default="auto",
         metadata={
-            "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded) or "
-            "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it).",
-            "choices": list(engines.ENGINES),
+            "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded), "
+            "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it), or `auto`: DeepSpeed, "
+            "except FSDP2 in place of ZeRO-3 where the plan estimates it faster on a GPU.",
+            "choices": [*engines.ENGINES, "auto"],
         },  # fmt: skip
     )
     optim: str = field(
@@ -345,8 +349,11 @@ class TrainConfig(SFTConfig):
         """The `engine` checked and its configuration written: DeepSpeed's config resolved, or FSDP2's `fsdp` and
         `fsdp_config` (`sft.engines.fsdp2`)."""
         self.engine = str(self.engine).strip().lower()
-        if self.engine not in engines.ENGINES:
-            raise ConfigError(f"`engine` must be one of {', '.join(engines.ENGINES)}, got {self.engine!r}.")
+        if self.engine not in (*engines.ENGINES, "auto"):
+            raise ConfigError(f"`engine` must be one of {', '.join(engines.ENGINES)} or auto, got {self.engine!r}.")
+        if self.engine == "auto":  # DeepSpeed's until the plan decides (`sft.plan.preflight`)
+            self.auto_settings.add("engine")
+            self.engine = "deepspeed"
         if self.engine == "fsdp2":
             self.fsdp, self.fsdp_config = engines.prepare_fsdp2(self.deepspeed, self.fsdp_config, launch.sp, launch.ep)
             self.deepspeed, self.resolved_ds_settings = None, {}
@@ -562,7 +569,7 @@ HELP_GROUPS = {
         "max_steps": "stop after this many optimizer steps (overrides num_train_epochs)",
     },
     "DeepSpeed and precision": {
-        "engine": "deepspeed (the `deepspeed` config) or fsdp2 (PyTorch's FSDP2)",
+        "engine": "auto (DeepSpeed, or FSDP2 for a ZeRO-3 run where estimated faster), deepspeed or fsdp2",
         "deepspeed": "a DeepSpeed config (ds_configs/zero2.json, zero3.json, *_offload.json) or none",
         "bf16": "bf16 mixed precision (on GPUs)",
         "fp8": "FP8 linears (torchao): true, false, or auto (H100/H200, where faster)",

@@ -143,3 +143,60 @@ def test_fsdp2_is_written_by_sft_and_what_it_cannot_honour_is_refused(tmp_path):
                                     ({}, 1, 2, "expert_parallel_size: 2")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             engines.prepare_fsdp2(None, config, sp, ep)
+
+
+def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_elsewhere(
+    tmp_path, monkeypatch, caplog
+):
+    """`engine: auto` (the default): DeepSpeed, except FSDP2 in place of a ZeRO-3 config where the speed model
+    estimates FSDP2's fastest setting faster, on a GPU (the GPU's name stands in for the H200 here; planned for its
+    141 GB): the demo's ZeRO-3 run is rebuilt for FSDP2 with its `auto` fields still chosen by the plan, both
+    estimates logged; ZeRO-2, LoRA, no GPU and a DeepSpeed checkpoint keep DeepSpeed, each with its reason; an FSDP2
+    checkpoint is resumed by FSDP2."""
+    import logging
+
+    from sft.config import parse_args
+    from sft.plan import preflight as pre
+    from tests.conftest import ROOT
+
+    def planned(*extra, resume=None):
+        _, _, args, model_args = parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir",
+                                             str(tmp_path / "o"), "--per_device_train_batch_size", "auto",
+                                             "--plan_gpu_memory_gib", "139.8", *extra])  # fmt: skip
+        assert "engine" in args.auto_settings and args.engine == "deepspeed"  # DeepSpeed's until the plan decides
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+            plan = pre.preflight(args, model_args, resume)
+        return plan, caplog.text
+
+    zero3 = ("--deepspeed", "ds_configs/zero3.json")
+    plan, log = planned(*zero3)
+    assert plan.engine.name == "deepspeed" and "engine: auto -> deepspeed (no GPU: the engines' speeds" in log
+    monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H200")
+    plan, log = planned(*zero3)
+    assert plan.engine.name == "fsdp2" and plan.training_args.deepspeed is None
+    assert plan.training_args.fsdp_config["version"] == 2
+    assert (
+        "engine: auto -> fsdp2 (PyTorch's FSDP2 in place of ZeRO-3: FSDP2 " in log
+        and "against DeepSpeed ZeRO-3 " in log
+    )
+    assert "1.26-1.33x" in log and "Memory plan for" in log and "FSDP2 (resharded: ZeRO-3's layout)" in log
+    assert plan.batch.per_device_batch_size > 1  # `per_device_train_batch_size: auto` still chosen by the plan
+    lora = (*zero3, "--use_peft", "true", "--from_scratch", "false")
+    zero2 = ("--deepspeed", "ds_configs/zero2.json")
+    for extra, reason in ((zero2, "ZeRO-2: FSDP2 is chosen only in place of ZeRO-3"),
+                          (lora, "LoRA/QLoRA under FSDP2 is not measured on GPUs"),
+                          ((*zero3, "--engine", "deepspeed"), None)):  # fmt: skip
+        if reason is None:
+            _, _, args, model_args = parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir",
+                                                 str(tmp_path / "o"), *extra])  # fmt: skip
+            assert "engine" not in args.auto_settings and pre.preflight(args, model_args).engine.name == "deepspeed"
+            continue
+        plan, log = planned(*extra)
+        assert plan.engine.name == "deepspeed" and f"engine: auto -> deepspeed ({reason}" in log, log
+    for folder, engine in (("pytorch_model_fsdp_0", "fsdp2"), ("global_step4", "deepspeed")):
+        checkpoint = tmp_path / engine / "checkpoint-4"
+        (checkpoint / folder).mkdir(parents=True)
+        resume = pre.Resume(str(checkpoint), 2, 2, 1, 4)
+        plan, log = planned(*zero3, resume=resume)
+        assert plan.engine.name == engine and f"was written by {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}" in log

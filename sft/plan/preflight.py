@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import re
+from pathlib import Path
 
 import torch
 
@@ -110,14 +111,17 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
+    # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
+    shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
+                                                 model_config, arch))  # fmt: skip
+    if "engine" in training_args.auto_settings:
+        micro_cap = retry.micro_cap if retry else None
+        training_args = _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume)
     dims, engine = training_args.parallel, training_args.run_engine
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
-    # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
-    shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
-                                                 model_config, arch))  # fmt: skip
     resumed_optim = resume.optim if resume is not None and "optim" in training_args.auto_settings else None
     micro, tools, sp, sentence, ratio, bf16, optim = _plan_memory(
         training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch, resumed_optim
@@ -177,6 +181,132 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     for line in buckets:
         logger.info("%s", line)
     return plan
+
+
+# `engine: auto`: FSDP2 measured against DeepSpeed's ZeRO-3 (benchmarks/results/fsdp2_h200x4, docs/engines.md)
+FSDP2_MEASURED = ("FSDP2's default measured 1.26-1.33x ZeRO-3's on Llama-3.1-8B widths, 2 and 4 x H200 "
+                  "(benchmarks/results/fsdp2_h200x4)")  # fmt: skip
+
+
+def gpu_name() -> str | None:
+    """This machine's GPU (the speed model's card), None without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def checkpoint_engine(checkpoint: str) -> str:
+    """The engine that wrote a checkpoint: FSDP2's torch.distributed.checkpoint folder, else DeepSpeed's."""
+    return "fsdp2" if (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir() else "deepspeed"
+
+
+def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None):
+    """`engine: auto`: FSDP2 in place of DeepSpeed's ZeRO-3 where the speed model estimates FSDP2's fastest setting
+    that fits faster than ZeRO-3's (each with its own kernels: FP8 under FSDP2, 8-bit Adam under DeepSpeed where
+    `optim: auto` takes it), else DeepSpeed; a resume keeps its checkpoint's engine. Only for what both engines can
+    run and what was measured: full fine-tuning on a GPU, no offload, sequence or expert parallelism. The choice and
+    its reason are logged; the training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`)."""
+    sharding, dims = training_args.run_engine.sharding, training_args.parallel
+
+    def deepspeed(reason: str):
+        logger.info("engine: auto -> deepspeed (%s)", reason)
+        return training_args
+
+    if resume is not None:
+        written = checkpoint_engine(resume.checkpoint)
+        if written == "deepspeed":
+            return deepspeed(f"{resume.checkpoint} was written by DeepSpeed")
+        logger.info("engine: auto -> fsdp2 (%s was written by FSDP2)", resume.checkpoint)
+        return _rebuilt_for_fsdp2(training_args)
+    stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
+    excluded = (
+        (sharding.stage != 3, f"{stage}: FSDP2 is chosen only in place of ZeRO-3, where the states are sharded"),
+        (sharding.offload_optimizer or sharding.offload_params, "offloading to the CPU or NVMe is DeepSpeed's here"),
+        (dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings,
+         "sequence parallelism is DeepSpeed's (Ulysses)"),
+        (dims.ep > 1, "expert parallelism is DeepSpeed's (AutoEP)"),
+        (bool(model_args.use_peft), "LoRA/QLoRA under FSDP2 is not measured on GPUs"),
+        (gpu_name() is None, "no GPU: the engines' speeds were measured on GPUs"),
+        (not arch.kernel("speed").on, f"the speed model does not rank {arch.family}"),
+        (not training_args.max_length, "no max_length to plan for"),
+    )  # fmt: skip
+    reason = next((why for cut, why in excluded if cut), None)
+    if reason:
+        return deepspeed(reason)
+    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
+    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
+    limits = (memory, training_args.plan_headroom, memplan.detected_host_memory())
+    fsdp2_args = _rebuilt_for_fsdp2(training_args)
+    best = {}
+    for name, args in (("deepspeed", training_args), ("fsdp2", fsdp2_args)):
+        bases = _engine_bases(args, model_args, arch, shape_of, target)
+        fits = _ranked(args, shape_of(), bases, target, micro_cap, limits)[0]
+        if name == "deepspeed" and "optim" in args.auto_settings and memplan.eight_bit_candidate(bases[0]):
+            eight = _ranked(args, shape_of(), memplan.with_eight_bit_moments(bases), target, micro_cap, limits)[0]
+            fits = eight if memplan.eight_bit_wins(fits, eight) else fits
+        best[name] = fits[0] if fits else None
+    if best["fsdp2"] is None or (best["deepspeed"] and best["deepspeed"].time.tokens_per_second
+                                 >= best["fsdp2"].time.tokens_per_second):  # fmt: skip
+        return deepspeed("ZeRO-3's fastest setting that fits estimated as fast or faster: " + _against(best))
+    logger.info("engine: auto -> fsdp2 (PyTorch's FSDP2 in place of ZeRO-3: %s; %s; `engine: deepspeed` keeps "
+                "DeepSpeed)", _against(best, first="fsdp2"), FSDP2_MEASURED)  # fmt: skip
+    return fsdp2_args
+
+
+def _against(best: dict, first: str = "deepspeed") -> str:
+    """Both engines' estimates, `first`'s first."""
+    names = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}
+
+    def said(name: str) -> str:
+        fit = best[name]
+        if fit is None:
+            return f"{names[name]}: nothing fits"
+        speed_ = f"{fit.time.tokens_per_second:,.0f}"
+        return f"{names[name]} {speed_} tokens/s/GPU estimated ({fit.estimate.setting.levers_and_micro()})"
+
+    return ", against ".join(said(n) for n in (first, *(n for n in names if n != first)))
+
+
+def _rebuilt_for_fsdp2(training_args):
+    """The training arguments with FSDP2 instead of DeepSpeed, every field left `auto` still `auto`."""
+    rebuilt = dataclasses.replace(training_args, engine="fsdp2", deepspeed=None, fsdp="", fsdp_config=None)
+    rebuilt.auto_settings = set(training_args.auto_settings)
+    return rebuilt
+
+
+def _engine_bases(training_args, model_args, arch, shape_of, target) -> list[memplan.Setting]:
+    """The settings `_plan_memory` would rank under this engine: its kernels as `_decide_kernels` decides them
+    (without logging), bf16 beside FP8 where `fp8: auto` turned it on."""
+    engine, auto = training_args.run_engine, training_args.auto_settings
+    fsdp2 = engine.name == "fsdp2"
+    fp8_on = fp8.resolve(bool(training_args.fp8), "fp8" in auto, arch.hidden, bool(model_args.use_peft),
+                         engine.sharding.stage == 3 and not fsdp2, fsdp2).on  # fmt: skip
+    fp8_on = fp8_on and ("fp8" not in auto or arch.kernel("fp8").on)
+    compiled = training_args.compile_decoder_layers
+    if "compile_decoder_layers" in auto:
+        compiled = (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
+    liger = bool(training_args.use_liger_kernel) and (arch.kernel("liger").on or "use_liger_kernel" not in auto)
+    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled))
+    return _kernel_bases(training_args, arch, _with_accumulation(training_args, base, target))
+
+
+def _with_accumulation(training_args, base: memplan.Setting, target: int | None) -> memplan.Setting:
+    """`base` with the accumulation the global-batch target gives: above 1 wherever a micro batch is below
+    target / dp (the micro batch `auto`: 2, the plan then sets it per candidate)."""
+    if not target:
+        return base
+    dp, micro = training_args.parallel.dp, training_args.per_device_train_batch_size
+    fixed = "per_device_train_batch_size" not in training_args.auto_settings
+    accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
+    return dataclasses.replace(base, accumulation=max(accumulation, 1))
+
+
+def _kernel_bases(training_args, arch, base: memplan.Setting) -> list[memplan.Setting]:
+    """The kernel settings to rank: `base`, and where `fp8: auto` turned FP8 on, bf16 beside it (compiled where the
+    family's compiled bf16 is good): FP8 is a candidate, not a given."""
+    auto = training_args.auto_settings
+    if "fp8" not in auto or not base.fp8:
+        return [base]
+    compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
+    return [base, dataclasses.replace(base, fp8=False, compiled=compile_bf16)]
 
 
 def _shown(value):
@@ -489,11 +619,7 @@ def _plan_memory(
                                compiled=kernels["compiled layers"].on)  # fmt: skip
     if resumed_optim:
         base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
-    dp = training_args.parallel.dp
-    if target:  # the accumulation follows the micro batch: above 1 wherever a micro batch is below target / dp
-        fixed = "per_device_train_batch_size" not in auto
-        accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
-        base = dataclasses.replace(base, accumulation=max(accumulation, 1))
+    base = _with_accumulation(training_args, base, target)
     bf16, optim = None, resumed_optim
     if auto:
         bases = [base]
@@ -501,9 +627,8 @@ def _plan_memory(
         if not by_speed.on:
             logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
                         by_speed.reason)  # fmt: skip
-        elif "fp8" in auto and base.fp8:  # FP8 is a candidate, not a given: bf16 (compiled where the family's is good)
-            compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
-            bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
+        else:
+            bases = _kernel_bases(training_args, arch, base)
         limits = (memory, headroom, host)
         if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
             bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
@@ -561,7 +686,7 @@ def _ranked(
     sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
     levels = _tool_levels(training_args)
     micro_choices = (micro,)
-    card = speed.card(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    card = speed.card(gpu_name())
     kernels = functools.partial(_candidate_kernels, training_args)
     fits = []
     for sp_choice in sp_choices:
