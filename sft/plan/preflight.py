@@ -234,13 +234,13 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
     memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
     limits = (memory, training_args.plan_headroom, memplan.detected_host_memory())
-    fsdp2_args = _rebuilt_for_fsdp2(training_args)
     best = {}
-    for name, args in (("deepspeed", training_args), ("fsdp2", fsdp2_args)):
-        bases = _engine_bases(args, model_args, arch, shape_of, target)
-        fits = _ranked(args, shape_of(), bases, target, micro_cap, limits)[0]
-        if name == "deepspeed" and "optim" in args.auto_settings and memplan.eight_bit_candidate(bases[0]):
-            eight = _ranked(args, shape_of(), memplan.with_eight_bit_moments(bases), target, micro_cap, limits)[0]
+    for name in ("deepspeed", "fsdp2"):
+        bases = _engine_bases(training_args, model_args, arch, target, name)
+        fits = _ranked(training_args, shape_of(), bases, target, micro_cap, limits)[0]
+        if "optim" in training_args.auto_settings and memplan.eight_bit_candidate(bases[0]):  # DeepSpeed's only
+            eight = _ranked(training_args, shape_of(), memplan.with_eight_bit_moments(bases), target, micro_cap,
+                            limits)[0]  # fmt: skip
             fits = eight if memplan.eight_bit_wins(fits, eight) else fits
         best[name] = fits[0] if fits else None
     if best["fsdp2"] is None or (best["deepspeed"] and best["deepspeed"].time.tokens_per_second
@@ -248,7 +248,7 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
         return deepspeed("ZeRO-3's fastest setting that fits estimated as fast or faster: " + _against(best))
     logger.info("engine: auto -> fsdp2 (PyTorch's FSDP2 in place of ZeRO-3: %s; %s; `engine: deepspeed` keeps "
                 "DeepSpeed)", _against(best, first="fsdp2"), FSDP2_MEASURED)  # fmt: skip
-    return fsdp2_args
+    return _rebuilt_for_fsdp2(training_args)
 
 
 def _against(best: dict, first: str = "deepspeed") -> str:
@@ -272,19 +272,20 @@ def _rebuilt_for_fsdp2(training_args):
     return rebuilt
 
 
-def _engine_bases(training_args, model_args, arch, shape_of, target) -> list[memplan.Setting]:
-    """The settings `_plan_memory` would rank under this engine: its kernels as `_decide_kernels` decides them
-    (without logging), bf16 beside FP8 where `fp8: auto` turned it on."""
-    engine, auto = training_args.run_engine, training_args.auto_settings
-    fsdp2 = engine.name == "fsdp2"
+def _engine_bases(training_args, model_args, arch, target, engine: str) -> list[memplan.Setting]:
+    """The settings `_plan_memory` would rank for this ZeRO-3 run under `engine` (DeepSpeed's, or FSDP2 in the same
+    layout): its kernels as `_decide_kernels` decides them (without logging), bf16 beside FP8 where `fp8: auto`
+    turned it on."""
+    auto, fsdp2 = training_args.auto_settings, engine == "fsdp2"
     fp8_on = fp8.resolve(bool(training_args.fp8), "fp8" in auto, arch.hidden, bool(model_args.use_peft),
-                         engine.sharding.stage == 3 and not fsdp2, fsdp2).on  # fmt: skip
+                         not fsdp2, fsdp2).on  # fmt: skip
     fp8_on = fp8_on and ("fp8" not in auto or arch.kernel("fp8").on)
     compiled = training_args.compile_decoder_layers
     if "compile_decoder_layers" in auto:
         compiled = (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
     liger = bool(training_args.use_liger_kernel) and (arch.kernel("liger").on or "use_liger_kernel" not in auto)
-    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled))
+    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled),
+                               engine=engine)  # fmt: skip
     return _kernel_bases(training_args, arch, _with_accumulation(training_args, base, target))
 
 

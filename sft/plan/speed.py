@@ -266,7 +266,8 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
         return max(seconds - c.overlap * min(seconds, busy), 0.0)
     link = c.link_gbps * 1e9
     share = (world - 1) / world
-    # FSDP2 all-gathers FP8's linear weights in float8 (`sft.model.fp8`): a byte a weight (the embeddings count so too)
+    # FSDP2 all-gathers FP8's linear weights in float8 (`sft.model.fp8`, tensorwise scaling, the default recipe): a
+    # byte a weight (the embeddings count so too)
     weights = (1 if s.fp8 and s.engine == "fsdp2" else s.dtype_bytes) * shape.n_params
     grads = s.dtype_bytes * _trainable(shape, s)
     moved = 0.0
