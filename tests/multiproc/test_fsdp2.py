@@ -1,6 +1,6 @@
 """FSDP2, sft's second engine (`engine: fsdp2`), through the real CLI on 2 gloo processes (issue #54).
 
-One set of runs, many checks: the demo (one fixed random init, fp32, 8 steps) under FSDP2 and under ZeRO-2 trains the
+One set of runs, many checks: the demo (one fixed random init, fp32, 12 steps) under FSDP2 and under ZeRO-2 trains the
 same samples to the same per-step losses and gradient norms; FSDP2 really shards (each checkpoint holds
 torch.distributed.checkpoint shards of both ranks, no whole-model file) and the final model directory loads in
 transformers, its weights changed; a run SIGKILLed after its checkpoint and run again with the same command is
@@ -24,7 +24,7 @@ from tests.multiproc.test_lora import merge
 from tests.multiproc.test_resume import kill_after_checkpoint
 from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
 
-STEPS = 8
+STEPS = 12
 ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--max_steps", str(STEPS),
     "--max_length", "256", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
@@ -70,7 +70,7 @@ def test_fsdp2_shards_and_saves_a_model_directory(runs, init_model):  # noqa: F8
     the final model is a transformers directory whose weights moved from the init and equal ZeRO-2's closely."""
     from transformers import AutoModelForCausalLM
 
-    checkpoint = runs["fsdp2"] / "checkpoint-4"
+    checkpoint = runs["fsdp2"] / "checkpoint-8"  # checkpoint-4 rotated out (save_total_limit)
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert sorted(p.name for p in (checkpoint / folder).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not list(checkpoint.glob("*.safetensors")) and not (checkpoint / "optimizer.pt").exists()
