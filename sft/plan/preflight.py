@@ -231,9 +231,7 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     reason = next((why for cut, why in excluded if cut), None)
     if reason:
         return deepspeed(reason)
-    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
-    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
-    limits = (memory, training_args.plan_headroom, memplan.detected_host_memory())
+    limits = _memory_limits(training_args)
     best = {}
     for name in ("deepspeed", "fsdp2"):
         bases = _engine_bases(training_args, model_args, arch, target, name)
@@ -276,17 +274,20 @@ def _engine_bases(training_args, model_args, arch, target, engine: str) -> list[
     """The settings `_plan_memory` would rank for this ZeRO-3 run under `engine` (DeepSpeed's, or FSDP2 in the same
     layout): its kernels as `_decide_kernels` decides them (without logging), bf16 beside FP8 where `fp8: auto`
     turned it on."""
-    auto, fsdp2 = training_args.auto_settings, engine == "fsdp2"
-    fp8_on = fp8.resolve(bool(training_args.fp8), "fp8" in auto, arch.hidden, bool(model_args.use_peft),
-                         not fsdp2, fsdp2).on  # fmt: skip
-    fp8_on = fp8_on and ("fp8" not in auto or arch.kernel("fp8").on)
-    compiled = training_args.compile_decoder_layers
-    if "compile_decoder_layers" in auto:
-        compiled = (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
-    liger = bool(training_args.use_liger_kernel) and (arch.kernel("liger").on or "use_liger_kernel" not in auto)
+    fp8_on = _fp8_decision(training_args, model_args, arch, engine, stage=3).on
+    compiled = _compiled(training_args, arch, fp8_on)
+    liger = _liger_on(training_args, arch)
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled),
                                engine=engine)  # fmt: skip
     return _kernel_bases(training_args, arch, _with_accumulation(training_args, base, target))
+
+
+def _memory_limits(training_args) -> tuple[float | None, float, float | None]:
+    """(the GPU memory planned for: `plan_gpu_memory_gib`, `max_gpu_memory_gib` or the GPU's; None without any, the
+    headroom, the host's memory)."""
+    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
+    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
+    return memory, training_args.plan_headroom, memplan.detected_host_memory()
 
 
 def _with_accumulation(training_args, base: memplan.Setting, target: int | None) -> memplan.Setting:
@@ -352,9 +353,8 @@ def _decide_kernels(training_args, model_args, arch, engine) -> tuple[dict, dict
     liger_on = _family_liger(training_args, arch)
     changes = {"use_liger_kernel": liger_on} if liger_on != training_args.use_liger_kernel else {}
     fp8_decision = _resolve_fp8(training_args, model_args, engine, arch)
-    compile_on = training_args.compile_decoder_layers
-    if "compile_decoder_layers" in training_args.auto_settings:  # float8's casts and scales are fast only compiled
-        compile_on = (fp8_decision.on and arch.kernel("compile").on) or _compile_bf16(arch)
+    compile_on = _compiled(training_args, arch, fp8_decision.on)
+    if "compile_decoder_layers" in training_args.auto_settings:
         changes["compile_decoder_layers"] = compile_on
     kernels = {
         "Liger": architectures.Kernel(liger_on, _liger_reason(training_args, arch)),
@@ -515,16 +515,27 @@ def _given_levers(training_args) -> memplan.Tools:
     return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
 
 
+def _liger_on(training_args, arch: architectures.Architecture) -> bool:
+    """Liger as asked, except `auto` on a family where it was not measured good."""
+    on = bool(training_args.use_liger_kernel)
+    return on and (arch.kernel("liger").on or "use_liger_kernel" not in training_args.auto_settings)
+
+
+def _compiled(training_args, arch: architectures.Architecture, fp8_on: bool) -> bool:
+    """Compiled decoder layers as asked, or `auto`: with FP8 (float8's casts and scales are fast only compiled), or
+    where the family's compiled bf16 measured faster."""
+    if "compile_decoder_layers" not in training_args.auto_settings:
+        return training_args.compile_decoder_layers
+    return (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
+
+
 def _family_liger(training_args, arch: architectures.Architecture) -> bool:
     """Whether Liger is on: left unset, off for a family where it was not measured good
     (`sft.model.architectures.KERNELS`). A fast path asked for by name on such a family is kept, with a warning."""
     liger = arch.kernel("liger")
-    on = bool(training_args.use_liger_kernel)
-    if on and not liger.on:
-        if "use_liger_kernel" in training_args.auto_settings:
-            on = False
-        else:
-            logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
+    on = _liger_on(training_args, arch)
+    if training_args.use_liger_kernel and not liger.on and "use_liger_kernel" not in training_args.auto_settings:
+        logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
     for name, key in (("fp8", "fp8"), ("compile", "compile_decoder_layers")):
         kernel = arch.kernel(name)
         if getattr(training_args, key) and key not in training_args.auto_settings and not kernel.on:
@@ -555,19 +566,25 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
     return arch.kernel("compile").reason
 
 
+def _fp8_decision(training_args, model_args, arch, engine: str, stage: int | None) -> fp8.Decision:
+    """`fp8` resolved by `sft.model.fp8` for this engine and ZeRO stage (`true` refused where it cannot run); `auto`
+    also needs the family measured good."""
+    auto, fsdp2 = "fp8" in training_args.auto_settings, engine == "fsdp2"
+    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft),
+                           stage == 3 and not fsdp2, fsdp2)  # fmt: skip
+    if auto and decision.on and not arch.kernel("fp8").on:
+        return fp8.Decision(False, arch.kernel("fp8").reason)
+    return decision
+
+
 def _resolve_fp8(training_args, model_args, engine, arch: architectures.Architecture) -> fp8.Decision:
     """`fp8` resolved by `sft.model.fp8` (`true` refused where it cannot run; `auto` also needs the family measured
     good), the choice and its reason logged."""
-    auto = "fp8" in training_args.auto_settings
-    fsdp2 = engine.name == "fsdp2"
-    zero3 = engine.sharding.stage == 3 and not fsdp2
-    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft), zero3, fsdp2)
-    if auto and decision.on and not arch.kernel("fp8").on:
-        decision = fp8.Decision(False, arch.kernel("fp8").reason)
+    decision = _fp8_decision(training_args, model_args, arch, engine.name, engine.sharding.stage)
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
-        if zero3:
+        if engine.sharding.stage == 3 and engine.name != "fsdp2":
             logger.warning(fp8.ZERO3_SLOWER)
     else:
         logger.info("FP8: off (%s)", decision.reason)
@@ -596,10 +613,7 @@ def _plan_memory(
     tools = _given_levers(training_args)
     ratio = training_args.run_engine.sharding.offload_ratio
     sp = training_args.sequence_parallel_size
-    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
-    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
-    headroom = training_args.plan_headroom
-    host = memplan.detected_host_memory()
+    memory, headroom, host = _memory_limits(training_args)
     if memory is None:
         if auto:
             logger.info(

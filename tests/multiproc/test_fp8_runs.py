@@ -140,20 +140,6 @@ def test_fp8_model_saves_as_plain_transformers_weights(runs, init_model):  # noq
     assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], saved["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_fp8_zero3_sigkill_then_rerun_is_bit_exact(runs, init_model, tmp_path):  # noqa: F811
-    out = tmp_path / "out"
-    kill_after_checkpoint(args_for(init_model, out, 3), out, step=4, env=CPU_FP8)
-    result = run_cli(args_for(init_model, out, 3), nproc=2, env=CPU_FP8)
-    assert result.returncode == 0, result.stderr[-5000:]
-    assert "Resuming from" in result.stderr
-    ref, res = records(runs["fp8_zero3"]), records(out)
-    assert [r["step"] for r in res] == list(range(1, STEPS + 1))
-    for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
-        assert [r[key] for r in ref] == [r[key] for r in res], key
-    a, b = weights(runs["fp8_zero3"]), weights(out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_fsdp2_fp8_gathers_float8_and_trains_as_zero2_fp8(runs):
     """FSDP2 all-gathers the float8 weights in float8 (each shard cast with the whole weight's scale, precomputed after
     each step) and trains as ZeRO-2's FP8 run: the same float8 weights, so the same first two losses bit for bit;
@@ -174,17 +160,19 @@ def test_fsdp2_fp8_gathers_float8_and_trains_as_zero2_fp8(runs):
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-2  # measured 5.4e-4
 
 
-def test_fp8_fsdp2_sigkill_then_rerun_is_bit_exact(runs, init_model, tmp_path):  # noqa: F811
-    """Killed after checkpoint-4 and run again: the resumed first step has no precomputed scales (they are computed
-    in the all-gather), and still every step and the final weights equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    kill_after_checkpoint(args_for(init_model, out, "fsdp2"), out, step=4, env=CPU_FP8)
-    result = run_cli(args_for(init_model, out, "fsdp2"), nproc=2, env=CPU_FP8)
+@pytest.mark.parametrize("stage", [3, "fsdp2"])
+def test_fp8_sigkill_then_rerun_is_bit_exact(runs, init_model, tmp_path, stage):  # noqa: F811
+    """Killed after checkpoint-4 and run again, under ZeRO-3 and under FSDP2 (whose resumed first step has no
+    precomputed scales: they are computed in the all-gather): every step and the final weights equal the
+    uninterrupted run's."""
+    out, name = tmp_path / "out", "fp8_zero3" if stage == 3 else "fp8_fsdp2"
+    kill_after_checkpoint(args_for(init_model, out, stage), out, step=4, env=CPU_FP8)
+    result = run_cli(args_for(init_model, out, stage), nproc=2, env=CPU_FP8)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Resuming from" in result.stderr
-    ref, res = records(runs["fp8_fsdp2"]), records(out)
+    ref, res = records(runs[name]), records(out)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
         assert [r[key] for r in ref] == [r[key] for r in res], key
-    a, b = weights(runs["fp8_fsdp2"]), weights(out)
+    a, b = weights(runs[name]), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
