@@ -3,6 +3,8 @@
     python -m benchmarks.qlora_70b --layers 8 16 --out benchmarks/results/qlora_70b   # GPU machine
     python -m benchmarks.qlora_70b --layers 40 --gpus 2 --variants fit_2x24 nested --storage float8_e4m3fn \
         --out benchmarks/results/qlora_70b_2gpu                                        # 2 GPUs, loaded in host memory
+    python -m benchmarks.qlora_70b --layers 40 --gpus 2 --variants zero3 fsdp2 --storage float8_e4m3fn \
+        --out benchmarks/results/qlora_70b_fsdp2                                       # FSDP2 beside ZeRO-3
     python -m benchmarks.qlora_70b --report benchmarks/results/qlora_70b              # the table again
 
 A random bf16 checkpoint of the 70B widths (hidden 8192, MLP 28672, 64 query / 8 KV heads, vocab 128256, untied) with
@@ -55,11 +57,15 @@ VARIANTS = {
                         []),
     # what `python -m sft.plan --suggest` answers for the full 70B on 2 x 24 GiB (with --qlora-nested)
     "fit_2x24": ("zero3_offload.json", {}, ["--use_bnb_nested_quant", "true", "--offload_checkpoints", "true"]),
+    # FSDP2 (no DeepSpeed config): the 4-bit weights packed in bf16, loaded in host memory, sharded layer by layer
+    "fsdp2": (None, {}, ["--engine", "fsdp2", "--deepspeed", "none"]),
 }  # fmt: skip
 
 
-def ds_config(work: Path, variant: str) -> Path:
+def ds_config(work: Path, variant: str) -> Path | None:
     name, zero, _ = VARIANTS[variant]
+    if name is None:
+        return None
     config = json.loads((ROOT / "ds_configs" / name).read_text())
     config["zero_optimization"].update(zero)
     path = work / f"ds_{variant}.json"
@@ -67,11 +73,11 @@ def ds_config(work: Path, variant: str) -> Path:
     return path
 
 
-def train_args(model: Path, out: Path, ds: Path, extra: list[str], steps: int = STEPS) -> list[str]:
+def train_args(model: Path, out: Path, ds: Path | None, extra: list[str], steps: int = STEPS) -> list[str]:
     return [
         "--config", str(ROOT / "recipes" / "demo-lora.yaml"), "--model_name_or_path", str(model),
         "--output_dir", str(out), "--load_in_4bit", "true", "--dtype", "bfloat16", "--bf16", "true",
-        "--deepspeed", str(ds), "--max_gpu_memory_gib", str(CAP_GIB),
+        *(["--deepspeed", str(ds)] if ds else []), "--max_gpu_memory_gib", str(CAP_GIB),
         "--max_length", str(SEQ), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
         "--activation_checkpointing", "true", "--lora_r", str(LORA_R), "--lora_alpha", str(2 * LORA_R),
         "--lora_dropout", "0", "--learning_rate", "1e-3", "--warmup_steps", "3", "--lr_scheduler_type", "constant",
@@ -90,7 +96,8 @@ def planned(config: dict, layers: int, gpus: int, variant: str = "zero3") -> dic
     setting = plan.Setting(gpus=gpus, zero_stage=3, micro_batch=1, seq_len=SEQ, activation_checkpointing=True,
                            liger=True, lora_r=LORA_R, qlora=True, qlora_nested=variant in ("nested", "fit_2x24"),
                            offload_optimizer=offload, offload_params=offload,
-                           offload_checkpoints=variant == "fit_2x24")  # fmt: skip
+                           offload_checkpoints=variant == "fit_2x24",
+                           engine="fsdp2" if variant == "fsdp2" else "deepspeed")  # fmt: skip
     e = plan.estimate(shape, setting)
     return {"layers": layers, "gpus": gpus, "variant": variant, "peak_gib": e.peak / plan.GiB,
             "train_gib": max(e.at_backward, e.at_step) / plan.GiB,
@@ -135,9 +142,51 @@ def measure(args) -> dict:
             result["runs"].append(run_result)
             print(f"{name}: exit {rc}, {seconds:.0f} s, peak {run_result['peak_memory_gib']}", flush=True)
             report(result, args.out)
+    if args.merge:
+        variant = args.merge_variant or args.variants[-1]
+        model = fewer_layers(source, work / f"llama70b_{args.merge}", args.merge)
+        out = work / f"run_{args.merge}_{variant}_merge"
+        cmd = sft_command(args.gpus, train_args(model, out, ds_config(work, variant), VARIANTS[variant][2], 6))
+        rc, _ = run(cmd, args.out / f"run_{args.merge}_{variant}_merge.log")
+        try:
+            result["merge"] = merged(out, model, args.out) if rc == 0 else {"layers": args.merge, "train_exit": rc}
+        except Exception as e:  # noqa: BLE001 - the training runs' results are still written
+            result["merge"] = {"layers": args.merge, "error": repr(e)}
+        print(f"merge: {result['merge']}", flush=True)
     result["plan_80_layers_2_gpus"] = {}
     report(result, args.out)
     return result
+
+
+def merged(run_dir: Path, base: Path, out: Path) -> dict:
+    """`sft merge` of the adapter a QLoRA run saved into its bf16 base, then the merged directory loaded: a query
+    projection of it against the base's plus the adapter's own B @ A x alpha / r, and a few greedy tokens."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    target = run_dir.parent / f"{run_dir.name}_merged"
+    rc, seconds = run([sys.executable, "-m", "sft.tools.merge", "--adapter", str(run_dir), "--output", str(target),
+                       "--dtype", "bfloat16"], out / f"{run_dir.name}.log")  # fmt: skip
+    if rc:
+        return {"merge_exit_code": rc}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16, device_map="cuda")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(base / index[name], "pt") as f:
+        before = f.get_tensor(name).to(torch.bfloat16).float()
+    adapter = load_file(run_dir / "adapter_model.safetensors")
+    config = json.loads((run_dir / "adapter_config.json").read_text())
+    key = "base_model.model." + name.removesuffix(".weight")
+    a, b = (adapter[f"{key}.lora_{x}.weight"].float() for x in "AB")
+    expected = b @ a * config["lora_alpha"] / config["r"]
+    change = model.get_parameter(name).float().cpu() - before
+    tokens = model.generate(torch.tensor([[1, 2, 3, 4]], device="cuda"), max_new_tokens=8, do_sample=False)
+    return {"layers": json.loads((base / "config.json").read_text())["num_hidden_layers"], "merge_exit_code": rc,
+            "merge_s": round(seconds, 1), "adapter_delta_norm": expected.norm().item(),
+            "merged_minus_base_vs_delta_rel_error": (change - expected).norm().item() / expected.norm().item(),
+            "generated": tokens[0].tolist()}  # fmt: skip
 
 
 def write_config(work: Path, config: dict, layers: int) -> Path:
@@ -162,14 +211,15 @@ def report(result: dict, out: Path) -> None:
         lines_cli = [line for line in cli.stdout.splitlines() if not line.startswith((str(tmp), "["))]
         result["plan_80_layers_2_gpus"] = planned(config, 80, 2, "nested") | {"cli": "\n".join(lines_cli)}
     lines = [
-        f"# QLoRA, Llama-3.1-70B widths, ZeRO-3, GPU capped at {result['cap_gib']} GiB ({result['env']['device']})",
+        f"# QLoRA, Llama-3.1-70B widths, sharded, GPU capped at {result['cap_gib']} GiB ({result['env']['device']})",
         "",
         f"LoRA r={result['lora_r']} on all linear layers over NF4 weights (bf16 compute, packed in bf16), rows of "
         f"{result['seq_len']} tokens, activation checkpointing, micro batch 1, {result['steps']} steps on the demo's "
         "synthetic tasks; `max_gpu_memory_gib: 24`. Peak: `torch.cuda.max_memory_allocated()`; plan: "
         "`sft.plan.memory` for the same setting (this commit's). Variants: `zero3` ds_configs/zero3.json; `nested` "
         "the same with `use_bnb_nested_quant`; `offload` ds_configs/zero3_offload.json (optimizer and parameters in "
-        "CPU memory); `offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`.",
+        "CPU memory); `offload_release` that with `stage3_max_reuse_distance: 0`, `stage3_max_live_parameters: 1e8`; "
+        "`fsdp2` `engine: fsdp2` (no DeepSpeed config; the plan in ZeRO-3's layout).",
         "",
         "| decoder layers | variant | GPUs | exit | loss first 3 -> last 3 (mean) | tokens/s/GPU | peak GiB | "
         "plan GiB | plan error | plan phase | training peak GiB | plan, training |",
@@ -190,6 +240,8 @@ def report(result: dict, out: Path) -> None:
     notes = [f"- {r['layers']} layers, {r['variant']}: {r['note']}" for r in result["runs"] if r.get("note")]
     if notes:
         lines += ["", *notes]
+    if result.get("merge"):
+        lines += ["", f"Merge (`sft merge`, the last variant trained 6 steps on fewer layers): {result['merge']}"]
     full = result.get("plan_80_layers_2_gpus")
     if full:
         lines += ["", f"Plan, all 80 layers on 2 GPUs (nested quantization): peak {full['peak_gib']:.2f} GiB "
@@ -209,6 +261,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "qlora_70b")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "qlora_70b")
     parser.add_argument("--report", type=Path, help="Rewrite the table from a results folder")
+    parser.add_argument(
+        "--merge",
+        type=int,
+        metavar="LAYERS",
+        help="Also train the last variant on this many layers for 6 steps, merge its adapter, load it",
+    )
+    parser.add_argument("--merge-variant", choices=list(VARIANTS), help="What --merge trains (default: the last)")
     args = parser.parse_args()
     if args.report:
         report(json.loads((args.report / "qlora_70b.json").read_text()), args.report)

@@ -87,7 +87,7 @@ def _build(
     quantized = quantization.load_kwargs(model_args, training_args, partitioned, sharded)
     kwargs.update(quantized)
     try:
-        with quantization.loading(bool(quantized) and partitioned):
+        with quantization.loading(bool(quantized) and (partitioned or sharded)):
             model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
         if quantized and partitioned:
             plan.engine.partition_loaded(model)
@@ -106,7 +106,8 @@ def _build(
             f" (packed in {quantization.zero3_storage(training_args)}; loaded in host memory, then partitioned by "
             "ZeRO-3 one weight at a time)"
             if partitioned
-            else f" (packed in {quantization.zero3_storage(training_args)}; FSDP2 shards them)"
+            else f" (packed in {quantization.zero3_storage(training_args)}; loaded in host memory, then sharded by "
+            "FSDP2 one layer at a time)"
             if sharded
             else "",
         )

@@ -20,8 +20,10 @@ weights go:
   ZeRO-3.
 - FSDP2: `fully_shard` shards only floating-point parameters (accelerate leaves `uint8`-packed 4-bit weights out, whole
   on every GPU), so the 4-bit weights are packed in the run's precision as under ZeRO-3 (the FSDP-QLoRA recipe), and
-  each rank holds its share of them; 8-bit weights are refused as under ZeRO-3. The model loads whole on each rank
-  (onto its GPU) before `fully_shard` cuts it: the host-memory load of ZeRO-3 above is not used under FSDP2.
+  each rank holds its share of them; 8-bit weights are refused as under ZeRO-3. On a GPU the model loads into host
+  memory as under ZeRO-3 (`loading`), and `fully_shard` moves each layer to the GPU and cuts it to this rank's share
+  one layer at a time (bitsandbytes moves the quantization constants with the weight): loaded whole onto each GPU
+  first, the load would set the peak as it did under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def load_kwargs(model_args, training_args, partitioned: bool, sharded: bool = Fa
         return {}
     if partitioned or sharded:  # packed in the dtype the engine shards (zero.Init's flat buffers; FSDP2's floats)
         config.bnb_4bit_quant_storage = getattr(torch, zero3_storage(training_args))
-    if partitioned:  # zero.Init places and partitions the weights
+    if partitioned or (sharded and torch.cuda.is_available()):  # loaded in host memory (`loading`), then placed
         return {"quantization_config": config}
     device = training_args.local_process_index if torch.cuda.is_available() else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}  # each rank loads onto its own GPU
@@ -116,9 +118,9 @@ def load_kwargs(model_args, training_args, partitioned: bool, sharded: bool = Fa
 
 @contextlib.contextmanager
 def loading(partitioned: bool):
-    """While `from_pretrained` runs under ZeRO-3 on a GPU: the model loads into host memory (transformers' quantizer
-    would pick this rank's GPU), each weight quantized on the GPU one at a time (fast) and moved back to host memory
-    with its constants. Elsewhere nothing changes."""
+    """While `from_pretrained` runs under ZeRO-3 or FSDP2 on a GPU: the model loads into host memory (transformers'
+    quantizer would pick this rank's GPU), each weight quantized on the GPU one at a time (fast) and moved back to host
+    memory with its constants. Elsewhere nothing changes."""
     if not partitioned or not torch.cuda.is_available():
         yield
         return
@@ -143,14 +145,14 @@ def loading(partitioned: bool):
 
 
 def place_quant_states(model: torch.nn.Module) -> int:
-    """After DeepSpeed's engine has placed the 4-bit weights: their quantization constants (bitsandbytes keeps them
+    """After the engine has placed the 4-bit weights: their quantization constants (bitsandbytes keeps them
     beside the parameter, whole on every rank) onto this rank's GPU, where the weights are used; the number moved."""
     if not torch.cuda.is_available():
         return 0
     gpu = torch.device("cuda", torch.cuda.current_device())
     moved = 0
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
+    for module in model.modules():  # FSDP2's sharded weight has none: bitsandbytes keeps a copy on the module
+        state = getattr(getattr(module, "weight", None), "quant_state", None) or getattr(module, "quant_state", None)
         if state is not None and state.absmax.device != gpu:
             state.to(gpu)
             moved += 1

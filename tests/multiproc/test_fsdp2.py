@@ -170,7 +170,9 @@ def test_qlora_under_fsdp2_shards_the_4bit_weights_trains_as_under_zero3_and_mer
         result = run_cli([*args, *qlora], nproc=2)
         assert result.returncode == 0, result.stderr[-5000:]
         logs[engine] = result.stderr
-    assert "28 linear layers in 4 bits (packed in float32; FSDP2 shards them)" in logs["fsdp2"]
+    assert (
+        "28 linear layers in 4 bits (packed in float32; loaded in host memory, then sharded by FSDP2" in logs["fsdp2"]
+    )
     assert "Excluding from FSDP2 sharding" not in logs["fsdp2"]
     shards = sorted((outs["fsdp2"] / "checkpoint-4" / "pytorch_model_fsdp_0").glob("*.distcp"))
     sizes = [p.stat().st_size for p in shards]
