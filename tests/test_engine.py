@@ -151,8 +151,8 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     """`engine: auto` (the default): DeepSpeed, except FSDP2 in place of a ZeRO-3 config where the speed model
     estimates FSDP2's fastest setting faster, on a GPU (the GPU's name stands in for the H200 here; planned for its
     141 GB): the demo's ZeRO-3 run is rebuilt for FSDP2 with its `auto` fields still chosen by the plan, both
-    estimates logged; ZeRO-2, LoRA, no GPU and a DeepSpeed checkpoint keep DeepSpeed, each with its reason; an FSDP2
-    checkpoint is resumed by FSDP2."""
+    estimates logged; QLoRA under ZeRO-3 goes to FSDP2 by its measurement; ZeRO-2, LoRA on 16-bit weights, no GPU and
+    a DeepSpeed checkpoint keep DeepSpeed, each with its reason; an FSDP2 checkpoint is resumed by FSDP2."""
     import logging
 
     from sft.config import parse_args
@@ -183,9 +183,12 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     assert "1.26-1.33x" in log and "Memory plan for" in log and "FSDP2 (resharded: ZeRO-3's layout)" in log
     assert plan.batch.per_device_batch_size > 1  # `per_device_train_batch_size: auto` still chosen by the plan
     lora = (*zero3, "--use_peft", "true", "--from_scratch", "false")
+    plan, log = planned(*lora, "--load_in_4bit", "true")  # QLoRA: by its measurement
+    assert plan.engine.name == "fsdp2" and "engine: auto -> fsdp2 (QLoRA: PyTorch's FSDP2 in place of ZeRO-3" in log
+    assert "2.47x" in log and "FSDP2 (resharded: ZeRO-3's layout)" in log
     zero2 = ("--deepspeed", "ds_configs/zero2.json")
     for extra, reason in ((zero2, "ZeRO-2: FSDP2 is chosen only in place of ZeRO-3"),
-                          (lora, "LoRA/QLoRA under FSDP2 is not measured on GPUs"),
+                          (lora, "LoRA on 16-bit weights under FSDP2 is not measured on GPUs"),
                           ((*zero3, "--engine", "deepspeed"), None)):  # fmt: skip
         if reason is None:
             _, _, args, model_args = parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir",

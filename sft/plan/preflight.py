@@ -188,6 +188,11 @@ FSDP2_MEASURED = ("FSDP2's default measured 1.26-1.33x ZeRO-3's on Llama-3.1-8B 
                   "(benchmarks/results/fsdp2_h200x4)")  # fmt: skip
 
 
+QLORA_MEASURED = ("QLoRA on the Llama-3.1-70B widths, 2 x H200 capped at 24 GiB: FSDP2 2.47x ZeRO-3's tokens/s at 4 "
+                  "layers, and 40 layers trained in 17.26 GiB where ZeRO-3 ran out of memory "
+                  "(benchmarks/results/qlora_70b_fsdp2)")  # fmt: skip
+
+
 def gpu_name() -> str | None:
     """This machine's GPU (the speed model's card), None without one."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -203,7 +208,8 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     that fits faster than ZeRO-3's (each with its own kernels: FP8 under FSDP2, 8-bit Adam under DeepSpeed where
     `optim: auto` takes it), else DeepSpeed; a resume keeps its checkpoint's engine. Only for what both engines can
     run and what was measured: full fine-tuning on a GPU, no offload, sequence or expert parallelism. The choice and
-    its reason are logged; the training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`)."""
+    its reason are logged; the training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`). QLoRA under
+    ZeRO-3 goes to FSDP2 by its measurement (`QLORA_MEASURED`), not the speed model's estimate."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
 
     def deepspeed(reason: str):
@@ -223,12 +229,21 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
         (dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings,
          "sequence parallelism is DeepSpeed's (Ulysses)"),
         (dims.ep > 1, "expert parallelism is DeepSpeed's (AutoEP)"),
-        (bool(model_args.use_peft), "LoRA/QLoRA under FSDP2 is not measured on GPUs"),
+        (model_args.use_peft and not model_args.load_in_4bit, "LoRA on 16-bit weights under FSDP2 is not measured on "
+         "GPUs"),
         (gpu_name() is None, "no GPU: the engines' speeds were measured on GPUs"),
-        (not arch.kernel("speed").on, f"the speed model does not rank {arch.family}"),
-        (not training_args.max_length, "no max_length to plan for"),
     )  # fmt: skip
     reason = next((why for cut, why in excluded if cut), None)
+    if reason:
+        return deepspeed(reason)
+    if model_args.use_peft and model_args.load_in_4bit:
+        logger.info("engine: auto -> fsdp2 (QLoRA: PyTorch's FSDP2 in place of ZeRO-3; %s; `engine: deepspeed` keeps "
+                    "DeepSpeed)", QLORA_MEASURED)  # fmt: skip
+        return _rebuilt_for_fsdp2(training_args)
+    reason = next((why for cut, why in (
+        (not arch.kernel("speed").on, f"the speed model does not rank {arch.family}"),
+        (not training_args.max_length, "no max_length to plan for"),
+    ) if cut), None)  # fmt: skip
     if reason:
         return deepspeed(reason)
     limits = _memory_limits(training_args)
