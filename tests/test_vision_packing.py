@@ -1,0 +1,118 @@
+"""Image+text samples packed into one row (`sft.data.vision`) against the same samples one at a time, through
+transformers' `eager` attention in fp32, for each M-RoPE family on tiny random models: every token's logits within
+1e-5, the packed loss the token-weighted mean of the samples' losses; the same row without the boundary row leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sft.data import vision
+from sft.errors import ConfigError
+
+IMAGE, VIDEO, START, END = 290, 291, 292, 293
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def tiny(family: str) -> torch.nn.Module:
+    """A random two-layer model of `family` (text and vision), eager attention, fp32."""
+    import transformers as tf
+
+    if family == "qwen2_vl":
+        config = tf.Qwen2VLConfig(text_config={**TEXT, **MROPE},
+                                  vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
+                                                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                                  **TOKENS)  # fmt: skip
+        model_class = tf.Qwen2VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
+        config = tf.Qwen2_5_VLConfig(text_config={**TEXT, **MROPE},
+                                     vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                        out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                                        temporal_patch_size=2, window_size=56,
+                                                        fullatt_block_indexes=[1]), **TOKENS)  # fmt: skip
+        model_class = tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        config = tf.Qwen3VLConfig(text_config={**TEXT, "head_dim": 16, "rope_parameters": rope},
+                                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                                     temporal_patch_size=2, num_position_embeddings=64,
+                                                     deepstack_visual_indexes=[0]), **TOKENS)  # fmt: skip
+        model_class = tf.Qwen3VLForConditionalGeneration
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return model_class(config).eval().float()
+
+
+def sample(gen: torch.Generator, before: int, grid: tuple[int, int, int] | None, after: int, patch_dim: int):
+    """Text, an image of `grid` patches (its merged tokens between the vision start/end tokens), text; labels on the
+    text after the image."""
+    text = lambda n: torch.randint(3, 280, (n,), generator=gen)  # noqa: E731
+    if grid is None:
+        ids = text(before + after)
+        return vision.Sample(ids, torch.where(torch.arange(len(ids)) >= before, ids, vision.IGNORE))
+    t, h, w = grid
+    ids = torch.cat([text(before), torch.tensor([START] + [IMAGE] * (t * h * w // 4) + [END]), text(after)])
+    labels = torch.full_like(ids, vision.IGNORE)
+    labels[-after:] = ids[-after:]
+    return vision.Sample(ids, labels, torch.randn(t * h * w, patch_dim, generator=gen), torch.tensor([grid]))
+
+
+@pytest.fixture(scope="module", params=sorted(vision.MROPE))
+def packed_and_alone(request):
+    model = tiny(request.param)
+    patch = model.config.vision_config.patch_size
+    gen = torch.Generator().manual_seed(1)
+    dim = 3 * 2 * patch**2  # channels x temporal patch x patch x patch
+    samples = [sample(gen, 5, (1, 4, 6), 7, dim), sample(gen, 3, None, 9, 0), sample(gen, 3, (1, 8, 4), 11, dim),
+               sample(gen, 9, (1, 2, 2), 4, dim)]  # fmt: skip
+    packer = vision.MRopePacker(model)
+    batch = packer(samples)
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False)
+        alone = []
+        for s in samples:
+            inputs = {"input_ids": s.input_ids[None], "labels": s.labels[None], "use_cache": False}
+            if s.pixel_values is not None:  # the model's own positions: M-RoPE from the image token types
+                inputs |= {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw,
+                           "mm_token_type_ids": (s.input_ids == IMAGE).int()[None]}  # fmt: skip
+            alone.append(model(**inputs))
+        leaked = model(**{**batch, "position_ids": batch["position_ids"][1:]}, use_cache=False)
+    return request.param, samples, batch, packed, alone, leaked
+
+
+def test_a_packed_row_equals_its_samples_one_at_a_time(packed_and_alone):
+    family, samples, batch, packed, alone, _ = packed_and_alone
+    logits = packed.logits[0]
+    start = 0
+    for s, out in zip(samples, alone, strict=True):
+        n = len(s.input_ids)
+        assert torch.allclose(logits[start : start + n], out.logits[0], rtol=0, atol=1e-5), (family, start)
+        start += n
+    counts = [int((s.labels[1:] != vision.IGNORE).sum()) for s in samples]  # the tokens each sample's loss averages
+    weighted = sum(c * out.loss for c, out in zip(counts, alone, strict=True)) / sum(counts)
+    assert torch.allclose(packed.loss, weighted, rtol=1e-6), (family, packed.loss, weighted)
+    starts = torch.cumsum(torch.tensor([0] + [len(s.input_ids) for s in samples[:-1]]), 0)
+    assert (batch["labels"][0, starts] == vision.IGNORE).all()  # no sample is predicted from the one before
+    assert batch["position_ids"].shape == (4, 1, sum(len(s.input_ids) for s in samples))
+
+
+def test_without_the_boundary_row_the_samples_attend_to_each_other(packed_and_alone):
+    family, samples, _, packed, _, leaked = packed_and_alone
+    first = len(samples[0].input_ids)
+    assert torch.equal(leaked.logits[0, :first], packed.logits[0, :first])  # the first sample sees nothing before it
+    assert (leaked.logits[0, first:] - packed.logits[0, first:]).abs().max() > 1e-2, family
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llama"])
+def test_families_not_packed_exactly_are_refused_with_the_reason(family):
+    from types import SimpleNamespace
+
+    with pytest.raises(ConfigError) as error:
+        vision.check(SimpleNamespace(model_type=family))
+    message = str(error.value)
+    assert f"`{family}`" in message and "qwen2_5_vl" in message and "`packing: false`" in message
+    assert ("both directions" in message) == (family == "gemma3")
