@@ -116,3 +116,40 @@ def test_families_not_packed_exactly_are_refused_with_the_reason(family):
     message = str(error.value)
     assert f"`{family}`" in message and "qwen2_5_vl" in message and "`packing: false`" in message
     assert ("both directions" in message) == (family == "gemma3")
+
+
+def test_image_records_are_checked_up_front_and_the_bad_one_named(tmp_path):
+    """TRL's vision records (image parts in `messages`, `images` beside them): paths relative to the data file, bytes
+    as a datasets Image column keeps them, PIL images; a missing file, a truncated PNG, a count that does not match
+    and a malformed part are each a DataError naming the file, the record and the field."""
+    from PIL import Image
+
+    from sft.errors import DataError
+
+    picture = tmp_path / "images" / "red.png"
+    picture.parent.mkdir()
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(picture)
+    png = picture.read_bytes()
+    (tmp_path / "images" / "cut.png").write_bytes(png[: len(png) // 2])
+    source = tmp_path / "train.jsonl"
+
+    def chat(*images, parts=None):
+        content = parts or [{"type": "image"}] * len(images) + [{"type": "text", "text": "What colour?"}]
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Red."}],
+                "images": list(images)}  # fmt: skip
+
+    text_only = {"messages": [{"role": "user", "content": "No image."}, {"role": "assistant", "content": "Fine."}]}
+    good = [chat("images/red.png"), chat({"bytes": png, "path": None}), chat(Image.open(picture)), chat(str(picture)),
+            text_only]  # fmt: skip
+    vision.check_records(good, source)  # nothing raised
+    cases = {
+        "`images[0]` (images/blue.png) cannot be read as an image": chat("images/blue.png"),
+        "`images[0]` (images/cut.png) cannot be read as an image": chat("images/cut.png"),
+        "2 image part(s) in `messages` but 1 image(s)": chat("images/red.png", parts=[{"type": "image"}] * 2),
+        "`messages[0].content[0]` must be": chat("images/red.png", parts=[{"type": "picture"}]),
+    }
+    for expected, bad in cases.items():
+        with pytest.raises(DataError) as error:
+            vision.check_records([*good, bad], source)
+        assert str(error.value).startswith(f"{source}: record 5: {expected}"), str(error.value)
+        assert str(error.value).endswith("Fix or drop that record.")

@@ -14,6 +14,12 @@ A vision-language model packs exactly only where three things hold, and they are
 
 Each sample's first label is masked (-100): the token before it is the previous sample's last.
 
+The records are TRL's vision format: chat `messages` whose `content` is a list of parts (`{"type": "image"}` where an
+image goes, `{"type": "text", "text": ...}`), and an `images` list in the order of the image parts: local paths
+(relative to the data file's folder), `{"bytes": ...}` as a datasets `Image` column stores them in parquet, or PIL
+images. `check_record` names what is wrong with a record (a missing or unreadable image, a count of image parts that
+does not match the images) before any training, as `sft.data.load` does for text.
+
 Other families are refused here with the reason (`check`): Gemma 3's image tokens attend to each other both ways
 (`token_type_ids`), which the packed-sequence mask does not express; Idefics3/SmolVLM and video inputs are not yet
 checked against one-by-one runs.
@@ -21,11 +27,13 @@ checked against one-by-one runs.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from sft.errors import ConfigError
+from sft.errors import ConfigError, DataError
 
 MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 NOT_PACKED = {
@@ -47,6 +55,73 @@ def check(config) -> None:
         f"`packing: true` with image+text samples for `{family}`: {why}. Packed families: {', '.join(sorted(MROPE))}. "
         "Set `packing: false` to train this model on padded batches."
     )
+
+
+def image_parts(messages) -> int | str:
+    """The number of image parts in a chat, or what is wrong with its shape."""
+    if not isinstance(messages, list) or not messages:
+        return "`messages` must be a non-empty list of turns"
+    count = 0
+    for i, turn in enumerate(messages):
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return f"`messages[{i}].content` must be a string or a list of parts, got {type(content).__name__}"
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image", "text"):
+                parts = '{"type": "image"} or {"type": "text", "text": ...}'
+                return f"`messages[{i}].content[{j}]` must be {parts}, got {part!r}"
+            count += kind == "image"
+    return count
+
+
+def open_image(image, base: Path):
+    """A record's image as a PIL image: a path (relative to `base`), `{"bytes": ...}` or a PIL image."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, dict) and image.get("bytes") is not None:
+        return Image.open(io.BytesIO(image["bytes"]))
+    path = image.get("path") if isinstance(image, dict) else image
+    if not isinstance(path, str):
+        raise TypeError(f"an image must be a path, {{'bytes': ...}} or a PIL image, got {type(image).__name__}")
+    path = Path(path) if Path(path).is_absolute() else base / path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return Image.open(path)
+
+
+def check_record(record: dict, base: Path) -> str | None:
+    """What is wrong with one image+text record, or None: its chat's shape, the image parts against `images`, and
+    whether each image opens and decodes."""
+    count = image_parts(record.get("messages"))
+    if isinstance(count, str):
+        return count
+    images = record.get("images") or []
+    if not isinstance(images, list):
+        return f"`images` must be a list, got {type(images).__name__}"
+    if count != len(images):
+        return (f"{count} image part(s) in `messages` but {len(images)} image(s) in `images`: each "
+                '{"type": "image"} part takes the next image, in order')  # fmt: skip
+    for k, image in enumerate(images):
+        try:
+            opened = open_image(image, base)
+            opened.load()  # decodes: a truncated or corrupt file fails here, not in a data-loader worker
+        except Exception as e:  # noqa: BLE001 - PIL raises many kinds; each is this record's unreadable image
+            shown = image if isinstance(image, str) else type(image).__name__
+            return f"`images[{k}]` ({shown}) cannot be read as an image: {e}"
+    return None
+
+
+def check_records(records, source: Path) -> None:
+    """Every record of the data file `source` checked up front: the first bad one is a DataError naming it."""
+    for i, record in enumerate(records):
+        problem = check_record(record, source.parent)
+        if problem:
+            raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
 
 @dataclass(frozen=True)
