@@ -153,3 +153,79 @@ def test_image_records_are_checked_up_front_and_the_bad_one_named(tmp_path):
             vision.check_records([*good, bad], source)
         assert str(error.value).startswith(f"{source}: record 5: {expected}"), str(error.value)
         assert str(error.value).endswith("Fix or drop that record.")
+
+
+@pytest.fixture(scope="module")
+def demo_vlm(tmp_path_factory):
+    """The vision-language demo built afresh (a few records), its tokenizer, image processor and model config."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from sft.tools import demo_vlm
+
+    out = tmp_path_factory.mktemp("demo-vlm")
+    demo_vlm.write_demo(out, n_train=24, n_eval=4)
+    return out, AutoTokenizer.from_pretrained(out / "model"), AutoImageProcessor.from_pretrained(out / "model")
+
+
+def test_the_demo_records_encode_and_pack_into_exact_rows(demo_vlm):
+    """The demo's records through `check_records`, `encode` and `rows`: 4 image tokens per 56-pixel image, labels on
+    the answer only, rows of at most max_length holding every record once, and a packed row of the demo's own Qwen2.5-VL
+    (random weights) equal to its samples one at a time; a record over max_length is refused, named."""
+    import datasets
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sft.errors import DataError
+
+    out, tokenizer, processor = demo_vlm
+    source = out / "data" / "train.parquet"
+    records = list(datasets.load_dataset("parquet", data_files=str(source), split="train"))
+    vision.check_records(records, source)
+    samples = [vision.encode(r, tokenizer, processor, source.parent) for r in records]
+    image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for record, s in zip(records, samples, strict=True):
+        assert int((s.input_ids == image).sum()) == 4 and s.image_grid_thw.tolist() == [[1, 4, 4]]
+        answer = record["messages"][1]["content"][0]["text"]
+        assert tokenizer.decode(s.labels[s.labels != vision.IGNORE]) == answer + "<|end|>"
+    lengths = [len(s.input_ids) for s in samples]
+    packed_rows = vision.rows(lengths, 128)
+    assert sorted(i for row in packed_rows for i in row) == list(range(len(samples)))
+    assert all(sum(lengths[i] for i in row) <= 128 for row in packed_rows) and len(packed_rows) < len(samples) / 2
+    with pytest.raises(DataError, match=r"record \d+: \d+ tokens with its image tokens, over `max_length: 30`"):
+        vision.rows(lengths, 30)
+
+    config = AutoConfig.from_pretrained(out / "model")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval().float()
+    row = [samples[i] for i in packed_rows[0]]
+    assert len(row) >= 3
+    with torch.no_grad():
+        logits = model(**vision.MRopePacker(model)(row), use_cache=False).logits[0]
+        start = 0
+        for s in row:
+            alone = model(input_ids=s.input_ids[None], pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
+                          mm_token_type_ids=(s.input_ids == image).int()[None], use_cache=False).logits[0]  # fmt: skip
+            assert torch.allclose(logits[start : start + len(s.input_ids)], alone, rtol=0, atol=1e-5)
+            start += len(s.input_ids)
+
+
+def test_the_shipped_vlm_demo_is_what_the_builder_makes(demo_vlm):
+    """recipes/demo-vlm against `python -m sft.tools.demo_vlm`: the same tokenizer, image processor, model config and
+    chat template files, and the same records (the generator's first records are the eval split)."""
+    import datasets
+
+    from tests.conftest import ROOT
+
+    out, _, _ = demo_vlm
+    shipped = ROOT / "recipes" / "demo-vlm"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        assert (shipped / "model" / name).read_text() == (out / "model" / name).read_text(), name
+    fresh = datasets.load_dataset("parquet", data_files=str(out / "data" / "eval.parquet"), split="train")
+    committed = datasets.load_dataset("parquet", data_files=str(shipped / "data" / "eval.parquet"), split="train")
+    committed = committed.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+    fresh = fresh.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+    assert committed[:4] == fresh[:4]
+    assert len(committed) == 200
+    train = datasets.load_dataset("parquet", data_files=str(shipped / "data" / "train.parquet"), split="train")
+    assert len(train) == 2000

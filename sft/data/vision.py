@@ -124,6 +124,59 @@ def check_records(records, source: Path) -> None:
             raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
 
+def encode(record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>") -> Sample:
+    """One checked record as its model sees it: the chat rendered by the tokenizer's template (an image part becomes
+    one `image_token` between the vision start/end tokens), each image's token repeated once per merged patch group as
+    the family's processor does (`image_grid_thw` product / merge_size**2), labels on the assistant's tokens only (the
+    template's `{% generation %}` markers)."""
+    rendered = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)  # fmt: skip
+    ids, trained = rendered["input_ids"], rendered["assistant_masks"]
+    if not any(trained):
+        raise DataError("the chat template marks no assistant tokens (`{% generation %}`): nothing would be trained")
+    images = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
+    if not images:
+        ids_t = torch.tensor(ids)
+        return Sample(ids_t, torch.where(torch.tensor(trained, dtype=torch.bool), ids_t, IGNORE))
+    processed = image_processor(images=images, return_tensors="pt")
+    grid = processed["image_grid_thw"]
+    counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())
+    pad = tokenizer.convert_tokens_to_ids(image_token)
+    out_ids, out_trained = [], []
+    for token, on in zip(ids, trained, strict=True):
+        repeat = next(counts) if token == pad else 1
+        out_ids += [token] * repeat
+        out_trained += [on and token != pad] * repeat
+    ids_t = torch.tensor(out_ids)
+    labels = torch.where(torch.tensor(out_trained, dtype=torch.bool), ids_t, IGNORE)
+    return Sample(ids_t, labels, processed["pixel_values"], grid)
+
+
+def rows(lengths: list[int], max_length: int) -> list[list[int]]:
+    """Sample indices packed into rows of at most `max_length` tokens, best fit decreasing (TRL's `bfd` for text): the
+    longest sample first, each into the fullest row it fits. A pure function of the lengths: the same rows on every
+    rank and on every resume."""
+    too_long = next((i for i, n in enumerate(lengths) if n > max_length), None)
+    if too_long is not None:
+        raise DataError(
+            f"record {too_long}: {lengths[too_long]} tokens with its image tokens, over `max_length: {max_length}`; "
+            "an image+text sample is never cut (its image tokens would lose their image). Raise `max_length`, make "
+            "its images smaller (the image processor's `max_pixels`) or drop the record."
+        )
+    packed: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r, free in enumerate(space) if free >= lengths[i]]
+        if fits:
+            best = min(fits, key=lambda r: (space[r], r))
+            packed[best].append(i)
+            space[best] -= lengths[i]
+        else:
+            packed.append([i])
+            space.append(max_length - lengths[i])
+    return packed
+
+
 @dataclass(frozen=True)
 class Sample:
     """One chat as the model's processor made it: token ids and labels (1-D), and its images' patches with their

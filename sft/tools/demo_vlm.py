@@ -1,0 +1,148 @@
+"""Build the vision-language demo: the text demo's tokenizer with vision tokens, a tiny Qwen2.5-VL config, an image
+processor config and a synthetic data set of coloured shapes with questions about them (issue #55).
+
+Nothing here is downloaded. ``python -m sft.tools.demo_vlm --out recipes/demo-vlm`` writes:
+
+- ``model/``: ``config.json`` of a 4-layer Qwen2.5-VL (text hidden 128; a 2-block vision tower), the character-level
+  tokenizer of ``sft.tools.demo`` plus ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` (and
+  ``<|video_pad|>``, which the config must name; no video in the data), a chat template
+  that renders an image part as those three tokens and marks the assistant's tokens (``{% generation %}``), and
+  ``preprocessor_config.json``: Qwen2-VL's image processor at 56 x 56 pixels (4 x 4 patches of 14, merged 2 x 2 into 4
+  image tokens);
+- ``data/train.parquet`` and ``data/eval.parquet``: TRL's vision records (``messages`` whose parts are
+  ``{"type": "image"}`` or text, ``images`` a list of PNG images as a datasets ``Image`` column stores them) asking
+  the colour, the shape, or both, of one shape drawn at a random place and size on a white image.
+
+The output is a pure function of ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+from pathlib import Path
+
+from sft.tools import demo
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]  # no video in the data
+_PARTS = (
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- else -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}<|assistant|>{% generation %}" + _PARTS + "<|end|>{% endgeneration %}"
+    "{%- else -%}<|{{ message['role'] }}|>" + _PARTS + "<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+PIXELS = 56  # one image: 4 x 4 patches of 14 pixels, merged 2 x 2 into 4 tokens
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?", "both": "Describe the shape."}
+
+
+def build_tokenizer():
+    tokenizer = demo.build_tokenizer()
+    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=PIXELS * PIXELS, max_pixels=PIXELS * PIXELS, patch_size=14,
+                                    merge_size=2, temporal_patch_size=2)  # fmt: skip
+
+
+def model_config(tokenizer) -> dict:
+    """The tiny Qwen2.5-VL: 4 text layers of hidden 128 (M-RoPE sections 4/6/6 of the 16 rotary pairs of a 32-wide
+    head), a 2-block vision tower of hidden 64 whose second block attends over the whole image."""
+    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(names, VISION_TOKENS, strict=True)}
+    text = {
+        "model_type": "qwen2_5_vl_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1]}  # fmt: skip
+    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
+            "dtype": "float32", **ids}  # fmt: skip
+
+
+def draw(shape: str, colour: str, rng: random.Random) -> bytes:
+    """A PNG of one filled shape of `colour` at a random place and size on white."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (PIXELS, PIXELS), "white")
+    size = rng.randint(18, 34)
+    x, y = rng.randint(2, PIXELS - size - 2), rng.randint(2, PIXELS - size - 2)
+    box, fill = (x, y, x + size, y + size), COLOURS[colour]
+    pen = ImageDraw.Draw(image)
+    if shape == "circle":
+        pen.ellipse(box, fill=fill)
+    elif shape == "square":
+        pen.rectangle(box, fill=fill)
+    else:
+        pen.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def make_record(rng: random.Random) -> dict:
+    shape, colour, ask = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(QUESTIONS))
+    answer = {"colour": colour, "shape": shape, "both": f"a {colour} {shape}"}[ask]
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": QUESTIONS[ask]}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        "images": [{"bytes": draw(shape, colour, rng), "path": None}],
+    }
+
+
+def write_demo(out: Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0) -> None:
+    import datasets
+
+    tokenizer = build_tokenizer()
+    model_dir = out / "model"
+    tokenizer.save_pretrained(model_dir)
+    build_image_processor().save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(model_config(tokenizer), indent=2, sort_keys=True) + "\n")
+    rng = random.Random(seed)
+    records = [make_record(rng) for _ in range(n_train + n_eval)]
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": datasets.Sequence(datasets.Image()),
+    })  # fmt: skip
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", records[n_eval:]), ("eval", records[:n_eval])):
+        datasets.Dataset.from_list(rows, features=features).to_parquet(str(data_dir / f"{name}.parquet"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("recipes/demo-vlm"), help="Directory to write into.")
+    parser.add_argument("--n-train", type=int, default=2000, help="Number of training records.")
+    parser.add_argument("--n-eval", type=int, default=200, help="Number of held-out eval records.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the record generator.")
+    args = parser.parse_args(argv)
+    write_demo(args.out, args.n_train, args.n_eval, args.seed)
+    print(f"wrote the vision-language demo's tokenizer, image processor, model config and data to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
