@@ -169,8 +169,8 @@ def demo_vlm(tmp_path_factory):
 
 def test_the_demo_records_encode_and_pack_into_exact_rows(demo_vlm):
     """The demo's records through `check_records`, `encode` and `rows`: 4 image tokens per 56-pixel image, labels on
-    the answer only, rows of at most max_length holding every record once, and a packed row of the demo's own Qwen2.5-VL
-    (random weights) equal to its samples one at a time; a record over max_length is refused, named."""
+    the answer only, rows of at most max_length holding every record once, and a packed row of the demo's own
+    Qwen2.5-VL (random weights) equal to its samples one at a time; a record over max_length is refused, named."""
     import datasets
     from transformers import AutoConfig, AutoModelForImageTextToText
 
