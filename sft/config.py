@@ -233,6 +233,13 @@ class TrainConfig(SFTConfig):
         default=False,
         metadata={"help": "Log a hash of every micro-batch per rank to `<output_dir>/data_trace/` (audits sharding)."},
     )
+    train_vision_tower: bool = field(
+        default=False,
+        metadata={
+            "help": "Vision-language models: train the vision encoder too (default: frozen; its projector and "
+            "the language model train)."
+        },
+    )
     per_device_train_batch_size: str = field(
         default="auto",
         metadata={"help": "Rows per GPU per forward pass, or `auto` (the largest the memory plan fits)."},

@@ -36,23 +36,37 @@ def main(argv: list[str] | None = None) -> None:
 
     plan, resume_from, saved = _plan(training_args, model_args)  # the run decided once, before any work
     training_args = plan.training_args
-    train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
     tokenizer = load_tokenizer(model_args, training_args)
-    check_tokenizer(train_dataset, tokenizer, training_args)
+    collator = None
+    if plan.vision:  # image+text rows, packed by sft.data.vision
+        from sft.data import vision
+
+        train_dataset, eval_dataset, splits = vision.load_datasets(
+            script_args, data_args, training_args, tokenizer, model_args.model_name_or_path, plan.vision
+        )
+    else:
+        train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
+        check_tokenizer(train_dataset, tokenizer, training_args)
     fingerprint = _take_output_dir(plan, (script_args, data_args, model_args), tokenizer, train_dataset, saved)
-    _log_data_figures(train_dataset, tokenizer, plan)
+    if not plan.vision:
+        _log_data_figures(train_dataset, tokenizer, plan)
     model = load_model(model_args, plan)
+    if plan.vision:
+        collator = vision.Collator(vision.MRopePacker(model), splits)
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
+        data_collator=collator,
         peft_config=get_peft_config(model_args),
         plan=plan,
         fingerprint=fingerprint,
     )
     trainer.train(resume_from_checkpoint=resume_from)
+    if plan.vision and training_args.process_index == 0:
+        vision.save_image_processor(model_args.model_name_or_path, training_args.output_dir)
     _save(trainer, training_args)
 
 

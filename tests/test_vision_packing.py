@@ -71,6 +71,7 @@ def packed_and_alone(request):
                sample(gen, 9, (1, 2, 2), 4, dim)]  # fmt: skip
     packer = vision.MRopePacker(model)
     batch = packer(samples)
+    vision.join_positions(model)  # as a run's plan puts it on the model
     with torch.no_grad():
         packed = model(**batch, use_cache=False)
         alone = []
@@ -80,7 +81,8 @@ def packed_and_alone(request):
                 inputs |= {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw,
                            "mm_token_type_ids": (s.input_ids == IMAGE).int()[None]}  # fmt: skip
             alone.append(model(**inputs))
-        leaked = model(**{**batch, "position_ids": batch["position_ids"][1:]}, use_cache=False)
+        alone_rows = {k: v for k, v in batch.items() if k != "mrope_position_ids"}  # the M-RoPE rows, no boundaries
+        leaked = model(**alone_rows | {"position_ids": batch["mrope_position_ids"]}, use_cache=False)
     return request.param, samples, batch, packed, alone, leaked
 
 
@@ -97,7 +99,8 @@ def test_a_packed_row_equals_its_samples_one_at_a_time(packed_and_alone):
     assert torch.allclose(packed.loss, weighted, rtol=1e-6), (family, packed.loss, weighted)
     starts = torch.cumsum(torch.tensor([0] + [len(s.input_ids) for s in samples[:-1]]), 0)
     assert (batch["labels"][0, starts] == vision.IGNORE).all()  # no sample is predicted from the one before
-    assert batch["position_ids"].shape == (4, 1, sum(len(s.input_ids) for s in samples))
+    tokens = sum(len(s.input_ids) for s in samples)
+    assert batch["position_ids"].shape == (1, tokens) and batch["mrope_position_ids"].shape == (3, 1, tokens)
 
 
 def test_without_the_boundary_row_the_samples_attend_to_each_other(packed_and_alone):
@@ -197,6 +200,7 @@ def test_the_demo_records_encode_and_pack_into_exact_rows(demo_vlm):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config).eval().float()
+    vision.join_positions(model)
     row = [samples[i] for i in packed_rows[0]]
     assert len(row) >= 3
     with torch.no_grad():

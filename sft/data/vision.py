@@ -10,7 +10,10 @@ A vision-language model packs exactly only where three things hold, and they are
   by the model's own `get_rope_index` and concatenated;
 - **no token attends across samples**: transformers' text model takes a fourth, first row of positions (0..n-1 within
   each sample) as the sample boundaries (the packed-sequence mask of eager/sdpa; the varlen kernels' `cu_seqlens`).
-  Without that row the samples attend to each other (`tests/test_vision_packing.py` measures the leak).
+  Without that row the samples attend to each other (`tests/test_vision_packing.py` measures the leak). A packed
+  batch carries that row as `position_ids` ([1, tokens], what TRL and sft count tokens and samples by) and the three
+  M-RoPE rows as `mrope_position_ids`; `join_positions` (a forward pre-hook the run plan puts on the model) stacks
+  them into the [4, 1, tokens] positions the model reads.
 
 Each sample's first label is masked (-100): the token before it is the previous sample's last.
 
@@ -28,12 +31,16 @@ checked against one-by-one runs.
 from __future__ import annotations
 
 import io
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from sft.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 NOT_PACKED = {
@@ -43,6 +50,13 @@ NOT_PACKED = {
     "smolvlm": "not yet checked against one-by-one runs",
 }
 IGNORE = -100
+
+
+class Plan(NamedTuple):
+    """The run plan's line for an image+text run (`RunPlan.vision`)."""
+
+    assistant_only: bool  # labels on the assistant's tokens only (`assistant_only_loss`), else on every text token
+    train_tower: bool  # the vision encoder trains too (`train_vision_tower`); else frozen, its projector trained
 
 
 def check(config) -> None:
@@ -124,15 +138,19 @@ def check_records(records, source: Path) -> None:
             raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
 
-def encode(record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>") -> Sample:
+def encode(
+    record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>", assistant_only=True
+) -> Sample:
     """One checked record as its model sees it: the chat rendered by the tokenizer's template (an image part becomes
     one `image_token` between the vision start/end tokens), each image's token repeated once per merged patch group as
     the family's processor does (`image_grid_thw` product / merge_size**2), labels on the assistant's tokens only (the
-    template's `{% generation %}` markers)."""
+    template's `{% generation %}` markers), or with `assistant_only` false on every token but the image tokens."""
     rendered = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
                                              return_assistant_tokens_mask=True)  # fmt: skip
     ids, trained = rendered["input_ids"], rendered["assistant_masks"]
-    if not any(trained):
+    if not assistant_only:
+        trained = [1] * len(ids)
+    elif not any(trained):
         raise DataError("the chat template marks no assistant tokens (`{% generation %}`): nothing would be trained")
     images = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
     if not images:
@@ -217,10 +235,90 @@ class MRopePacker:
         batch = {
             "input_ids": torch.cat([s.input_ids for s in samples])[None],
             "labels": torch.cat(labels)[None],
-            "position_ids": torch.cat([text[None], rotary])[:, None],  # [4, 1, tokens]: boundaries, then M-RoPE
+            "position_ids": text[None],  # [1, tokens]: each sample's own 0..n-1, the boundaries
+            "mrope_position_ids": rotary[:, None],  # [3, 1, tokens]: the rotary positions (`join_positions`)
         }
         images = [s for s in samples if s.pixel_values is not None]
         if images:
             batch["pixel_values"] = torch.cat([s.pixel_values for s in images])
             batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in images])
         return batch
+
+
+def join_positions(model: torch.nn.Module):
+    """A forward pre-hook on `model` that stacks a packed batch's boundary row (`position_ids`) over its M-RoPE rows
+    (`mrope_position_ids`) into the [4, batch, tokens] positions transformers' M-RoPE models read; returns the
+    hook's handle."""
+
+    def stack(module, args, kwargs):
+        rows = kwargs.pop("mrope_position_ids", None)
+        if rows is not None:
+            text = kwargs["position_ids"]
+            kwargs["position_ids"] = torch.cat([text[None], rows.to(text.device)])
+        return args, kwargs
+
+    return model.register_forward_pre_hook(stack, with_kwargs=True)
+
+
+class Collator:
+    """A micro batch of rows as one padding-free row of the model's inputs. The data sets TRL's trainer iterates hold
+    only each row's sample indices and its split (`{"row": [...], "split": "train"}`); the records are encoded here,
+    in the data loader, so images are decoded and processed as they are needed, not all at the start."""
+
+    def __init__(self, packer: MRopePacker, splits: dict):
+        self.packer, self.splits = packer, splits  # split -> (records, encode_one)
+
+    def __call__(self, features: list[dict]) -> dict:
+        samples = []
+        for feature in features:
+            records, encode_one = self.splits[feature["split"]]
+            samples += [encode_one(records[j]) for j in feature["row"]]
+        return self.packer(samples)
+
+
+def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: str, plan: Plan):
+    """The checked image+text records of the recipe's sources, encoded once for their lengths and packed into rows of
+    `max_length`: (train rows, eval rows or None, the splits a `Collator` reads)."""
+    import datasets
+    from transformers import AutoImageProcessor
+
+    from sft.data.load import load_source
+
+    if not data_args.datasets:
+        raise ConfigError("image+text training reads `datasets:` (local parquet/JSON files or folders); none is given")
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    splits = {}
+
+    def rows_of(sources, split: str) -> datasets.Dataset:
+        parts = []
+        for source in sources:
+            records = load_source(source)
+            check_records(records, Path(source.path))
+            parts.append((records, Path(source.path).parent))
+        if len({b for _, b in parts}) > 1:
+            raise ConfigError("image+text sources in different folders: give the images as absolute paths or bytes")
+        records = datasets.concatenate_datasets([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+        base = parts[0][1]
+
+        def encode_one(record: dict) -> Sample:
+            return encode(record, tokenizer, image_processor, base, assistant_only=plan.assistant_only)
+
+        lengths = [len(encode_one(r).input_ids) for r in records]
+        packed = rows(lengths, training_args.max_length)
+        logger.info("Image+text %s data: %d records packed into %d rows of up to %d tokens (%.1f%% filled)", split,
+                    len(lengths), len(packed), training_args.max_length,
+                    100 * sum(lengths) / (len(packed) * training_args.max_length))  # fmt: skip
+        splits[split] = (records, encode_one)
+        return datasets.Dataset.from_dict({"row": packed, "split": [split] * len(packed)})
+
+    train = rows_of(data_args.datasets, "train")
+    eval_rows = rows_of(data_args.eval_datasets, "eval") if data_args.eval_datasets else None
+    return train, eval_rows, splits
+
+
+def save_image_processor(model_dir: str, output_dir: str) -> None:
+    """The model's image processor beside the trained model, so that the output directory loads and generates on its
+    own (`AutoImageProcessor.from_pretrained(output_dir)`)."""
+    from transformers import AutoImageProcessor
+
+    AutoImageProcessor.from_pretrained(model_dir).save_pretrained(output_dir)

@@ -339,6 +339,30 @@ def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_los
 # --- the module structure of a built model ---
 
 
+# Vision-language families sft trains on image+text chats (`sft.data.vision` packs them exactly): built with
+# transformers' image-text-to-text class. Other multimodal configs (Gemma 3) keep the causal-LM class they train with.
+VISION_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+
+
+def is_vision(config) -> bool:
+    """Whether sft trains this config as a vision-language model (image+text chats)."""
+    return getattr(config, "model_type", None) in VISION_FAMILIES
+
+
+def vision_tower_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """A vision family's encoder weights: what `train_vision_tower: false` freezes. Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+    keep the encoder in `visual` and its projector(s) there too (`merger`, Qwen3-VL's `deepstack_merger_list`), which
+    stay trainable: they map the encoder's features into the language model."""
+    return [(n, p) for n, p in model.named_parameters() if ".visual." in f".{n}" and "merger" not in n]
+
+
+def model_class(config):
+    """The transformers auto class a config is built with: image-text-to-text for a vision family, else causal LM."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if is_vision(config) else transformers.AutoModelForCausalLM
+
+
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under PEFT's wrappers."""
     get_base = getattr(model, "get_base_model", None)

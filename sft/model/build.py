@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
 
 from sft.config import ModelArguments, TrainConfig
 from sft.errors import ConfigError
-from sft.model import converters, quantization
+from sft.model import architectures, converters, quantization
 from sft.plan.run import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _build(
         # under ZeRO-3, `zero.Init` partitions them as they are made.
         device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
+            model = architectures.model_class(config).from_config(
                 config,
                 attn_implementation=kwargs["attn_implementation"],
                 dtype=kwargs["dtype"] if kwargs["dtype"] != "auto" else None,
@@ -88,7 +88,7 @@ def _build(
     kwargs.update(quantized)
     try:
         with quantization.loading(bool(quantized) and (partitioned or sharded)):
-            model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+            model = architectures.model_class(config).from_pretrained(model_args.model_name_or_path, **kwargs)
         if quantized and partitioned:
             plan.engine.partition_loaded(model)
     except OSError as e:

@@ -116,6 +116,22 @@ def _compiled_hooks(model, plan) -> None:
         logger.info("Compiled decoder layers under ZeRO-3: %d DeepSpeed hooks run eagerly in between", wrapped)
 
 
+def _vision_positions(model, plan) -> None:
+    from sft.data import vision
+
+    vision.join_positions(model)
+
+
+def _freeze_vision_tower(model, plan) -> None:
+    from sft.model import architectures
+
+    frozen = architectures.vision_tower_parameters(model)
+    for _, param in frozen:
+        param.requires_grad_(False)
+    logger.info("Vision encoder frozen (train_vision_tower: false): %d tensors, %.1fM parameters; its projector and "
+                "the language model train", len(frozen), sum(p.numel() for _, p in frozen) / 1e6)  # fmt: skip
+
+
 def _args(*names: str) -> Callable:
     """On where every one of these training arguments is (as the plan resolved them)."""
     return lambda plan: all(getattr(plan.training_args, name) for name in names)
@@ -123,6 +139,13 @@ def _args(*names: str) -> Callable:
 
 ORDER = (
     Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
+    Converter("packed image+text positions", "build", lambda plan: plan.vision is not None, _vision_positions),
+    Converter(
+        "frozen vision encoder",
+        "build",
+        lambda plan: plan.vision is not None and not plan.vision.train_tower,
+        _freeze_vision_tower,
+    ),
     Converter("FP8", "build", _args("fp8"), _fp8),
     Converter("compiled layers", "build", _args("compile_decoder_layers"), _compile),
     Converter("LoRA", "trainer", lambda plan: plan.lora, None),  # TRL's SFTTrainer: PEFT's get_peft_model
@@ -147,6 +170,9 @@ def apply(phase: str, model: torch.nn.Module, plan) -> list[str]:
 def apply_at_build(model: torch.nn.Module, plan) -> list[str]:
     """After the model is built: the `build` converters, with the KV cache off for packed rows (a KV cache in training
     skips the packed-sequence mask of sdpa/eager)."""
-    if plan.training_args.padding_free_batches:
-        model.config.use_cache = False
+    if plan.training_args.padding_free_batches or plan.vision is not None:  # image+text rows come packed
+        from sft.model import architectures
+
+        # the text model reads its own config's (a multimodal model's text_config); a cache there drops the mask
+        model.config.use_cache = architectures.text_config(model.config).use_cache = False
     return apply("build", model, plan)

@@ -130,7 +130,6 @@ def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=No
     """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read); a run
     passes the `config` and `arch` it has decided already."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from sft.engines import outside_sharded_init
     from sft.model import architectures
@@ -138,7 +137,7 @@ def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=No
     config = config if config is not None else load_config(model, trust_remote_code)
     arch = arch if arch is not None else architectures.of(config)
     with outside_sharded_init(), torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        built = architectures.model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     unique = {id(p): p.numel() for p in built.parameters()}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
     decoder_layers = list(architectures.decoder_layers(built) or ())
@@ -171,10 +170,10 @@ def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=No
 def parameter_names(config, trust_remote_code: bool = False) -> list[str]:
     """The names of a model's parameters, from a model built on the meta device (no memory, no weights read)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from sft.engines import outside_sharded_init
+    from sft.model import architectures
 
     with outside_sharded_init(), torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        built = architectures.model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     return [name for name, _ in built.named_parameters()]

@@ -142,6 +142,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, padding_free)
     seqpar.check_model(model_config, sp, attn, arch)
+    vision = _vision_changes(training_args, model_config, sp, changes)
     offload = (tools.offload_optimizer, tools.offload_params, ratio)
     if tools.offload_optimizer and memplan.moment_bytes_of(training_args.optim) < 8:
         optim = getattr(training_args.optim, "value", training_args.optim)
@@ -171,13 +172,12 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
             ", ".join(f"{k} = {_shown(changes.get(k, getattr(training_args, k)))}" for k in sorted(auto)),
         )
     planned = dataclasses.replace(training_args, **changes) if changes else training_args
-    chosen = "per_device_train_batch_size" in auto
-    plan = RunPlan(planned, model_config, arch, batch, MemoryDecision(micro, tools, sp, ratio, sentence, chosen),
-                   attn, kernels, resume, bool(model_args.use_peft))  # fmt: skip
+    memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
+    plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision)
     failsafe.remember(plan)
-    world = dims.world_size
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
-        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), world, "es" * (world > 1))
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), dims.world_size,
+                    "es" * (dims.world_size > 1))  # fmt: skip
     for line in buckets:
         logger.info("%s", line)
     return plan
@@ -201,6 +201,34 @@ def gpu_name() -> str | None:
 def checkpoint_engine(checkpoint: str) -> str:
     """The engine that wrote a checkpoint: FSDP2's torch.distributed.checkpoint folder, else DeepSpeed's."""
     return "fsdp2" if (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir() else "deepspeed"
+
+
+def _vision_changes(training_args, model_config, sp: int, changes: dict):
+    """An image+text run (`sft.data.vision`): packed exactly or refused, its rows made and labelled by sft (TRL's
+    dataset preparation, packing and assistant masks off: the rows come ready); its `vision.Plan`, or None."""
+    if not architectures.is_vision(model_config):
+        return None
+    from sft.data import vision
+
+    vision.check(model_config)
+    if not training_args.packing or not training_args.max_length:
+        raise ConfigError(
+            f"`{model_config.model_type}` trains on image+text chats packed into rows (`packing: true` with a "
+            "`max_length`); padded batches of images are not built by sft yet. Set `packing: true` and `max_length`."
+        )
+    if sp > 1:
+        raise ConfigError(
+            f"`sequence_parallel_size: {sp}` with the image+text model `{model_config.model_type}`: sequence "
+            "parallelism is not checked for vision-language models yet. Set it to 1."
+        )
+    changes["dataset_kwargs"] = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    changes["remove_unused_columns"] = False
+    changes["packing"] = False  # the rows come packed from sft.data.vision; TRL's trainer collates none itself
+    changes["assistant_only_loss"] = False  # sft.data.vision labels the assistant's tokens (the plan keeps the choice)
+    logger.info("Image+text chats of %s: packed exactly by sft.data.vision (per-sample M-RoPE positions, each "
+                "sample's own attention)", model_config.model_type)  # fmt: skip
+    return vision.Plan(assistant_only=bool(training_args.assistant_only_loss),
+                       train_tower=bool(training_args.train_vision_tower))  # fmt: skip
 
 
 def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None):

@@ -37,6 +37,7 @@ class RunPlan:
     kernels: dict = field(default_factory=dict)  # name -> sft.model.architectures.Kernel(on, reason)
     resume: Any = None  # sft.plan.preflight.Resume
     lora: bool = False  # PEFT's adapters on the base weights (use_peft)
+    vision: Any = None  # sft.data.vision.Plan: image+text chats packed by sft (a vision-language family), or None
 
     @property
     def dims(self):

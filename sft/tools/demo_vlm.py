@@ -13,7 +13,8 @@ Nothing here is downloaded. ``python -m sft.tools.demo_vlm --out recipes/demo-vl
   ``{"type": "image"}`` or text, ``images`` a list of PNG images as a datasets ``Image`` column stores them) asking
   the colour, the shape, or both, of one shape drawn at a random place and size on a white image.
 
-The output is a pure function of ``--seed``.
+The output is a pure function of ``--seed``. ``python -m sft.tools.demo_vlm --evaluate outputs/demo-vlm`` answers the
+held-out questions with a trained run (greedy) and prints the share answered exactly, per kind of question.
 """
 
 from __future__ import annotations
@@ -133,13 +134,51 @@ def write_demo(out: Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0)
         datasets.Dataset.from_list(rows, features=features).to_parquet(str(data_dir / f"{name}.parquet"))
 
 
+def evaluate(run_dir: Path, data: Path, limit: int | None = None) -> dict[str, float]:
+    """The share of held-out questions a trained run answers exactly (greedy decoding), per kind of question."""
+    import datasets
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from sft.data import vision
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    processor = AutoImageProcessor.from_pretrained(run_dir)
+    model = AutoModelForImageTextToText.from_pretrained(run_dir).eval()
+    records = datasets.load_dataset("parquet", data_files=str(data), split="train")
+    end, image = tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    kinds = {question: kind for kind, question in QUESTIONS.items()}
+    right: dict[str, list[int]] = {kind: [0, 0] for kind in QUESTIONS}
+    for record in records.select(range(min(limit or len(records), len(records)))):
+        ids = tokenizer.apply_chat_template(record["messages"][:1], tokenize=True, add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]  # fmt: skip
+        pixels = processor(images=[vision.open_image(record["images"][0], data.parent).convert("RGB")],
+                           return_tensors="pt")  # fmt: skip
+        tokens = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2  # as `vision.encode` expands it
+        prompt = torch.tensor([[t for token in ids for t in [token] * (tokens if token == image else 1)]])
+        with torch.no_grad():
+            out = model.generate(input_ids=prompt, pixel_values=pixels["pixel_values"],
+                                 image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(prompt == image).int(),
+                                 max_new_tokens=24, do_sample=False, eos_token_id=end)  # fmt: skip
+        answer = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+        kind = kinds[record["messages"][0]["content"][1]["text"]]
+        right[kind][0] += answer == record["messages"][1]["content"][0]["text"]
+        right[kind][1] += 1
+    return {kind: hits / total for kind, (hits, total) in right.items() if total}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("recipes/demo-vlm"), help="Directory to write into.")
     parser.add_argument("--n-train", type=int, default=2000, help="Number of training records.")
     parser.add_argument("--n-eval", type=int, default=200, help="Number of held-out eval records.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the record generator.")
+    parser.add_argument("--evaluate", type=Path, metavar="RUN_DIR", help="Answer the held-out questions with a run.")
     args = parser.parse_args(argv)
+    if args.evaluate:
+        shares = evaluate(args.evaluate, args.out / "data" / "eval.parquet")
+        print(", ".join(f"{kind}: {share:.0%} answered exactly" for kind, share in shares.items()))
+        return
     write_demo(args.out, args.n_train, args.n_eval, args.seed)
     print(f"wrote the vision-language demo's tokenizer, image processor, model config and data to {args.out}")
 

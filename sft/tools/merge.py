@@ -30,7 +30,9 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bfloat16") -> Path:
     import torch
     from peft import PeftConfig, PeftModel, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sft.model import architectures
 
     adapter_dir, out = Path(adapter), Path(output)
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -48,7 +50,7 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
         raise ConfigError(f"{adapter_dir}/adapter_config.json names no base model; pass --base.")
     torch_dtype = getattr(torch, dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+        model = architectures.model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch_dtype)
     except OSError as e:
         raise ConfigError(f"--base {base!r}: cannot load the base model ({e}).") from e
     has_weights = any((adapter_dir / f).is_file() for f in ADAPTER_FILES)
