@@ -1,0 +1,66 @@
+"""Image+text runs of the vision-language demo on 2 processes from one saved random init (recipes/demo-vlm.yaml,
+12 steps, a checkpoint every 4): SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run;
+under ZeRO-3 the same losses as under ZeRO-2, and the saved model loads and generates."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, read_jsonl, run_cli
+from tests.multiproc.test_resume import kill_after_checkpoint
+
+STEPS = 12
+DEMO = ROOT / "recipes" / "demo-vlm"
+
+
+@pytest.fixture(scope="module")
+def init_vlm(tmp_path_factory) -> Path:
+    """The demo's Qwen2.5-VL with one random init on disk (ZeRO-3 would initialise inside `zero.Init` in its own RNG
+    order), with its tokenizer and image processor."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("init-vlm")
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(DEMO / "model")).save_pretrained(path)
+    AutoTokenizer.from_pretrained(DEMO / "model").save_pretrained(path)
+    AutoImageProcessor.from_pretrained(DEMO / "model").save_pretrained(path)
+    return path
+
+
+def args_for(model: Path, out: Path, stage: int) -> list[str]:
+    return [
+        "--config", str(ROOT / "recipes" / "demo-vlm.yaml"), "--model_name_or_path", str(model), "--from_scratch",
+        "false", "--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no",
+        "--save_strategy", "steps", "--save_steps", "4", "--report", "false", "--deepspeed",
+        f"ds_configs/zero{stage}.json",
+    ]  # fmt: skip
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zero2(init_vlm, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    reference, killed, zero3 = tmp_path / "reference", tmp_path / "killed", tmp_path / "zero3"
+    for out, stage in ((reference, 2), (zero3, 3)):
+        result = run_cli(args_for(init_vlm, out, stage), nproc=2)
+        assert result.returncode == 0, result.stderr[-5000:]
+    kill_after_checkpoint(args_for(init_vlm, killed, 2), killed, step=4)
+    result = run_cli(args_for(init_vlm, killed, 2), nproc=2)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "Resuming from" in result.stderr and "checkpoint-4" in result.stderr
+
+    assert len(losses(reference)) == STEPS and losses(killed) == losses(reference)  # bit for bit, every step
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses(zero3), losses(reference), strict=True))
+    assert sum(losses(reference)[-3:]) < sum(losses(reference)[:3])
+    model = AutoModelForImageTextToText.from_pretrained(zero3)  # ZeRO-3's shards gathered into a model directory
+    assert (zero3 / "preprocessor_config.json").is_file()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([[5, 20, 21]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
