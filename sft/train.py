@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     if not plan.vision:
         _log_data_figures(train_dataset, tokenizer, plan)
     model = load_model(model_args, plan)
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None and peft_config.target_modules is None:
+        from sft.model import architectures
+
+        peft_config.target_modules = architectures.lora_targets(plan.model_config)
     if plan.vision:
         collator = vision.Collator(vision.MRopePacker(model), splits)
     trainer = Trainer(
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=collator,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
         plan=plan,
         fingerprint=fingerprint,
     )

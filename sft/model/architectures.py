@@ -356,6 +356,14 @@ def vision_tower_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.
     return [(n, p) for n, p in model.named_parameters() if ".visual." in f".{n}" and "merger" not in n]
 
 
+def lora_targets(config) -> str | None:
+    """LoRA's target modules when the recipe names none: for a vision family the language model's projections (PEFT
+    knows no default for these families, and the vision encoder stays frozen); None elsewhere (PEFT's default)."""
+    if not is_vision(config):
+        return None
+    return r".*\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
 def model_class(config):
     """The transformers auto class a config is built with: image-text-to-text for a vision family, else causal LM."""
     import transformers

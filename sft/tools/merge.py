@@ -50,7 +50,8 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
         raise ConfigError(f"{adapter_dir}/adapter_config.json names no base model; pass --base.")
     torch_dtype = getattr(torch, dtype)
     try:
-        model = architectures.model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch_dtype)
+        base_config = AutoConfig.from_pretrained(base)
+        model = architectures.model_class(base_config).from_pretrained(base, dtype=torch_dtype)
     except OSError as e:
         raise ConfigError(f"--base {base!r}: cannot load the base model ({e}).") from e
     has_weights = any((adapter_dir / f).is_file() for f in ADAPTER_FILES)
@@ -73,6 +74,10 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
     merged.save_pretrained(out)
     tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(out)
+    if architectures.is_vision(base_config):  # the merged directory loads and generates on its own
+        from sft.data import vision
+
+        vision.save_image_processor(base, str(out))
     (out / "sft_merge.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dtype": dtype}) + "\n")
     logger.info("Merged %s into %s -> %s", adapter_dir, base, out)
     return out

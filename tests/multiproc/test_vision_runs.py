@@ -64,3 +64,30 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([[5, 20, 21]]), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 7)
+
+
+def test_lora_on_the_language_model_of_an_image_text_run_trains_and_merges(init_vlm, tmp_path):
+    """`use_peft` on the demo's model (one process, 8 steps): adapters on the language model's projections only
+    (PEFT knows no default targets for these families; the encoder stays frozen), and `sft merge` writes a model
+    directory, with its image processor, whose language model changed and whose vision encoder did not."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from tests.multiproc.test_lora import merge
+
+    out, merged = tmp_path / "lora", tmp_path / "merged"
+    args = args_for(init_vlm, out, 2)[:-2] + ["--deepspeed", "none", "--use_peft", "true", "--lora_r", "8",
+                                               "--max_steps", "8", "--save_strategy", "no"]  # fmt: skip
+    result = run_cli(args, nproc=0)
+    assert result.returncode == 0, result.stderr[-5000:]
+    keys = list(load_file(out / "adapter_model.safetensors"))
+    assert keys and all(".language_model." in k and ".lora_" in k for k in keys), keys[:3]
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+    result = merge(out, merged)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (merged / "preprocessor_config.json").is_file()
+    before, after = (AutoModelForImageTextToText.from_pretrained(p) for p in (init_vlm, merged))
+    weights = dict(after.named_parameters())
+    changed = {n for n, p in before.named_parameters() if not torch.equal(p, weights[n].to(p.dtype))}
+    assert changed and all(".language_model." in n for n in changed), sorted(changed)[:3]
