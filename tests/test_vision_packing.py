@@ -233,3 +233,27 @@ def test_the_shipped_vlm_demo_is_what_the_builder_makes(demo_vlm):
     assert len(committed) == 200
     train = datasets.load_dataset("parquet", data_files=str(shipped / "data" / "train.parquet"), split="train")
     assert len(train) == 2000
+
+
+def test_rows_are_best_fit_decreasing():
+    """`rows` against best fit decreasing written plainly (every row scanned for the fullest one a sample fits):
+    the same rows for random lengths."""
+    import random
+
+    def plain(lengths: list[int], max_length: int) -> list[list[int]]:
+        packed, space = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            fits = [r for r, free in enumerate(space) if free >= lengths[i]]
+            if fits:
+                best = min(fits, key=lambda r: (space[r], r))
+                packed[best].append(i)
+                space[best] -= lengths[i]
+            else:
+                packed.append([i])
+                space.append(max_length - lengths[i])
+        return packed
+
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 300))]
+        assert vision.rows(lengths, 128) == plain(lengths, 128)

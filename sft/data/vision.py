@@ -30,6 +30,7 @@ checked against one-by-one runs.
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 from dataclasses import dataclass
@@ -182,16 +183,16 @@ def rows(lengths: list[int], max_length: int) -> list[list[int]]:
             "its images smaller (the image processor's `max_pixels`) or drop the record."
         )
     packed: list[list[int]] = []
-    space: list[int] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row), sorted: the fullest row a sample fits is a bisection away
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [r for r, free in enumerate(space) if free >= lengths[i]]
-        if fits:
-            best = min(fits, key=lambda r: (space[r], r))
-            packed[best].append(i)
-            space[best] -= lengths[i]
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            space, row = free.pop(k)
+            packed[row].append(i)
         else:
+            space, row = max_length, len(packed)
             packed.append([i])
-            space.append(max_length - lengths[i])
+        bisect.insort(free, (space - lengths[i], row))
     return packed
 
 
