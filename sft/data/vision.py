@@ -40,10 +40,11 @@ from typing import NamedTuple
 import torch
 
 from sft.errors import ConfigError, DataError
+from sft.model.architectures import VISION_FAMILIES
 
 logger = logging.getLogger(__name__)
 
-MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+MROPE = VISION_FAMILIES  # the vision families sft trains are the M-RoPE ones, each packed exactly here
 NOT_PACKED = {
     "gemma3": "its image tokens attend to each other in both directions (`token_type_ids`), which the packed-sequence "
     "mask cannot express",
