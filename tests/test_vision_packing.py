@@ -117,7 +117,8 @@ def test_families_not_packed_exactly_are_refused_with_the_reason(family):
     with pytest.raises(ConfigError) as error:
         vision.check(SimpleNamespace(model_type=family))
     message = str(error.value)
-    assert f"`{family}`" in message and "qwen2_5_vl" in message and "`packing: false`" in message
+    assert f"`{family}`" in message and "qwen2_5_vl" in message and "TRL's SFTTrainer" in message
+    assert "packing: false" not in message  # sft refuses that for these models: no advice that leads to a refusal
     assert ("both directions" in message) == (family == "gemma3")
 
 
@@ -257,3 +258,26 @@ def test_rows_are_best_fit_decreasing():
     for _ in range(50):
         lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 300))]
         assert vision.rows(lengths, 128) == plain(lengths, 128)
+
+
+def test_sft_varlen_runs_the_packed_row_and_the_encoder_exactly(packed_and_alone):
+    """sft's varlen backend (what `auto` picks on a GPU; here its per-sample sdpa form) on the whole model: the
+    vision encoder under the name that gets every image's boundaries in one call, each image attending to itself
+    both ways; the packed row's logits equal eager's."""
+    from sft.model import attention
+
+    family, samples, batch, packed, _, _ = packed_and_alone
+    model = tiny(family)
+    attention.register_varlen()
+    model.config._attn_implementation = attention.VARLEN  # the text and vision configs too
+    assert attention.vision_encoder_on_varlen(model)
+    assert model.config.vision_config._attn_implementation == attention.VISION_VARLEN
+    assert model.config.get_text_config()._attn_implementation == attention.VARLEN
+    calls = []
+    hook = model.model.visual.blocks[0].attn.register_forward_hook(lambda *a: calls.append(1))
+    vision.join_positions(model)
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)
+    hook.remove()
+    assert len(calls) == 1  # one call for every image of the row
+    assert torch.allclose(out.logits, packed.logits, rtol=0, atol=1e-5), (out.logits - packed.logits).abs().max()

@@ -62,14 +62,15 @@ class Plan(NamedTuple):
 
 
 def check(config) -> None:
-    """Refuse, before any work, to pack image+text samples for a family that is not packed exactly."""
+    """Refuse, before any work, a vision-language family sft does not pack exactly (sft builds no padded batches of
+    images: `preflight` refuses `packing: false` for these models)."""
     family = config.model_type
     if family in MROPE:
         return
     why = NOT_PACKED.get(family, "not a vision-language family sft packs")
     raise ConfigError(
-        f"`packing: true` with image+text samples for `{family}`: {why}. Packed families: {', '.join(sorted(MROPE))}. "
-        "Set `packing: false` to train this model on padded batches."
+        f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and {why}. "
+        f"Families sft trains: {', '.join(sorted(MROPE))}. For this one, use TRL's SFTTrainer on padded batches."
     )
 
 

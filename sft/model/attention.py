@@ -57,32 +57,34 @@ def varlen_has_window(fn=None) -> bool:
     return fn is not None and "window_size" in inspect.signature(fn).parameters
 
 
-def _causal_kwargs(fn, window: int | None = None) -> dict:
+def _causal_kwargs(fn, window: int | None = None, causal: bool = True) -> dict:
     """torch 2.9 spelled causal masking `is_causal=True`; later releases `window_size=(-1, 0)`, which also takes a
-    left window: transformers' `sliding_window` w (a token sees `kv > q - w`) is `window_size=(w - 1, 0)`."""
+    left window: transformers' `sliding_window` w (a token sees `kv > q - w`) is `window_size=(w - 1, 0)`. Not
+    causal (a vision encoder's patches within their image): `window_size=(-1, -1)`, torch 2.9's `is_causal=False`."""
     if not varlen_has_window(fn):
         if window is not None:  # refused at start by check_backend; a safeguard
             raise ConfigError(f"{VARLEN}: this torch's varlen kernel has no window; the sliding window would be lost.")
-        return {"is_causal": True}
-    return {"window_size": (-1 if window is None else window - 1, 0)}
+        return {"is_causal": causal}
+    return {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
 
 
 def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
-    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal, GQA, a left window) on sdpa, one sample at a
-    time: for CPU."""
+    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal or both ways (`window_size=(-1, -1)`), GQA, a
+    left window) on sdpa, one sample at a time: for CPU."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bounds = cu_q.tolist()
-    left = window_size[0]
+    left, causal = window_size[0], window_size[1] == 0
     for start, end in zip(bounds[:-1], bounds[1:], strict=False):
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         mask = None
-        if 0 <= left < end - start - 1:  # causal and at most `left` tokens back
+        if causal and 0 <= left < end - start - 1:  # causal and at most `left` tokens back
             pos = torch.arange(end - start, device=q.device)
             distance = pos[:, None] - pos[None, :]
             mask = (distance >= 0) & (distance <= left)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
-        )
+            qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=ks.shape[0] != qs.shape[0],
+        )  # fmt: skip
         out[start:end] = attended.transpose(0, 1)
     return out
 
@@ -174,38 +176,15 @@ INERT = frozenset({"use_cache", "output_router_logits", "output_attentions", "ou
 
 
 def refused_arguments(kwargs: dict) -> list[str]:
-    """The attention arguments `sft_varlen` cannot honour: non-causal attention, or any argument it does not know (a
-    newer transformers may pass one that changes the result: refused, never ignored)."""
-    refused = [k for k, v in kwargs.items() if v is not None and k not in HANDLED | INERT | {"is_causal"}]
-    if kwargs.get("is_causal") is False:
-        refused.append("is_causal=False")
-    return sorted(refused)
+    """The attention arguments `sft_varlen` cannot honour: any argument it does not know (a newer transformers may
+    pass one that changes the result: refused, never ignored). `is_causal=False` (a vision encoder) it honours."""
+    return sorted(k for k, v in kwargs.items() if v is not None and k not in HANDLED | INERT | {"is_causal"})
 
 
-def varlen_attention_forward(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
-    s_aux=None, **kwargs,
-):  # fmt: skip
-    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
-    causal, with the layer's sliding window (transformers' `sliding_window`: a token sees itself and the `w - 1`
-    before it); soft-capping and sinks through `scored_attention`."""
-    refused = refused_arguments(kwargs)
-    if refused:
-        raise ConfigError(
-            f"`attn_implementation: {VARLEN}`: {type(module).__name__} asks for {', '.join(refused)}, which this "
-            "backend cannot honour (it would be dropped and the model would train on other attention than it runs "
-            f"with). Use `attn_implementation: auto`, which picks a backend that has "
-            f"{' and '.join(refused)}."
-        )
-    kernel = _varlen_attn() if query.is_cuda else None
-    on_gpu = kernel is not None
-    varlen_attn = kernel if on_gpu else per_sample_sdpa
-    batch, heads, seq, dim = query.shape
-    dtype = query.dtype
-    if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
-        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
-        query, key, value = query.to(half), key.to(half), value.to(half)
-    device, keep = query.device, None
+def _boundaries(kwargs: dict, attention_mask, batch: int, seq: int, device):
+    """The sample boundaries of a batch for `varlen_attention_forward`: (cu_q, cu_k, max_q, max_k, keep), `keep` the
+    tokens that are not padding (None: all are)."""
+    keep = None
     if kwargs.get("cu_seq_lens_q") is not None:  # packed: TRL's collator gives the boundaries
         cu_q, cu_k = (
             kwargs["cu_seq_lens_q"].to(device, torch.int32),
@@ -223,10 +202,44 @@ def varlen_attention_forward(
     else:  # one whole sequence per row
         cu_q = cu_k = torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
         max_q = max_k = seq
+    return cu_q, cu_k, max_q, max_k, keep
+
+
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
+    s_aux=None, **kwargs,
+):  # fmt: skip
+    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
+    causal (both ways where the layer says `is_causal=False`: a vision encoder), with the layer's sliding window
+    (transformers' `sliding_window`: a token sees itself and the `w - 1` before it); soft-capping and sinks through
+    `scored_attention`."""
+    refused = refused_arguments(kwargs)
+    if refused:
+        raise ConfigError(
+            f"`attn_implementation: {VARLEN}`: {type(module).__name__} asks for {', '.join(refused)}, which this "
+            "backend cannot honour (it would be dropped and the model would train on other attention than it runs "
+            f"with). Use `attn_implementation: auto`, which picks a backend that has "
+            f"{' and '.join(refused)}."
+        )
+    kernel = _varlen_attn() if query.is_cuda else None
+    on_gpu = kernel is not None
+    varlen_attn = kernel if on_gpu else per_sample_sdpa
+    batch, heads, seq, dim = query.shape
+    dtype = query.dtype
+    if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        query, key, value = query.to(half), key.to(half), value.to(half)
+    cu_q, cu_k, max_q, max_k, keep = _boundaries(kwargs, attention_mask, batch, seq, query.device)
     if dropout and module.training:
         logger.warning("sft_varlen applies no attention dropout (%.3g requested)", dropout)
     windowed = sliding_window is not None and max_k > sliding_window
     scored = softcap is not None or s_aux is not None
+    # causal unless the layer says otherwise (a vision encoder: each image's patches attend to each other both ways),
+    # read as transformers' sdpa reads it
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    if not causal and (windowed or scored):  # no family asks for both; a safeguard, never a dropped feature
+        raise ConfigError(f"{VARLEN}: attention both ways with a window, soft-capping or sinks is not implemented.")
     if (
         on_gpu
         and batch == 1
@@ -240,7 +253,7 @@ def varlen_attention_forward(
         # `sft.parallel.sequence.row_boundaries`): plain causal sdpa, whose cuDNN kernel runs at 1.7-1.9x the varlen
         # FlashAttention-2 kernel on H200 (benchmarks/results/attention_kernels)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != heads
+            query, key, value, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != heads
         )
         return out.transpose(1, 2).to(dtype), None
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value))
@@ -249,19 +262,42 @@ def varlen_attention_forward(
     if scored:
         out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
     else:
-        causal = _causal_kwargs(varlen_attn, sliding_window if windowed else None) if on_gpu else {}
-        if windowed and not on_gpu:
-            causal = {"window_size": (sliding_window - 1, 0)}
+        window = sliding_window if windowed else None
+        if on_gpu:
+            masking = _causal_kwargs(varlen_attn, window, causal)
+        else:
+            masking = {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
         v_dim = v.shape[-1]
         if on_gpu and v_dim != dim:  # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
             v = torch.nn.functional.pad(v, (0, dim - v_dim))
-        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal)[..., :v_dim]
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **masking)[..., :v_dim]
     dim = out.shape[-1]
     if keep is not None:
         full = out.new_zeros(batch * seq, heads, dim)
         full[keep] = out
         out = full
     return out.reshape(batch, seq, heads, dim).to(dtype), None
+
+
+# transformers hands a vision encoder all its images' boundaries (`cu_seqlens`) in one attention call per layer only
+# where the backend's name says "flash" (`is_flash_attention_requested`); any other backend is called once per image
+# (and per window of Qwen2.5-VL's windowed layers). The same function under this name takes the one call.
+VISION_VARLEN = "sft_flash_varlen"
+
+
+def vision_encoder_on_varlen(model) -> bool:
+    """Give the vision encoder of an image-text model on `sft_varlen` the name under which transformers passes it the
+    boundaries of every image at once (`VISION_VARLEN`): one kernel call per layer instead of one per image or window.
+    Set on the built model's config, where transformers' own loading (which reads a "flash" name as flash-attn) does
+    not check it. Returns whether it did."""
+    from transformers import AttentionInterface
+
+    vision_config = getattr(model.config, "vision_config", None)
+    if vision_config is None or vision_config._attn_implementation != VARLEN:
+        return False
+    AttentionInterface.register(VISION_VARLEN, varlen_attention_forward)
+    vision_config._attn_implementation = VISION_VARLEN
+    return True
 
 
 def register_varlen() -> None:

@@ -122,6 +122,14 @@ def _vision_positions(model, plan) -> None:
     vision.join_positions(model)
 
 
+def _vision_varlen(model, plan) -> None:
+    from sft.model import attention
+
+    if attention.vision_encoder_on_varlen(model):
+        logger.info("Vision encoder on %s: every image's patches in one varlen call per layer, each image (and "
+                    "window) attending only to itself", attention.VARLEN)  # fmt: skip
+
+
 def _freeze_vision_tower(model, plan) -> None:
     from sft.model import architectures
 
@@ -140,6 +148,12 @@ def _args(*names: str) -> Callable:
 ORDER = (
     Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
     Converter("packed image+text positions", "build", lambda plan: plan.vision is not None, _vision_positions),
+    Converter(
+        "vision encoder on varlen",
+        "build",
+        lambda plan: plan.vision is not None and plan.attn_implementation == "sft_varlen",
+        _vision_varlen,
+    ),
     Converter(
         "frozen vision encoder",
         "build",
