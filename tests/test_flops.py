@@ -88,3 +88,30 @@ def test_compiled_decoder_layers_match_eager():
     assert torch.allclose(grads[0], grads[1], atol=1e-5) and grads[0].abs().sum() > 0
     with pytest.raises(ConfigError, match="has no decoder layers to compile"):
         compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_encoder_flops_equal_torchs_count_of_its_forward(family):
+    """A frozen encoder (and projector) runs forward only: sft's count for a batch's images equals what torch's FLOP
+    counter counts in the encoder's forward (matmuls, the patch convolution, attention within each image and window),
+    images of uneven grids; the language model's per-token count leaves the encoder out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sft.model import architectures
+    from sft.model.flops import VisionFlops
+    from tests.test_vision_packing import tiny
+
+    model = tiny(family)
+    encoder = architectures.vision_encoder(model)
+    encoder.requires_grad_(False)  # its projector too: nothing in it trains, every weight counted forward only
+    grid = torch.tensor([[1, 4, 6], [1, 12, 8], [1, 2, 2]])  # 8 x 8 patches is one window of this Qwen2.5-VL
+    dim = 3 * 2 * model.config.vision_config.patch_size**2
+    pixels = torch.randn(int(grid.prod(-1).sum()), dim)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        encoder(pixels, grid_thw=grid)
+    counted = VisionFlops(model, encoder)
+    assert float(counted.flops(grid)) == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    text = linear_flops_per_token(model)
+    everything = sum(6 * m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    in_encoder = sum(6 * m.in_features * m.out_features for m in encoder.modules() if isinstance(m, torch.nn.Linear))
+    assert text == everything - in_encoder

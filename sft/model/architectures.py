@@ -356,6 +356,14 @@ def vision_tower_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.
     return [(n, p) for n, p in model.named_parameters() if ".visual." in f".{n}" and "merger" not in n]
 
 
+def vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision family's encoder module (`visual`, with its projectors), under any wrapping (PEFT), or None."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "visual":
+            return module
+    return None
+
+
 def lora_targets(config) -> str | None:
     """LoRA's target modules when the recipe names none: for a vision family the language model's projections (PEFT
     knows no default for these families, and the vision encoder stays frozen); None elsewhere (PEFT's default)."""
@@ -411,13 +419,17 @@ def _shape(p: torch.Tensor) -> tuple[int, ...]:
 def matmul_flops_per_token(model: torch.nn.Module, arch: Architecture | None = None) -> int:
     """Training FLOPs per token of the weights a token multiplies: every `nn.Linear` (6 x in x out, 4 x when frozen:
     no weight gradient), a router that holds a plain 2-D weight, and of each fused experts module only the `active`
-    experts' share. Never the input embedding (a lookup).
+    experts' share. Never the input embedding (a lookup), nor a vision encoder's weights (counted per image patch).
 
     in_features x out_features and the ZeRO-3 full shape, not `weight.numel()`: under ZeRO-3 a rank holds a slice of
     each weight, and 4-bit weights are packed."""
     experts = {id(m): m for m in experts_modules(model)}
+    encoder = vision_encoder(model)
+    per_image = {id(m) for m in encoder.modules()} if encoder is not None else set()  # `sft.model.flops.VisionFlops`
     total = 0.0
     for module in model.modules():
+        if id(module) in per_image:
+            continue
         if isinstance(module, torch.nn.Linear):
             total += (6 if module.weight.requires_grad else 4) * module.in_features * module.out_features
         elif id(module) in experts:

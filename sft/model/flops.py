@@ -15,6 +15,11 @@ leaves attention out. sft counts what the GPU multiplies:
   only `num_experts_per_tok` of `num_experts` experts' weights per token
   (`sft.model.architectures.matmul_flops_per_token`).
 
+- a vision-language model's encoder (`VisionFlops`), per image from `image_grid_thw`: its linear layers and patch
+  embedding per patch, its projector per merged token, attention both ways within each image (within each window
+  in Qwen2.5-VL's windowed layers); forward only (2 x) while the encoder is frozen. The image tokens the projector
+  hands the language model are tokens of their sample like any other.
+
 MFU = those FLOPs per second per GPU / the GPU's peak. The peak is looked up from the device name (dense bf16 spec,
 no sparsity) or given with `peak_tflops`.
 """
@@ -22,6 +27,7 @@ no sparsity) or given with `peak_tflops`.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -66,13 +72,74 @@ def linear_flops_per_token(model: torch.nn.Module) -> int:
 
 
 def sample_lengths(inputs: dict) -> torch.Tensor:
-    """Length of every sample in a micro-batch: from the packed boundaries, the padding mask, or whole rows."""
+    """Length of every sample in a micro-batch: from the packed boundaries, the padding mask, the positions (a
+    sample starts at 0: an image+text row of `sft.data.vision`), or whole rows."""
     if inputs.get("cu_seq_lens_q") is not None:
         return inputs["cu_seq_lens_q"].diff().long()
     if inputs.get("attention_mask") is not None:
         return inputs["attention_mask"].sum(-1).long()
+    if inputs.get("position_ids") is not None and inputs["position_ids"].dim() == 2:
+        from sft.model.attention import boundaries_from_positions
+
+        return boundaries_from_positions(inputs["position_ids"]).diff().long()
     rows, seq = inputs["input_ids"].shape
     return torch.full((rows,), seq, dtype=torch.long, device=inputs["input_ids"].device)
+
+
+class VisionFlops:
+    """Training FLOPs of a vision-language model's encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) for a batch's images.
+
+    Per patch, every linear layer and the patch embedding (a convolution whose stride is its kernel: one matmul per
+    patch) of the encoder; per merged token (`spatial_merge_size`^2 patches), the projectors (`merger`, Qwen3-VL's
+    deepstack mergers). 2 x weights forward; 6 x where the encoder trains (a frozen weight under a trained one: 4 x);
+    a trained projector over a frozen encoder 4 x (no input gradient below it: the smaller count). Attention both ways,
+    4 x width x pairs forward (12 x where the encoder trains), pairs of patches within each frame of an image, and
+    in Qwen2.5-VL's windowed layers within each window of `window_size` pixels."""
+
+    def __init__(self, model: torch.nn.Module, encoder: torch.nn.Module):
+        config = model.config.vision_config
+        trains = any(p.requires_grad for n, p in encoder.named_parameters() if "merger" not in n)
+        self.per_patch = self.per_merged = 0.0
+        for name, module in encoder.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d)) or weight is None:
+                continue
+            size = math.prod(architectures._shape(weight))
+            if "merger" in name:
+                self.per_merged += (6 if trains else 4 if weight.requires_grad else 2) * size
+            else:
+                self.per_patch += (6 if weight.requires_grad else 4 if trains else 2) * size
+        self.merge = config.spatial_merge_size
+        self.width = getattr(config, "embed_dim", None) or config.hidden_size
+        self.attention = 12 if trains else 4
+        layers = getattr(config, "depth", None) or config.num_hidden_layers
+        windowed = getattr(config, "window_size", None) and getattr(config, "fullatt_block_indexes", None) is not None
+        self.full_layers = len(config.fullatt_block_indexes) if windowed else layers
+        self.window_layers = layers - self.full_layers
+        # Qwen2.5-VL's windows, in merged tokens per side
+        self.window = config.window_size // self.merge // config.patch_size if windowed else 0
+
+    def _window_pairs(self, frames: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Patch pairs within the windows of frames of h x w patches: windows of `window` merged tokens per side,
+        the last one on each side shorter; each frame's pairs are merge^4 x sum(rows^2) x sum(columns^2)."""
+
+        def squares(n: torch.Tensor) -> torch.Tensor:  # sum of the squared window sizes cutting n merged tokens
+            full, rest = n // self.window, n % self.window
+            return full * self.window**2 + rest * rest
+
+        merged_h, merged_w = h // self.merge, w // self.merge
+        return frames * self.merge**4 * squares(merged_h) * squares(merged_w)
+
+    def flops(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """FLOPs for images of these (frames, height, width) patch grids."""
+        grid = grid_thw.double()
+        frames, h, w = grid.unbind(-1)
+        patches = frames * h * w
+        pairs = self.full_layers * frames * (h * w) ** 2
+        if self.window_layers:
+            pairs = pairs + self.window_layers * self._window_pairs(*grid_thw.long().unbind(-1)).double()
+        linear = self.per_patch * patches + self.per_merged * patches / self.merge**2
+        return (linear + self.attention * self.width * pairs).sum()
 
 
 class FlopCounter:
@@ -83,10 +150,15 @@ class FlopCounter:
         self.per_token = architectures.matmul_flops_per_token(model, self.arch)
         self.layers = self.arch.layers if self.arch else 0
         self.width = self.arch.attention_width if self.arch else 0
+        encoder = architectures.vision_encoder(model)
+        self.vision = VisionFlops(model, encoder) if encoder is not None else None
         self.pending: torch.Tensor | None = None
 
     def batch_flops(self, inputs: dict) -> torch.Tensor:
-        return self.flops_of(sample_lengths(inputs))
+        flops = self.flops_of(sample_lengths(inputs))
+        if self.vision is not None and inputs.get("image_grid_thw") is not None:
+            flops = flops + self.vision.flops(inputs["image_grid_thw"]).to(flops.device)
+        return flops
 
     def flops_of(self, lengths: torch.Tensor) -> torch.Tensor:
         """Training FLOPs of samples of these lengths."""
