@@ -281,3 +281,27 @@ def test_sft_varlen_runs_the_packed_row_and_the_encoder_exactly(packed_and_alone
     hook.remove()
     assert len(calls) == 1  # one call for every image of the row
     assert torch.allclose(out.logits, packed.logits, rtol=0, atol=1e-5), (out.logits - packed.logits).abs().max()
+
+
+def test_a_records_length_from_its_image_sizes_equals_its_encoding(demo_vlm, tmp_path):
+    """`length` (what the start packs by: the images' sizes, no pixel processed) equals the tokens `encode` makes, for
+    images the processor resizes up, down and to odd aspect ratios, one to three images a record."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    out, tokenizer, demo_processor = demo_vlm
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448, patch_size=14, merge_size=2,
+                                         temporal_patch_size=2)  # fmt: skip
+    sizes = [(56, 56), (30, 200), (300, 120), (1000, 24), (640, 480), (13, 13)]
+    for i, size in enumerate(sizes):
+        Image.new("RGB", size, (i * 40, 90, 200)).save(tmp_path / f"{i}.png")
+    for processor_ in (processor, demo_processor):
+        for k in range(len(sizes)):
+            images = [f"{j % len(sizes)}.png" for j in range(k, k + 1 + k % 3)]
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what is it"}]
+            record = {"messages": [{"role": "user", "content": parts},
+                                   {"role": "assistant", "content": [{"type": "text", "text": "a square"}]}],
+                      "images": images}  # fmt: skip
+            encoded = vision.encode(record, tokenizer, processor_, tmp_path)
+            assert vision.length(record, tokenizer, processor_, tmp_path) == len(encoded.input_ids), (images, size)
+    assert len({vision.image_tokens(processor, *s) for s in sizes}) >= 4  # the sizes make different token counts

@@ -141,13 +141,9 @@ def check_records(records, source: Path) -> None:
             raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
 
-def encode(
-    record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>", assistant_only=True
-) -> Sample:
-    """One checked record as its model sees it: the chat rendered by the tokenizer's template (an image part becomes
-    one `image_token` between the vision start/end tokens), each image's token repeated once per merged patch group as
-    the family's processor does (`image_grid_thw` product / merge_size**2), labels on the assistant's tokens only (the
-    template's `{% generation %}` markers), or with `assistant_only` false on every token but the image tokens."""
+def _template(record: dict, tokenizer, assistant_only: bool) -> tuple[list[int], list[int]]:
+    """The chat rendered by the tokenizer's template: token ids, and which of them train (the template's
+    `{% generation %}` markers, or every token with `assistant_only` false)."""
     rendered = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
                                              return_assistant_tokens_mask=True)  # fmt: skip
     ids, trained = rendered["input_ids"], rendered["assistant_masks"]
@@ -155,19 +151,52 @@ def encode(
         trained = [1] * len(ids)
     elif not any(trained):
         raise DataError("the chat template marks no assistant tokens (`{% generation %}`): nothing would be trained")
+    return ids, trained
+
+
+def expand_images(ids: list[int], trained: list[int], counts: list[int], pad: int) -> tuple[list[int], list[int]]:
+    """Each image token (`pad`) repeated as many times as its image has merged patch groups (`counts`, in order),
+    as the family's processor does; image tokens never train."""
+    counts = iter(counts)
+    out_ids, out_trained = [], []
+    for token, on in zip(ids, trained, strict=True):
+        repeat = next(counts) if token == pad else 1
+        out_ids += [token] * repeat
+        out_trained += [int(on and token != pad)] * repeat
+    return out_ids, out_trained
+
+
+def image_tokens(image_processor, width: int, height: int) -> int:
+    """The image tokens of a `width` x `height` image: the processor's patches for that size (after its resizing),
+    one token per `merge_size`^2 of them. From the size alone: no pixel is processed."""
+    patches = image_processor.get_number_of_image_patches(height, width, {})
+    return patches // image_processor.merge_size**2
+
+
+def length(record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>",
+           assistant_only=True) -> int:  # fmt: skip
+    """The tokens `encode` makes of a checked record, from its images' sizes (the file headers), not their pixels."""
+    ids, trained = _template(record, tokenizer, assistant_only)
+    counts = [image_tokens(image_processor, *open_image(x, base).size) for x in record.get("images") or []]
+    return len(expand_images(ids, trained, counts, tokenizer.convert_tokens_to_ids(image_token))[0])
+
+
+def encode(
+    record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>", assistant_only=True
+) -> Sample:
+    """One checked record as its model sees it: the chat rendered by the tokenizer's template (an image part becomes
+    one `image_token` between the vision start/end tokens), each image's token repeated once per merged patch group as
+    the family's processor does (`image_grid_thw` product / merge_size**2), labels on the assistant's tokens only (the
+    template's `{% generation %}` markers), or with `assistant_only` false on every token but the image tokens."""
+    ids, trained = _template(record, tokenizer, assistant_only)
     images = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
     if not images:
         ids_t = torch.tensor(ids)
         return Sample(ids_t, torch.where(torch.tensor(trained, dtype=torch.bool), ids_t, IGNORE))
     processed = image_processor(images=images, return_tensors="pt")
     grid = processed["image_grid_thw"]
-    counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())
-    pad = tokenizer.convert_tokens_to_ids(image_token)
-    out_ids, out_trained = [], []
-    for token, on in zip(ids, trained, strict=True):
-        repeat = next(counts) if token == pad else 1
-        out_ids += [token] * repeat
-        out_trained += [on and token != pad] * repeat
+    counts = (grid.prod(-1) // image_processor.merge_size**2).tolist()
+    out_ids, out_trained = expand_images(ids, trained, counts, tokenizer.convert_tokens_to_ids(image_token))
     ids_t = torch.tensor(out_ids)
     labels = torch.where(torch.tensor(out_trained, dtype=torch.bool), ids_t, IGNORE)
     return Sample(ids_t, labels, processed["pixel_values"], grid)
@@ -280,8 +309,8 @@ class Collator:
 
 
 def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: str, plan: Plan):
-    """The checked image+text records of the recipe's sources, encoded once for their lengths and packed into rows of
-    `max_length`: (train rows, eval rows or None, the splits a `Collator` reads)."""
+    """The checked image+text records of the recipe's sources, measured (`length`: from their images' sizes) and
+    packed into rows of `max_length`: (train rows, eval rows or None, the splits a `Collator` reads)."""
     import datasets
     from transformers import AutoImageProcessor
 
@@ -306,7 +335,7 @@ def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: s
         def encode_one(record: dict) -> Sample:
             return encode(record, tokenizer, image_processor, base, assistant_only=plan.assistant_only)
 
-        lengths = [len(encode_one(r).input_ids) for r in records]
+        lengths = [length(r, tokenizer, image_processor, base, assistant_only=plan.assistant_only) for r in records]
         packed = rows(lengths, training_args.max_length)
         logger.info("Image+text %s data: %d records packed into %d rows of up to %d tokens (%.1f%% filled)", split,
                     len(lengths), len(packed), training_args.max_length,

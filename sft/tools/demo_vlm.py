@@ -154,8 +154,8 @@ def evaluate(run_dir: Path, data: Path, limit: int | None = None) -> dict[str, f
                                             return_dict=True)["input_ids"]  # fmt: skip
         pixels = processor(images=[vision.open_image(record["images"][0], data.parent).convert("RGB")],
                            return_tensors="pt")  # fmt: skip
-        tokens = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2  # as `vision.encode` expands it
-        prompt = torch.tensor([[t for token in ids for t in [token] * (tokens if token == image else 1)]])
+        tokens = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
+        prompt = torch.tensor([vision.expand_images(ids, [0] * len(ids), [tokens], image)[0]])
         with torch.no_grad():
             out = model.generate(input_ids=prompt, pixel_values=pixels["pixel_values"],
                                  image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(prompt == image).int(),
