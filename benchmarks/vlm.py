@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.common import ROOT, environment, write_results
+from benchmarks.common import ROOT, environment, stop, write_results
 
 DEMO = ROOT / "recipes" / "demo-vlm" / "model"
 MAX_PIXELS = 1280 * 28 * 28
@@ -110,6 +110,17 @@ COMMON = {"from_scratch": True, "learning_rate": 1e-5, "lr_scheduler_type": "con
           "seed": 0, "assistant_only_loss": True, "dataloader_num_workers": 8}  # fmt: skip
 
 
+def timed_run(cmd: list[str], log: Path, timeout: float):
+    """Run `cmd` from the repository root into `log`; its exit code, or "timeout" (killed, what it wrote kept)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=f, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            return "timeout"
+
+
 def run_sft(args, work: Path, model: Path, data: Path) -> dict:
     recipe = {**COMMON, "model_name_or_path": str(model), "datasets": [{"path": str(data)}],
               "output_dir": str(work / "sft"), "max_steps": args.steps, "packing": True,
@@ -122,9 +133,10 @@ def run_sft(args, work: Path, model: Path, data: Path) -> dict:
     log = work / "logs" / "sft.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "sft/train.py", "--config", str(work / "sft.yaml")], cwd=ROOT,
-                            stdout=f, stderr=f).returncode  # fmt: skip
+    if args.reuse_sft and log.exists():  # a run of an earlier call on this machine
+        rc, start = 0, time.time() - args.reuse_sft
+    else:
+        rc = timed_run([sys.executable, "sft/train.py", "--config", str(work / "sft.yaml")], log, args.run_timeout)
     metrics = work / "sft" / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in steps if "loss" in r and "tokens_per_second_per_gpu" in r]
@@ -144,12 +156,12 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
     log = work / "logs" / "trl.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     out = work / "trl.json"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.vlm", "--trl-worker", str(out), "--model", str(model), "--data",
            str(data), "--steps", str(args.steps), "--trl-batch", str(args.trl_batch), "--trl-accumulation",
            str(args.trl_accumulation)] + (["--tiny"] if args.tiny else [])  # fmt: skip
     start = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=f).returncode
+    rc = timed_run(cmd, log, args.run_timeout)
     result = {"setting": "trl", "exit_code": rc, "wall_s": round(time.time() - start, 1),
               "steps": json.loads(out.read_text()) if out.exists() else []}  # fmt: skip
     if rc != 0 or not result["steps"]:
@@ -221,10 +233,14 @@ def trl_worker(args) -> None:
                             samples=trainer._samples, flops=float(flops.take(torch.device("cpu"))),
                             peak_memory_gib=memory)  # fmt: skip
             trainer._tokens = trainer._samples = 0
+            done = rows[-1]
+            print(f"step {done['step']}: {done['end'] - done['begin']:.2f} s, {done['tokens']} tokens", flush=True)
+            Path(args.trl_worker).write_text(json.dumps(finished(rows)))
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs and rows:
                 rows[-1]["loss"] = logs["loss"]
+                Path(args.trl_worker).write_text(json.dumps(finished(rows)))
 
     training_args = SFTConfig(
         output_dir=str(Path(args.trl_worker).parent / "trl"), max_steps=args.steps, max_length=None,
@@ -236,9 +252,12 @@ def trl_worker(args) -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, processing_class=processor,
                       callbacks=[Steps()])  # fmt: skip
     trainer.train()
-    for r in rows:
-        r["seconds"] = r.pop("end", 0) - r.pop("begin", 0)
-    Path(args.trl_worker).write_text(json.dumps([r for r in rows if "step" in r]))
+    Path(args.trl_worker).write_text(json.dumps(finished(rows)))
+
+
+def finished(rows: list[dict]) -> list[dict]:
+    """The TRL worker's steps that ended, each with its seconds."""
+    return [{**r, "seconds": r["end"] - r["begin"]} for r in rows if "end" in r]
 
 
 def summarise(args, runs: dict) -> dict:
@@ -295,6 +314,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="sft's global batch in packed rows")
     parser.add_argument("--trl-batch", type=int, default=4)
     parser.add_argument("--trl-accumulation", type=int, default=18, help="4 x 18 = 72 samples: about sft's 8 rows")
+    parser.add_argument("--run-timeout", type=float, default=400, help="Seconds before a run is stopped")
+    parser.add_argument("--reuse-sft", type=float, help="Read sft's run from --work (an earlier call); its wall s")
     parser.add_argument("--work", type=Path, help="Model, data and run folders (default <out>/work)")
     parser.add_argument("--plot", type=Path, help="Draw <dir>/vlm.png from <dir>/vlm.json; run nothing")
     parser.add_argument("--only", nargs="*", default=["sft", "trl"])
