@@ -251,8 +251,64 @@ def trl_worker(args) -> None:
         training_args.dataloader_num_workers = 0
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, processing_class=processor,
                       callbacks=[Steps()])  # fmt: skip
+    if args.profile:
+        return profile_micro_batch(trainer, dataset, args.trl_batch)
     trainer.train()
     Path(args.trl_worker).write_text(json.dumps(finished(rows)))
+
+
+def profile_micro_batch(trainer, dataset, batch: int) -> None:
+    """Where the time of TRL's micro batch goes, on the model and collator TRL's trainer set up: `training_step`
+    timed, its vision encoder's forward timed on sdpa (transformers calls it once per image and window) and on sft's
+    varlen name (one call per layer), and the profiler's top operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sft.model import attention
+
+    args = trainer.args
+    if args.activation_checkpointing:  # as `Trainer.train` turns it on (TRL's default)
+        kwargs = dict(args.activation_checkpointing_kwargs or {})
+        trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+    trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+    model = trainer._wrap_model(trainer.model_wrapped)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    inputs = trainer._prepare_inputs(trainer.data_collator([dataset[i] for i in range(batch)]))
+
+    def timed(fn, repeat=3) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / repeat
+
+    report = {"input_ids": list(inputs["input_ids"].shape), "real_tokens": int(inputs["attention_mask"].sum()),
+              "patches": int(inputs["image_grid_thw"].prod(-1).sum()),
+              "training_step_s": timed(lambda: trainer.training_step(model, inputs))}  # fmt: skip
+    visual = trainer.model.model.visual
+
+    def encoder():
+        with torch.no_grad():
+            visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+
+    report["encoder_forward_sdpa_s"] = timed(encoder)
+    attention.register_varlen()
+    trainer.model.config.vision_config._attn_implementation = attention.VARLEN
+    attention.vision_encoder_on_varlen(trainer.model)
+    report["encoder_forward_sft_varlen_s"] = timed(encoder)
+    trainer.model.config.vision_config._attn_implementation = "sdpa"
+    print(json.dumps(report), flush=True)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        trainer.training_step(model, inputs)
+        sync()
+    if gpu:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
 def finished(rows: list[dict]) -> list[dict]:
@@ -320,6 +376,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="Draw <dir>/vlm.png from <dir>/vlm.json; run nothing")
     parser.add_argument("--only", nargs="*", default=["sft", "trl"])
     parser.add_argument("--tiny", action="store_true", help="The demo's widths on the CPU: a smoke test")
+    parser.add_argument("--profile", action="store_true", help="With --trl-worker: profile one TRL micro batch")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
