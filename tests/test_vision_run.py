@@ -61,3 +61,33 @@ def test_an_image_text_run_is_planned_built_and_packed_exactly(tmp_path):
 def test_an_image_text_run_without_packing_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"`qwen2_5_vl` trains on image\+text chats packed into rows"):
         planned(tmp_path, "--packing", "false")
+
+
+def test_the_memory_plan_counts_no_gradient_or_optimizer_state_for_a_frozen_encoder():
+    """The plan's model states of a vision-language model: with the encoder frozen (the default) its weights are held
+    in 16 bits with no gradient and no optimizer state; trained, they cost what every trained weight costs. The
+    frozen count is exactly the weights the run freezes."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sft import engines
+    from sft.model import architectures
+    from sft.model.shapes import load_shape
+    from sft.plan import memory
+
+    model_dir = str(ROOT / "recipes" / "demo-vlm" / "model")
+    frozen, trained = load_shape(model_dir, frozen_vision=True), load_shape(model_dir, frozen_vision=False)
+    encoder = sum(p.numel() for _, p in architectures.vision_tower_parameters(
+        AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))))  # fmt: skip
+    assert frozen.frozen_params == encoder > 0 and trained.frozen_params == 0
+    assert trained.trainable() - frozen.trainable() == encoder
+    for stage in (0, 2, 3):
+        s = memory.Setting(gpus=2, zero_stage=stage, micro_batch=1, seq_len=256)
+        saved = memory.model_states(trained, s)[0] - memory.model_states(frozen, s)[0]
+        equations = [engines.model_states(shape.trainable(), shape.largest_module_params, 2, 1, stage, False, False)
+                     for shape in (trained, frozen)]  # fmt: skip
+        # DeepSpeed's equations for ZeRO-2/3; without ZeRO the plan's own: 16-bit weights and gradients, fp32 states
+        equations = [e[0] if e else (4 + s.state_bytes) * shape.trainable()
+                     for e, shape in zip(equations, (trained, frozen), strict=True)]  # fmt: skip
+        held = encoder * s.dtype_bytes / (s.gpus if stage == 3 else 1)  # ZeRO-3 partitions the frozen weights too
+        assert saved == pytest.approx(equations[0] - equations[1] - held, rel=1e-9), stage
+        assert saved > encoder * 2, stage  # at least the gradients' 16 bits a frozen weight does not have

@@ -37,10 +37,11 @@ class ModelShape:
     expert_params: int = 0  # the routed experts' weights (what expert parallelism splits)
     mlp_kept: int = 4  # [tokens, intermediate] tensors the MLP keeps (`sft.model.architectures.Architecture.mlp_kept`)
     param_sizes: tuple[int, ...] = ()  # each parameter's size, in the model's order (DeepSpeed's sub-groups)
+    frozen_params: int = 0  # weights that stay frozen in full fine-tuning: a vision encoder (`train_vision_tower`)
 
     def trainable(self, lora_r: int = 0) -> int:
-        """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one."""
-        return self.lora_params(lora_r) if lora_r else self.n_params
+        """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one but the frozen ones."""
+        return self.lora_params(lora_r) if lora_r else self.n_params - self.frozen_params
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of LoRA rank r on every linear layer of the decoder (`all-linear`)."""
@@ -126,9 +127,11 @@ def load_config(model: str, trust_remote_code: bool = False):
         raise ConfigError(f"memory plan: the hub has no readable config for {model!r} ({e}).") from e
 
 
-def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=None) -> ModelShape:
+def load_shape(
+    model: str, trust_remote_code: bool = False, config=None, arch=None, frozen_vision: bool = False
+) -> ModelShape:
     """A ModelShape from a config.json, a model directory or a hub id (config only; no weights are read); a run
-    passes the `config` and `arch` it has decided already."""
+    passes the `config` and `arch` it has decided already, and whether a vision family's encoder stays frozen."""
     import torch
 
     from sft.engines import outside_sharded_init
@@ -164,6 +167,7 @@ def load_shape(model: str, trust_remote_code: bool = False, config=None, arch=No
         expert_params=routed if arch.experts else 0,
         mlp_kept=arch.mlp_kept,
         param_sizes=tuple(unique.values()),
+        frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
     )
 
 

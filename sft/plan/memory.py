@@ -449,9 +449,10 @@ def trainable(shape: ModelShape, s: Setting) -> int:
 
 
 def frozen_weight_bytes(shape: ModelShape, s: Setting) -> float:
-    """LoRA: the frozen base weights (16-bit, or QLoRA's linears in 4-bit NF4; their constants are apart)."""
+    """LoRA: the frozen base weights (16-bit, or QLoRA's linears in 4-bit NF4; their constants are apart); full
+    fine-tuning: the weights that stay frozen (a vision encoder), 16-bit, with no gradient or optimizer state."""
     if not s.lora_r:
-        return 0.0
+        return shape.frozen_params * s.dtype_bytes
     if s.qlora:
         return shape.linear_params * 0.5 + (shape.n_params - shape.linear_params) * 2
     return shape.n_params * s.dtype_bytes

@@ -111,9 +111,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
-    # the model's shape (a meta-device build) at most once: for the memory plan and one process's gradient bucket
-    shape_of = functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote,
-                                                 model_config, arch))  # fmt: skip
+    shape_of = _shape_of(model_args, training_args, model_config, arch, remote)
     if "engine" in training_args.auto_settings:
         micro_cap = retry.micro_cap if retry else None
         training_args = _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume)
@@ -201,6 +199,14 @@ def gpu_name() -> str | None:
 def checkpoint_engine(checkpoint: str) -> str:
     """The engine that wrote a checkpoint: FSDP2's torch.distributed.checkpoint folder, else DeepSpeed's."""
     return "fsdp2" if (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir() else "deepspeed"
+
+
+def _shape_of(model_args, training_args, model_config, arch, remote: bool):
+    """The model's shape (a meta-device build) at most once, when first asked: for the memory plan and one process's
+    gradient bucket; a vision family's encoder counted frozen unless `train_vision_tower`."""
+    frozen_vision = architectures.is_vision(model_config) and not training_args.train_vision_tower
+    return functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote, model_config,
+                                             arch, frozen_vision))  # fmt: skip
 
 
 def _vision_changes(training_args, model_config, sp: int, changes: dict):
