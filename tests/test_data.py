@@ -133,3 +133,14 @@ def test_forked_workers_on_a_python_that_can_deadlock_them_are_warned_about(monk
             assert "python/cpython#112275" in said and "dataloader_multiprocessing_context: spawn" in said
         else:
             assert said is None
+
+
+def test_image_chats_for_a_text_model_are_named_with_the_families_that_take_them(tmp_path):
+    """A chat with image parts reaches the text loader only for a model sft does not train on images (Gemma 3's
+    image records did and got "must be a string"): the record is named with what to do."""
+    image_chat = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+                               {"role": "assistant", "content": "a cat"}], "images": ["a.png"]}  # fmt: skip
+    path = write(tmp_path, "d.jsonl", [FORMATS["messages"], image_chat])
+    with pytest.raises(DataError, match=r"d\.jsonl: record 1: `messages\[0\]\.content` holds an image part") as e:
+        load(tmp_path, [DatasetConfig(path=path)])
+    assert "Qwen2.5-VL" in str(e.value) and "Gemma 3" in str(e.value)

@@ -77,6 +77,10 @@ def _check_turns(turns, field: str, roles: dict[str, str] | set[str], role_key: 
         role, content = turn.get(role_key), turn.get(content_key)
         if role not in roles:
             return f"`{field}[{i}].{role_key}` is {role!r}, not one of {sorted(roles)}"
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            return (f"`{field}[{i}].{content_key}` holds an image part, and this model is not one sft trains on "
+                    "images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; Gemma 3 and SmolVLM not yet): use one of those, or "
+                    "drop the images from the data")  # fmt: skip
         if not isinstance(content, str):
             return f"`{field}[{i}].{content_key}` must be a string, got {type(content).__name__} ({content!r})"
         if not content.strip() and role not in ("system",):
