@@ -1,10 +1,12 @@
 """Image+text runs of the vision-language demo on 2 processes from one saved random init (recipes/demo-vlm.yaml,
-12 steps, a checkpoint every 4): SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run;
-under ZeRO-3 the same losses as under ZeRO-2, and the saved model loads and generates."""
+12 steps, a checkpoint every 4): SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run,
+and resumed by one process the same rows and schedule, the losses to the summation order; under ZeRO-3 the same
+losses as under ZeRO-2, and the saved model loads and generates."""
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,16 +49,25 @@ def losses(out: Path) -> list[float]:
 def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zero2(init_vlm, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    reference, killed, zero3 = tmp_path / "reference", tmp_path / "killed", tmp_path / "zero3"
+    reference, killed, zero3, fewer = (tmp_path / name for name in ("reference", "killed", "zero3", "fewer"))
     for out, stage in ((reference, 2), (zero3, 3)):
         result = run_cli(args_for(init_vlm, out, stage), nproc=2)
         assert result.returncode == 0, result.stderr[-5000:]
     kill_after_checkpoint(args_for(init_vlm, killed, 2), killed, step=4)
+    shutil.copytree(killed, fewer)  # the same checkpoint, resumed below by one process
     result = run_cli(args_for(init_vlm, killed, 2), nproc=2)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Resuming from" in result.stderr and "checkpoint-4" in result.stderr
 
     assert len(losses(reference)) == STEPS and losses(killed) == losses(reference)  # bit for bit, every step
+    result = run_cli(args_for(init_vlm, fewer, 2), nproc=0)  # `python sft/train.py`: one process
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "on 1 processes (was 2): global batch 4 " in result.stderr  # the global batch kept: accumulation 2
+    ref, one = read_jsonl(reference / "metrics.jsonl"), read_jsonl(fewer / "metrics.jsonl")
+    for key in ("learning_rate", "num_tokens"):  # the same rows in every step, the same schedule
+        assert [r[key] for r in ref if "loss" in r] == [r[key] for r in one if "loss" in r], key
+    assert losses(fewer)[:4] == losses(reference)[:4]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses(fewer), losses(reference), strict=True))
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses(zero3), losses(reference), strict=True))
     assert sum(losses(reference)[-3:]) < sum(losses(reference)[:3])
     model = AutoModelForImageTextToText.from_pretrained(zero3)  # ZeRO-3's shards gathered into a model directory
