@@ -108,3 +108,25 @@ def test_image_text_runs_stay_on_deepspeed(tmp_path, monkeypatch, caplog):
         plan, _, _ = planned(tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "139.8")
     assert plan.engine.name == "deepspeed"
     assert "engine: auto -> deepspeed (image+text training under FSDP2 is refused" in caplog.text
+
+
+def test_sft_plan_counts_a_vision_models_encoder_frozen_as_a_run_does(capsys, tmp_path):
+    """`sft plan` on Qwen2.5-VL-7B's widths (2 decoder layers; the config only): the encoder frozen unless
+    `--train-vision-tower`, as in a run: less optimizer state, the same 16-bit weights."""
+    from benchmarks.vlm import make_model
+    from sft.plan.cli import main
+
+    model = str(make_model(tmp_path, 2, tiny=False))
+    common = ["--model", model, "--gpus", "1", "--zero", "none", "--micro-batch", "1", "--seq-len", "256",
+              "--gpu-memory", "80"]  # fmt: skip
+    assert main(common) == 0
+    frozen = capsys.readouterr().out
+    assert main([*common, "--train-vision-tower"]) == 0
+    trained = capsys.readouterr().out
+    assert "in the frozen vision encoder)" in frozen and "frozen vision encoder" not in trained
+
+    def line(out: str, name: str) -> float:
+        return float(next(x for x in out.splitlines() if x.strip().startswith(name)).split()[-2])
+
+    assert line(trained, "optimizer") - line(frozen, "optimizer") > 7  # 0.632B encoder weights x 12 bytes: 7.06 GiB
+    assert line(frozen, "weights") == line(trained, "weights")

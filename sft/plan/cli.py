@@ -12,6 +12,7 @@ import logging
 import sys
 
 from sft.errors import ConfigError
+from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape
 from sft.plan import memory as plan
 from sft.plan import speed
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     logs.quiet_accelerator_detection()
     try:
         model_config = load_config(args.model, False)
-        shape = load_shape(args.model, False, model_config)
+        frozen_vision = architectures.is_vision(model_config) and not args.train_vision_tower
+        shape = load_shape(args.model, False, model_config, frozen_vision=frozen_vision)
         kernels = _kernels(args, model_config, shape)
         setting = _setting(args, kernels)
         args.by_speed = kernels[3]
@@ -92,7 +94,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
     memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
     host = args.host_memory * GiB if args.host_memory else detected_host_memory()
-    print(f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters")
+    print(
+        f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters"
+        + (f" ({shape.frozen_params / 1e9:.3f}B in the frozen vision encoder)" if shape.frozen_params else "")
+    )
     print(setting.describe())
     print(result.table())
     if memory is None and (args.suggest or args.longest):
@@ -128,6 +133,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
+    parser.add_argument("--train-vision-tower", action="store_true",
+                        help="A vision-language model's encoder trains too (as `train_vision_tower: true`); by "
+                        "default it is frozen, as in a run")  # fmt: skip
     parser.add_argument("--qlora-nested", action="store_true", help="QLoRA constants quantised too (nested quant)")
     parser.add_argument("--fp8", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                         help="Decoder linears in torchao float8 (sft.model.fp8), compiled; auto: as `sft train` "
