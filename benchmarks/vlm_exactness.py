@@ -27,10 +27,10 @@ IMAGE, VIDEO, START, END = 151655, 151656, 151652, 151653
 def build(tiny: bool):
     import transformers as tf
 
-    text = dict(hidden_size=64 if tiny else 1536, intermediate_size=128 if tiny else 8960, num_hidden_layers=2 if tiny
-                else 4, num_attention_heads=4 if tiny else 12, num_key_value_heads=2, vocab_size=152064,
-                max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                                "mrope_section": [2, 3, 3] if tiny else [16, 24, 24]})  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3] if tiny else [16, 24, 24]}
+    text = dict(hidden_size=64 if tiny else 1536, intermediate_size=128 if tiny else 8960,
+                num_hidden_layers=2 if tiny else 4, num_attention_heads=4 if tiny else 12, num_key_value_heads=2,
+                vocab_size=152064, max_position_embeddings=32768, rope_parameters=rope)  # fmt: skip
     vision = dict(depth=2 if tiny else 8, hidden_size=32 if tiny else 1280, intermediate_size=64 if tiny else 3420,
                   num_heads=2 if tiny else 16, out_hidden_size=text["hidden_size"], patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=112,
@@ -82,11 +82,10 @@ def main() -> None:
         for s in rows:
             inputs = {"input_ids": s.input_ids[None].to(device), "use_cache": False}
             if s.pixel_values is not None:
-                inputs |= {"pixel_values": s.pixel_values.to(device, dtype), "image_grid_thw": s.image_grid_thw.to(device),
+                pixels, grid = s.pixel_values.to(device, dtype), s.image_grid_thw.to(device)
+                inputs |= {"pixel_values": pixels, "image_grid_thw": grid,
                            "mm_token_type_ids": (s.input_ids == IMAGE).int()[None].to(device)}  # fmt: skip
-                encoded.append(
-                    model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
-                )
+                encoded.append(model.model.visual(pixels, grid_thw=grid).pooler_output)
             logits.append(model(**inputs).logits[0].float())
         return torch.cat(logits), torch.cat([e.float() for e in encoded])
 
