@@ -53,32 +53,59 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_image_processor():
+def build_image_processor(patch_size: int = 14):
+    """Qwen2-VL's image processor making 4 image tokens of a demo image: 2 x 2 merged groups of 2 x 2 patches (a
+    56-pixel image at Qwen2/2.5-VL's 14-pixel patches; resized to 64 pixels at Qwen3-VL's 16)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=PIXELS * PIXELS, max_pixels=PIXELS * PIXELS, patch_size=14,
+    side = 4 * patch_size
+    return Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side, patch_size=patch_size,
                                     merge_size=2, temporal_patch_size=2)  # fmt: skip
 
 
-def model_config(tokenizer) -> dict:
-    """The tiny Qwen2.5-VL: 4 text layers of hidden 128 (M-RoPE sections 4/6/6 of the 16 rotary pairs of a 32-wide
-    head), a 2-block vision tower of hidden 64 whose second block attends over the whole image."""
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")  # the demo's model is the first; the others for the tests
+
+
+def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
+    """The tiny model of `family`: 4 text layers of hidden 128 (M-RoPE sections 4/6/6 of the 16 rotary pairs of a
+    32-wide head), a 2-block vision encoder of hidden 64 (Qwen2.5-VL's second block attends over the whole image, its
+    first within windows; Qwen3-VL's first feeds a deepstack merger)."""
     names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(names, VISION_TOKENS, strict=True)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    if family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
     text = {
-        "model_type": "qwen2_5_vl_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "model_type": f"{family}_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_parameters": rope, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }  # fmt: skip
-    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
-              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-              "fullatt_block_indexes": [1]}  # fmt: skip
-    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    common = {"depth": 2, "num_heads": 2, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision = {
+        "qwen2_5_vl": {**common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128,
+                       "patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1]},
+        "qwen2_vl": {**common, "embed_dim": 64, "hidden_size": 128, "mlp_ratio": 2, "patch_size": 14},
+        "qwen3_vl": {**common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128, "patch_size": 16,
+                     "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+    }[family]  # fmt: skip
+    if family == "qwen2_5_vl":
+        text.pop("head_dim")  # hidden / heads: the shipped demo's config as it was
+    architecture = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL"}[family]
+    return {"architectures": [f"{architecture}ForConditionalGeneration"], "model_type": family,
             "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
             "dtype": "float32", **ids}  # fmt: skip
+
+
+def write_model(model_dir: Path, family: str = "qwen2_5_vl") -> Path:
+    """The demo's model directory for `family`: tokenizer, image processor, config (no weights: `from_scratch`)."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    build_image_processor(16 if family == "qwen3_vl" else 14).save_pretrained(model_dir)
+    config = model_config(tokenizer, family)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return model_dir
 
 
 def draw(shape: str, colour: str, rng: random.Random) -> bytes:
@@ -116,11 +143,7 @@ def make_record(rng: random.Random) -> dict:
 def write_demo(out: Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0) -> None:
     import datasets
 
-    tokenizer = build_tokenizer()
-    model_dir = out / "model"
-    tokenizer.save_pretrained(model_dir)
-    build_image_processor().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps(model_config(tokenizer), indent=2, sort_keys=True) + "\n")
+    write_model(out / "model")
     rng = random.Random(seed)
     records = [make_record(rng) for _ in range(n_train + n_eval)]
     features = datasets.Features({
