@@ -77,6 +77,40 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     assert out.shape == (1, 7)
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def other_family(request, tmp_path_factory) -> tuple[str, Path]:
+    """The demo's model for another M-RoPE family (`sft.tools.demo_vlm.write_model`), one random init on disk."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sft.tools import demo_vlm
+
+    path = demo_vlm.write_model(tmp_path_factory.mktemp(request.param), request.param)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path)).save_pretrained(path)
+    return request.param, path
+
+
+def test_the_other_families_resume_bit_identically_and_save_under_zero3(other_family, tmp_path):
+    """Qwen2-VL and Qwen3-VL on the demo's data (2 processes, 8 steps): SIGKILLed after checkpoint-4 and run again,
+    bit-identical; under ZeRO-3 within 1e-4 of ZeRO-2, and the saved model loads with its family's class."""
+    from transformers import AutoModelForImageTextToText
+
+    family, model = other_family
+    reference, killed, zero3 = (tmp_path / name for name in ("reference", "killed", "zero3"))
+    steps = ["--max_steps", "8"]
+    for out, stage in ((reference, 2), (zero3, 3)):
+        result = run_cli([*args_for(model, out, stage), *steps], nproc=2)
+        assert result.returncode == 0, result.stderr[-5000:]
+    kill_after_checkpoint([*args_for(model, killed, 2), *steps], killed, step=4)
+    result = run_cli([*args_for(model, killed, 2), *steps], nproc=2)
+    assert result.returncode == 0 and "checkpoint-4" in result.stderr, result.stderr[-5000:]
+    assert len(losses(reference)) == 8 and losses(killed) == losses(reference), family  # bit for bit
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses(zero3), losses(reference), strict=True))
+    assert sum(losses(reference)[-2:]) < sum(losses(reference)[:2])
+    loaded = AutoModelForImageTextToText.from_pretrained(zero3)
+    assert loaded.config.model_type == family and (zero3 / "preprocessor_config.json").is_file()
+
+
 def test_lora_on_the_language_model_of_an_image_text_run_trains_and_merges(init_vlm, tmp_path):
     """`use_peft` on the demo's model (one process, 8 steps): adapters on the language model's projections only
     (PEFT knows no default targets for these families; the encoder stays frozen), and `sft merge` writes a model
