@@ -305,3 +305,54 @@ def test_a_records_length_from_its_image_sizes_equals_its_encoding(demo_vlm, tmp
             encoded = vision.encode(record, tokenizer, processor_, tmp_path)
             assert vision.length(record, tokenizer, processor_, tmp_path) == len(encoded.input_ids), (images, size)
     assert len({vision.image_tokens(processor, *s) for s in sizes}) >= 4  # the sizes make different token counts
+
+
+def tiny_gemma3(window: int = 8):
+    """A random four-layer Gemma 3 (three sliding-window layers of `window`, one full), a two-layer SigLIP encoder of
+    56-pixel images (4 image tokens each), fp32."""
+    import transformers as tf
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=4096,
+                sliding_window=window, layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+    encoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                   patch_size=14)  # fmt: skip
+    config = tf.Gemma3Config(text_config=text, vision_config=encoder, mm_tokens_per_image=4, image_token_index=IMAGE,
+                             boi_token_index=START, eoi_token_index=END)  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.Gemma3ForConditionalGeneration(config).eval().float()
+
+
+def test_gemma3_packs_exactly_with_sfts_own_masks():
+    """Gemma 3's image tokens attend to their image both ways, its sliding layers see 8 tokens back: a row packed by
+    `BlockMaskPacker` (sft's masks, per layer type) equals its samples alone (transformers' own masks) within 1e-5
+    through eager and sdpa, the images' tokens included; transformers' masks on the same packed row do not (the leak
+    that makes sft build its own)."""
+    model = tiny_gemma3()
+    gen = torch.Generator().manual_seed(1)
+
+    def gemma_sample(before: int, image: bool, after: int):
+        text = lambda n: torch.randint(3, 280, (n,), generator=gen)  # noqa: E731
+        parts = [text(before)] + ([torch.tensor([START] + [IMAGE] * 4 + [END])] if image else []) + [text(after)]
+        ids = torch.cat(parts)
+        return vision.Sample(ids, ids.clone(), torch.randn(1, 3, 56, 56, generator=gen) if image else None)
+
+    samples = [gemma_sample(5, True, 12), gemma_sample(3, False, 9), gemma_sample(9, True, 20),
+               gemma_sample(2, True, 3)]  # fmt: skip
+    with torch.no_grad():
+        alone = []
+        for s in samples:
+            inputs = {"input_ids": s.input_ids[None], "token_type_ids": (s.input_ids == IMAGE).long()[None]}
+            alone.append(model(**inputs, pixel_values=s.pixel_values, use_cache=False).logits[0])
+        for backend in ("eager", "sdpa"):
+            model.set_attn_implementation(backend)
+            batch = vision.BlockMaskPacker(model)(samples)
+            packed = model(**batch, use_cache=False).logits[0]
+            start = 0
+            for s, out in zip(samples, alone, strict=True):
+                n = len(s.input_ids)
+                assert torch.allclose(packed[start : start + n], out, rtol=0, atol=1e-5), (backend, start)
+                start += n
+        theirs = model(**{k: v for k, v in batch.items() if k != "attention_mask"}, use_cache=False).logits[0]
+    assert (theirs - packed).abs().max() > 1e-2  # transformers' masks on the packed row: samples see each other

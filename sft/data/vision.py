@@ -48,7 +48,9 @@ MROPE = VISION_FAMILIES  # the vision families sft trains are the M-RoPE ones, e
 NOT_PACKED = {
     "gemma3": "its image tokens attend to each other in both directions (`token_type_ids`), and transformers' Gemma 3 "
     "masks do not keep packed samples apart (a packed row with each sample's positions restarting, through eager and "
-    "sdpa: logits up to 0.39 off its samples alone, from the second sample on; transformers 5.24)",
+    "sdpa: logits up to 0.39 off its samples alone, from the second sample on; transformers 5.24). sft's own masks "
+    "pack it exactly (`BlockMaskPacker`), but runs do not use them yet (its records' image tokens, its encoder's "
+    "freezing and FLOPs are not built)",
     "idefics3": "not yet checked against one-by-one runs",
     "smolvlm": "not yet checked against one-by-one runs",
 }
@@ -275,6 +277,61 @@ class MRopePacker:
         if images:
             batch["pixel_values"] = torch.cat([s.pixel_values for s in images])
             batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in images])
+        return batch
+
+
+class BlockMaskPacker:
+    """Packs Gemma 3 samples into one row with sft's own attention masks (transformers' own Gemma 3 masks let a packed
+    row's samples see each other: measured in `NOT_PACKED`). Per layer type, a [1, 1, tokens, tokens] mask of what
+    transformers gives each sample alone: a token sees the tokens of its own sample only, causally, and the tokens of
+    its own image both ways (`token_type_ids`); in the sliding-window layers only those less than `sliding_window`
+    before it. Boolean for sdpa, additive (0 or the dtype's minimum) for eager. Positions restart at each sample (1-D
+    RoPE); each image is encoded on its own by the vision tower."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = model.config
+        text = model.config.get_text_config()
+        self.window = text.sliding_window
+        self.layer_types = set(text.layer_types)
+        self.image_token_id = model.config.image_token_id
+        self.eager = text._attn_implementation == "eager"
+        self.dtype = next(model.parameters()).dtype
+
+    def masks(self, samples: list[Sample]) -> dict:
+        ids = torch.cat([s.input_ids for s in samples])
+        sample = torch.cat([torch.full((len(s.input_ids),), k) for k, s in enumerate(samples)])
+        image = ids == self.image_token_id
+        starts = image & ~torch.nn.functional.pad(image, (1, 0))[:-1]
+        block = torch.where(image, torch.cumsum(starts.long(), 0), -1)  # each image's tokens one block id
+        q, kv = torch.arange(len(ids))[:, None], torch.arange(len(ids))[None, :]
+        same = sample[:, None] == sample[None, :]
+        seen = same & ((kv <= q) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0)))
+        allowed = {"full_attention": seen, "sliding_attention": seen & (kv > q - self.window)}
+        out = {}
+        for kind in self.layer_types:
+            mask = allowed[kind][None, None]
+            if self.eager:
+                mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill(~mask, torch.finfo(self.dtype).min)
+            out[kind] = mask
+        return out
+
+    def __call__(self, samples: list[Sample]) -> dict:
+        labels = []
+        for sample in samples:
+            label = sample.labels.clone()
+            label[0] = IGNORE  # predicted from the previous sample's last token
+            labels.append(label)
+        ids = torch.cat([s.input_ids for s in samples])[None]
+        batch = {
+            "input_ids": ids,
+            "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None],
+            "token_type_ids": (ids == self.image_token_id).long(),
+            "attention_mask": self.masks(samples),
+        }
+        images = [s for s in samples if s.pixel_values is not None]
+        if images:
+            batch["pixel_values"] = torch.cat([s.pixel_values for s in images])
         return batch
 
 
