@@ -260,24 +260,28 @@ class MRopePacker:
         return position_ids[:, 0]
 
     def __call__(self, samples: list[Sample]) -> dict:
-        labels = []
-        for sample in samples:
-            label = sample.labels.clone()
-            label[0] = IGNORE  # predicted from the previous sample's last token
-            labels.append(label)
-        text = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
+        batch = _row(samples)
         rotary = torch.cat([self.positions(s) for s in samples], dim=-1)
-        batch = {
-            "input_ids": torch.cat([s.input_ids for s in samples])[None],
-            "labels": torch.cat(labels)[None],
-            "position_ids": text[None],  # [1, tokens]: each sample's own 0..n-1, the boundaries
-            "mrope_position_ids": rotary[:, None],  # [3, 1, tokens]: the rotary positions (`join_positions`)
-        }
-        images = [s for s in samples if s.pixel_values is not None]
-        if images:
-            batch["pixel_values"] = torch.cat([s.pixel_values for s in images])
-            batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in images])
+        batch["mrope_position_ids"] = rotary[:, None]  # [3, 1, tokens]: the rotary positions (`join_positions`)
+        if "pixel_values" in batch:
+            batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in samples if s.image_grid_thw is not None])
         return batch
+
+
+def _row(samples: list[Sample]) -> dict:
+    """What every packer's row holds: the samples' ids and labels end to end, each sample's first label masked (the
+    token before it is the previous sample's last), `position_ids` [1, tokens] each sample's own 0..n-1 (the
+    boundaries), and the images' pixels in order."""
+    labels = [torch.cat([s.labels.new_full((1,), IGNORE), s.labels[1:]]) for s in samples]
+    batch = {
+        "input_ids": torch.cat([s.input_ids for s in samples])[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None],
+    }
+    pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+    if pixels:
+        batch["pixel_values"] = torch.cat(pixels)
+    return batch
 
 
 class BlockMaskPacker:
@@ -289,7 +293,6 @@ class BlockMaskPacker:
     RoPE); each image is encoded on its own by the vision tower."""
 
     def __init__(self, model: torch.nn.Module):
-        self.config = model.config
         text = model.config.get_text_config()
         self.window = text.sliding_window
         self.layer_types = set(text.layer_types)
@@ -316,22 +319,9 @@ class BlockMaskPacker:
         return out
 
     def __call__(self, samples: list[Sample]) -> dict:
-        labels = []
-        for sample in samples:
-            label = sample.labels.clone()
-            label[0] = IGNORE  # predicted from the previous sample's last token
-            labels.append(label)
-        ids = torch.cat([s.input_ids for s in samples])[None]
-        batch = {
-            "input_ids": ids,
-            "labels": torch.cat(labels)[None],
-            "position_ids": torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None],
-            "token_type_ids": (ids == self.image_token_id).long(),
-            "attention_mask": self.masks(samples),
-        }
-        images = [s for s in samples if s.pixel_values is not None]
-        if images:
-            batch["pixel_values"] = torch.cat([s.pixel_values for s in images])
+        batch = _row(samples)
+        batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
+        batch["attention_mask"] = self.masks(samples)
         return batch
 
 

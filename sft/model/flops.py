@@ -32,6 +32,7 @@ import math
 import torch
 
 from sft.model import architectures
+from sft.model.attention import boundaries_from_positions
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ def sample_lengths(inputs: dict) -> torch.Tensor:
     if inputs.get("attention_mask") is not None:
         return inputs["attention_mask"].sum(-1).long()
     if inputs.get("position_ids") is not None and inputs["position_ids"].dim() == 2:
-        from sft.model.attention import boundaries_from_positions
-
         return boundaries_from_positions(inputs["position_ids"]).diff().long()
     rows, seq = inputs["input_ids"].shape
     return torch.full((rows,), seq, dtype=torch.long, device=inputs["input_ids"].device)
