@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft.model.build import load_model, load_tokenizer
     from sft.run.trainer import Trainer
 
-    plan, resume_from, saved = _plan(training_args, model_args)  # the run decided once, before any work
+    plan, resume_from, saved = _plan(training_args, model_args, data_args)  # the run decided once, before any work
     training_args = plan.training_args
     tokenizer = load_tokenizer(model_args, training_args)
     collator = None
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         from sft.data import vision
 
         train_dataset, eval_dataset, splits = vision.load_datasets(
-            script_args, data_args, training_args, tokenizer, model_args.model_name_or_path, plan.vision
+            script_args, data_args, training_args, tokenizer, model_args.model_name_or_path, plan
         )
     else:
         train_dataset, eval_dataset = load_datasets(script_args, data_args, training_args)
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     if peft_config is not None and peft_config.target_modules is None:
         from sft.model import architectures
 
-        peft_config.target_modules = architectures.lora_targets(plan.model_config)
+        peft_config.target_modules = architectures.lora_targets(plan.model_config, plan.vision is not None)
     if plan.vision:
-        collator = vision.Collator(vision.MRopePacker(model), splits)
+        collator = vision.Collator(vision.packer(model), splits)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     _save(trainer, training_args)
 
 
-def _plan(training_args, model_args):
+def _plan(training_args, model_args, data_args):
     """(the RunPlan, the checkpoint it resumes or None, that checkpoint's fingerprint or None); the GPU capped where
     `max_gpu_memory_gib` asks."""
     from sft.plan import memory as memplan
@@ -85,7 +85,7 @@ def _plan(training_args, model_args):
     resume_from = ckpt.resolve_resume(training_args)
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
-    plan = preflight(training_args, model_args, resume)
+    plan = preflight(training_args, model_args, resume, data_args.datasets)
     cap = plan.training_args.max_gpu_memory_gib
     if memplan.cap_gpu_memory(cap):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", cap)

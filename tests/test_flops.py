@@ -115,3 +115,28 @@ def test_vision_encoder_flops_equal_torchs_count_of_its_forward(family):
     everything = sum(6 * m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     in_encoder = sum(6 * m.in_features * m.out_features for m in encoder.modules() if isinstance(m, torch.nn.Linear))
     assert text == everything - in_encoder
+
+
+def test_gemma3_encoder_and_projector_flops_equal_torchs_count_of_their_forward():
+    """Gemma 3 (SigLIP encoder, a projector beside it pooling each image into `mm_tokens_per_image` tokens), frozen:
+    sft's count for a batch of three images (from `pixel_values`: all one size) equals torch's count of
+    `get_image_features` (encoder and projector), and the per-token count leaves the encoder out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sft.model import architectures
+    from sft.model.flops import FlopCounter
+    from tests.test_vision_packing import tiny_gemma3
+
+    model = tiny_gemma3()  # eager: torch's counter counts its attention matmuls (not CPU sdpa's fused kernel)
+    model.requires_grad_(False)  # encoder and projector forward only
+    pixels = torch.randn(3, 3, 56, 56)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.model.get_image_features(pixels)
+    counted = FlopCounter(model)
+    inputs = {"pixel_values": pixels, "input_ids": torch.zeros(1, 0, dtype=torch.long)}
+    assert float(counted.vision.flops(counted.vision.grids(inputs))) == pytest.approx(counter.get_total_flops(),
+                                                                                         rel=1e-9)  # fmt: skip
+    encoder = architectures.vision_encoder(model)
+    assert type(encoder).__name__ == "SiglipVisionModel"
+    assert all(".vision_tower." in f".{n}" for n, _ in architectures.vision_tower_parameters(model))
+    assert not any("multi_modal_projector" in n for n, _ in architectures.vision_tower_parameters(model))

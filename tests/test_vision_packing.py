@@ -110,16 +110,17 @@ def test_without_the_boundary_row_the_samples_attend_to_each_other(packed_and_al
     assert (leaked.logits[0, first:] - packed.logits[0, first:]).abs().max() > 1e-2, family
 
 
-@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llama"])
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm", "llama"])
 def test_families_not_packed_exactly_are_refused_with_the_reason(family):
     from types import SimpleNamespace
 
     with pytest.raises(ConfigError) as error:
         vision.check(SimpleNamespace(model_type=family))
     message = str(error.value)
-    assert f"`{family}`" in message and "qwen2_5_vl" in message and "TRL's SFTTrainer" in message
+    assert f"`{family}`" in message and "qwen2_5_vl" in message and "gemma3" in message
+    assert "TRL's SFTTrainer" in message and ("not yet checked" in message) == (family != "llama")
     assert "packing: false" not in message  # sft refuses that for these models: no advice that leads to a refusal
-    assert ("both directions" in message) == (family == "gemma3")
+    vision.check(SimpleNamespace(model_type="gemma3"))  # packed by sft's masks: taken
 
 
 def test_image_records_are_checked_up_front_and_the_bad_one_named(tmp_path):
@@ -184,7 +185,8 @@ def test_the_demo_records_encode_and_pack_into_exact_rows(demo_vlm):
     source = out / "data" / "train.parquet"
     records = list(datasets.load_dataset("parquet", data_files=str(source), split="train"))
     vision.check_records(records, source)
-    samples = [vision.encode(r, tokenizer, processor, source.parent) for r in records]
+    images = vision.Images(AutoConfig.from_pretrained(out / "model"), tokenizer, processor)
+    samples = [vision.encode(r, tokenizer, images, source.parent) for r in records]
     image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for record, s in zip(records, samples, strict=True):
         assert int((s.input_ids == image).sum()) == 4 and s.image_grid_thw.tolist() == [[1, 4, 4]]
@@ -287,9 +289,10 @@ def test_a_records_length_from_its_image_sizes_equals_its_encoding(demo_vlm, tmp
     """`length` (what the start packs by: the images' sizes, no pixel processed) equals the tokens `encode` makes, for
     images the processor resizes up, down and to odd aspect ratios, one to three images a record."""
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
+    from transformers import AutoConfig, Qwen2VLImageProcessorPil
 
     out, tokenizer, demo_processor = demo_vlm
+    config = AutoConfig.from_pretrained(out / "model")
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448, patch_size=14, merge_size=2,
                                          temporal_patch_size=2)  # fmt: skip
     sizes = [(56, 56), (30, 200), (300, 120), (1000, 24), (640, 480), (13, 13)]
@@ -302,8 +305,9 @@ def test_a_records_length_from_its_image_sizes_equals_its_encoding(demo_vlm, tmp
             record = {"messages": [{"role": "user", "content": parts},
                                    {"role": "assistant", "content": [{"type": "text", "text": "a square"}]}],
                       "images": images}  # fmt: skip
-            encoded = vision.encode(record, tokenizer, processor_, tmp_path)
-            assert vision.length(record, tokenizer, processor_, tmp_path) == len(encoded.input_ids), (images, size)
+            layout = vision.Images(config, tokenizer, processor_)
+            encoded = vision.encode(record, tokenizer, layout, tmp_path)
+            assert vision.length(record, tokenizer, layout, tmp_path) == len(encoded.input_ids), (images, size)
     assert len({vision.image_tokens(processor, *s) for s in sizes}) >= 4  # the sizes make different token counts
 
 
@@ -316,7 +320,7 @@ def tiny_gemma3(window: int = 8):
                 num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=4096,
                 sliding_window=window, layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
     encoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
-                   patch_size=14)  # fmt: skip
+                   patch_size=14, vision_use_head=False)  # fmt: skip
     config = tf.Gemma3Config(text_config=text, vision_config=encoder, mm_tokens_per_image=4, image_token_index=IMAGE,
                              boi_token_index=START, eoi_token_index=END)  # fmt: skip
     config._attn_implementation = "eager"
@@ -345,14 +349,17 @@ def test_gemma3_packs_exactly_with_sfts_own_masks():
         for s in samples:
             inputs = {"input_ids": s.input_ids[None], "token_type_ids": (s.input_ids == IMAGE).long()[None]}
             alone.append(model(**inputs, pixel_values=s.pixel_values, use_cache=False).logits[0])
+        hook = vision.block_masks(model)  # sft's masks, built from the row's positions and token types
         for backend in ("eager", "sdpa"):
             model.set_attn_implementation(backend)
             batch = vision.BlockMaskPacker(model)(samples)
+            assert "attention_mask" not in batch  # built on the model's device, not carried by the data loader
             packed = model(**batch, use_cache=False).logits[0]
             start = 0
             for s, out in zip(samples, alone, strict=True):
                 n = len(s.input_ids)
                 assert torch.allclose(packed[start : start + n], out, rtol=0, atol=1e-5), (backend, start)
                 start += n
-        theirs = model(**{k: v for k, v in batch.items() if k != "attention_mask"}, use_cache=False).logits[0]
+        hook.remove()
+        theirs = model(**batch, use_cache=False).logits[0]
     assert (theirs - packed).abs().max() > 1e-2  # transformers' masks on the packed row: samples see each other

@@ -17,8 +17,10 @@ def planned(tmp_path, *extra):
     from sft.config import parse_args
     from sft.plan.preflight import preflight
 
-    _, data_args, args, model_args = parse_args(["--config", RECIPE, "--output_dir", str(tmp_path / "o"), *extra])
-    return preflight(args, model_args), data_args, model_args
+    config = next((extra[i + 1] for i, x in enumerate(extra) if x == "--config"), RECIPE)
+    rest = [x for i, x in enumerate(extra) if x != "--config" and (i == 0 or extra[i - 1] != "--config")]
+    _, data_args, args, model_args = parse_args(["--config", config, "--output_dir", str(tmp_path / "o"), *rest])
+    return preflight(args, model_args, sources=data_args.datasets), data_args, model_args
 
 
 def test_an_image_text_run_is_planned_built_and_packed_exactly(tmp_path):
@@ -45,7 +47,8 @@ def test_an_image_text_run_is_planned_built_and_packed_exactly(tmp_path):
     processor = AutoImageProcessor.from_pretrained(demo / "model")
     source = demo / "data" / "eval.parquet"
     records = datasets.load_dataset("parquet", data_files=str(source), split="train").select(range(5))
-    samples = [vision.encode(r, tokenizer, processor, source.parent) for r in records]
+    images = vision.Images(model.config, tokenizer, processor)
+    samples = [vision.encode(r, tokenizer, images, source.parent) for r in records]
     batch = vision.MRopePacker(model)(samples)
     image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     with torch.no_grad():  # through the model as built for the run: its hook joins the positions; sdpa, no cache
@@ -130,3 +133,48 @@ def test_sft_plan_counts_a_vision_models_encoder_frozen_as_a_run_does(capsys, tm
 
     assert line(trained, "optimizer") - line(frozen, "optimizer") > 7  # 0.632B encoder weights x 12 bytes: 7.06 GiB
     assert line(frozen, "weights") == line(trained, "weights")
+
+
+def test_gemma3_is_an_image_text_run_on_image_data_and_a_text_run_on_text(tmp_path, caplog):
+    """A `gemma3` config (which Gemma 3's checkpoints are, text fine-tuning included) on the demo's image chats: an
+    image+text run packed by sft's masks on sdpa, its SigLIP encoder frozen and its projector trained, and the model
+    as built (the masks' hook on it) gives a packed row of the demo's records its samples' logits alone; on the text
+    demo's data a text run; a backend that cannot read the masks refused before any work."""
+    import datasets
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from sft.data import vision
+    from sft.model.build import load_model
+    from sft.tools import demo_vlm
+
+    model_dir = demo_vlm.write_model(tmp_path / "gemma3", "gemma3")
+    with caplog.at_level("INFO"):
+        plan, _, model_args = planned(tmp_path, "--model_name_or_path", str(model_dir))
+    assert plan.vision == vision.Plan(assistant_only=True, train_tower=False, masks=True)
+    assert plan.attn_implementation == "sdpa" and "gemma3: image+text data" in caplog.text
+    torch.manual_seed(0)
+    model = load_model(model_args, plan).eval()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(".vision_tower." in f".{n}" for n in frozen)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "multi_modal_projector" in n)
+    tokenizer, processor = AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir)
+    source = ROOT / "recipes" / "demo-vlm" / "data" / "eval.parquet"
+    records = datasets.load_dataset("parquet", data_files=str(source), split="train").select(range(5))
+    images = vision.Images(model.config, tokenizer, processor)
+    samples = [vision.encode(r, tokenizer, images, source.parent) for r in records]
+    assert all(int((s.input_ids == model.config.image_token_id).sum()) == 4 for s in samples)
+    with torch.no_grad():  # through the model as built for the run: its hook gives the row sft's masks
+        packed = model(**vision.packer(model)(samples)).logits[0]
+        start = 0
+        for s in samples:
+            types = (s.input_ids == model.config.image_token_id).long()[None]
+            alone = model(input_ids=s.input_ids[None], token_type_ids=types, pixel_values=s.pixel_values).logits[0]
+            n = len(s.input_ids)
+            assert torch.allclose(packed[start : start + n], alone, rtol=0, atol=1e-5), start
+            start += n
+
+    text, _, _ = planned(tmp_path, "--config", str(ROOT / "recipes" / "demo.yaml"), "--model_name_or_path",
+                         str(model_dir))  # fmt: skip
+    assert text.vision is None and text.training_args.packing  # TRL's packing of text rows, sft's text path
+    with pytest.raises(ConfigError, match="`attn_implementation: flash_attention_2` with image\\+text `gemma3`.*sdpa"):
+        planned(tmp_path, "--model_name_or_path", str(model_dir), "--attn_implementation", "flash_attention_2")

@@ -23,9 +23,17 @@ image goes, `{"type": "text", "text": ...}`), and an `images` list in the order 
 images. `check_record` names what is wrong with a record (a missing or unreadable image, a count of image parts that
 does not match the images) before any training, as `sft.data.load` does for text.
 
-Other families are refused here with the reason (`check`): Gemma 3's image tokens attend to each other both ways
-(`token_type_ids`), which the packed-sequence mask does not express; Idefics3/SmolVLM and video inputs are not yet
-checked against one-by-one runs.
+Gemma 3 packs exactly by masks instead (`BlockMaskPacker`, `block_masks`): its positions are 1-D and restart at each
+sample, its images are encoded one by one (all one size), but its image tokens attend to each other both ways
+(`token_type_ids`), and transformers' own Gemma 3 masks let a packed row's samples see each other (measured: a packed
+row with each sample's positions restarting, through eager and sdpa, logits up to 0.39 off its samples alone from
+the second sample on; transformers 5.24). sft builds the masks each sample has alone, per layer type (sliding window
+or full), on the model's device at every forward, and the run takes sdpa (or eager), which read them. Gemma 3's
+checkpoints train on text too: a run of a `gemma3` config is image+text where its data's records hold images
+(`sources_have_images`), a text run otherwise.
+
+Other families are refused here with the reason (`check`): Idefics3/SmolVLM and video inputs are not yet checked
+against one-by-one runs.
 """
 
 from __future__ import annotations
@@ -40,17 +48,13 @@ from typing import NamedTuple
 import torch
 
 from sft.errors import ConfigError, DataError
-from sft.model.architectures import VISION_FAMILIES
+from sft.model.architectures import IMAGE_DATA_FAMILIES, VISION_FAMILIES
 
 logger = logging.getLogger(__name__)
 
-MROPE = VISION_FAMILIES  # the vision families sft trains are the M-RoPE ones, each packed exactly here
+MROPE = VISION_FAMILIES  # packed by their positions: per-sample M-RoPE rows and a boundary row (`MRopePacker`)
+MASKED = IMAGE_DATA_FAMILIES  # packed by sft's own attention masks (`BlockMaskPacker`, `block_masks`): Gemma 3
 NOT_PACKED = {
-    "gemma3": "its image tokens attend to each other in both directions (`token_type_ids`), and transformers' Gemma 3 "
-    "masks do not keep packed samples apart (a packed row with each sample's positions restarting, through eager and "
-    "sdpa: logits up to 0.39 off its samples alone, from the second sample on; transformers 5.24). sft's own masks "
-    "pack it exactly (`BlockMaskPacker`), but runs do not use them yet (its records' image tokens, its encoder's "
-    "freezing and FLOPs are not built)",
     "idefics3": "not yet checked against one-by-one runs",
     "smolvlm": "not yet checked against one-by-one runs",
 }
@@ -62,19 +66,52 @@ class Plan(NamedTuple):
 
     assistant_only: bool  # labels on the assistant's tokens only (`assistant_only_loss`), else on every text token
     train_tower: bool  # the vision encoder trains too (`train_vision_tower`); else frozen, its projector trained
+    masks: bool = False  # packed by sft's own attention masks (Gemma 3), else by positions (the M-RoPE families)
 
 
 def check(config) -> None:
     """Refuse, before any work, a vision-language family sft does not pack exactly (sft builds no padded batches of
     images: `preflight` refuses `packing: false` for these models)."""
     family = config.model_type
-    if family in MROPE:
+    if family in MROPE or family in MASKED:
         return
     why = NOT_PACKED.get(family, "not a vision-language family sft packs")
     raise ConfigError(
         f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and {why}. "
-        f"Families sft trains: {', '.join(sorted(MROPE))}. For this one, use TRL's SFTTrainer on padded batches."
+        f"Families sft trains: {', '.join(sorted(MROPE | MASKED))}. For this one, use TRL's SFTTrainer on padded "
+        "batches."
     )
+
+
+def mask_attention(requested: str | None, config) -> str:
+    """The attention backend of an image+text run packed with sft's masks (`block_masks`): sdpa or eager, which read a
+    mask; varlen and flash backends take only sample boundaries and would drop the images' attention both ways."""
+    if requested in (None, "auto"):
+        logger.info("Attention backend: sdpa (image+text rows of %s carry sft's attention masks: each sample's "
+                    "tokens causally, its images both ways)", config.model_type)  # fmt: skip
+        return "sdpa"
+    if requested not in ("sdpa", "eager"):
+        raise ConfigError(
+            f"`attn_implementation: {requested}` with image+text `{config.model_type}`: its packed rows keep samples "
+            "apart and let each image attend to itself both ways by sft's own attention masks, which only `sdpa` and "
+            "`eager` read. Use `auto` (sdpa) or `eager`."
+        )
+    return requested
+
+
+def sources_have_images(sources) -> bool:
+    """Whether the data's records hold images: an `images` column with an image in the first record of a source (a
+    local file or `save_to_disk` folder; others are not opened here). What makes a run of a config that trains on
+    text too (`IMAGE_DATA_FAMILIES`) an image+text run."""
+    from sft.data.load import load_source
+
+    for source in sources or []:
+        if not Path(source.path).exists():
+            continue
+        records = load_source(source)
+        if "images" in records.column_names and len(records) and records[0]["images"]:
+            return True
+    return False
 
 
 def image_parts(messages) -> int | str:
@@ -157,52 +194,88 @@ def _template(record: dict, tokenizer, assistant_only: bool) -> tuple[list[int],
     return ids, trained
 
 
-def expand_images(ids: list[int], trained: list[int], counts: list[int], pad: int) -> tuple[list[int], list[int]]:
-    """Each image token (`pad`) repeated as many times as its image has merged patch groups (`counts`, in order),
-    as the family's processor does; image tokens never train."""
-    counts = iter(counts)
+def expand_images(ids: list[int], trained: list[int], images: list[list[int]], placeholder: int):
+    """Each image's placeholder token (the one the chat template writes for an image part) replaced by the tokens the
+    model reads for that image (`images`, in order), as the family's processor does; image tokens never train."""
+    images = iter(images)
     out_ids, out_trained = [], []
     for token, on in zip(ids, trained, strict=True):
-        repeat = next(counts) if token == pad else 1
-        out_ids += [token] * repeat
-        out_trained += [int(on and token != pad)] * repeat
+        tokens = next(images) if token == placeholder else [token]
+        out_ids += tokens
+        out_trained += [int(on and token != placeholder)] * len(tokens)
     return out_ids, out_trained
 
 
 def image_tokens(image_processor, width: int, height: int) -> int:
-    """The image tokens of a `width` x `height` image: the processor's patches for that size (after its resizing),
-    one token per `merge_size`^2 of them. From the size alone: no pixel is processed."""
+    """The image tokens of a `width` x `height` image for Qwen-VL's processor: its patches for that size (after its
+    resizing), one token per `merge_size`^2 of them. From the size alone: no pixel is processed."""
     patches = image_processor.get_number_of_image_patches(height, width, {})
     return patches // image_processor.merge_size**2
 
 
-def length(record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>",
-           assistant_only=True) -> int:  # fmt: skip
+class Images:
+    """How a family's chat turns an image part into the tokens and pixels its model reads, as its processor does.
+
+    - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the template writes `<|image_pad|>` (between its vision start and end tokens),
+      repeated once per merged patch group of that image (its size decides: `image_tokens`); the pixels are patches
+      with their grids (`image_grid_thw`).
+    - Gemma 3: the template writes `<start_of_image>`, which becomes `\n\n<start_of_image>`, `mm_tokens_per_image`
+      soft image tokens, `<end_of_image>\n\n` (Gemma3Processor's `full_image_sequence`); every image is resized to
+      one size. The newlines are tokenized on their own here, where the processor tokenizes the text around them with
+      them (a neighbouring newline may merge into one token there). Pan-and-scan crops are not built (refused)."""
+
+    def __init__(self, config, tokenizer, image_processor):
+        self.processor = image_processor
+        self.family = config.model_type
+        if self.family in MASKED:
+            if getattr(image_processor, "do_pan_and_scan", None):
+                raise ConfigError(f"`do_pan_and_scan: true` in the image processor of `{self.family}`: sft builds one "
+                                  "image per image part, not pan-and-scan crops. Set it false in "
+                                  "preprocessor_config.json.")  # fmt: skip
+            self.placeholder = config.boi_token_index
+            newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+            soft = [config.image_token_id] * config.mm_tokens_per_image
+            self.fixed = newlines + [config.boi_token_index] + soft + [config.eoi_token_index] + newlines
+        else:
+            self.placeholder, self.fixed = config.image_token_id, None
+
+    def tokens(self, width: int, height: int) -> list[int]:
+        """The tokens the model reads for an image of this size."""
+        if self.fixed is not None:
+            return self.fixed
+        return [self.placeholder] * image_tokens(self.processor, width, height)
+
+    def process(self, images: list) -> tuple[torch.Tensor, torch.Tensor | None, list[list[int]]]:
+        """The processor's pixels of these (RGB) images, their grids (Qwen-VL) or None, and each one's tokens."""
+        processed = self.processor(images=images, return_tensors="pt")
+        grid = processed.get("image_grid_thw")
+        if grid is None:
+            return processed["pixel_values"], None, [self.fixed] * len(images)
+        counts = (grid.prod(-1) // self.processor.merge_size**2).tolist()
+        return processed["pixel_values"], grid, [[self.placeholder] * n for n in counts]
+
+
+def length(record: dict, tokenizer, images: Images, base: Path, assistant_only=True) -> int:
     """The tokens `encode` makes of a checked record, from its images' sizes (the file headers), not their pixels."""
     ids, trained = _template(record, tokenizer, assistant_only)
-    counts = [image_tokens(image_processor, *open_image(x, base).size) for x in record.get("images") or []]
-    return len(expand_images(ids, trained, counts, tokenizer.convert_tokens_to_ids(image_token))[0])
+    tokens = [images.tokens(*open_image(x, base).size) for x in record.get("images") or []]
+    return len(expand_images(ids, trained, tokens, images.placeholder)[0])
 
 
-def encode(
-    record: dict, tokenizer, image_processor, base: Path, image_token: str = "<|image_pad|>", assistant_only=True
-) -> Sample:
-    """One checked record as its model sees it: the chat rendered by the tokenizer's template (an image part becomes
-    one `image_token` between the vision start/end tokens), each image's token repeated once per merged patch group as
-    the family's processor does (`image_grid_thw` product / merge_size**2), labels on the assistant's tokens only (the
-    template's `{% generation %}` markers), or with `assistant_only` false on every token but the image tokens."""
+def encode(record: dict, tokenizer, images: Images, base: Path, assistant_only=True) -> Sample:
+    """One checked record as its model sees it: the chat rendered by the tokenizer's template, each image part
+    replaced by the tokens its family's processor makes of it (`Images`), labels on the assistant's tokens only (the
+    template's `{% generation %}` markers), or with `assistant_only` false on every token but the images' tokens."""
     ids, trained = _template(record, tokenizer, assistant_only)
-    images = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
-    if not images:
+    pictures = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
+    if not pictures:
         ids_t = torch.tensor(ids)
         return Sample(ids_t, torch.where(torch.tensor(trained, dtype=torch.bool), ids_t, IGNORE))
-    processed = image_processor(images=images, return_tensors="pt")
-    grid = processed["image_grid_thw"]
-    counts = (grid.prod(-1) // image_processor.merge_size**2).tolist()
-    out_ids, out_trained = expand_images(ids, trained, counts, tokenizer.convert_tokens_to_ids(image_token))
+    pixels, grid, tokens = images.process(pictures)
+    out_ids, out_trained = expand_images(ids, trained, tokens, images.placeholder)
     ids_t = torch.tensor(out_ids)
     labels = torch.where(torch.tensor(out_trained, dtype=torch.bool), ids_t, IGNORE)
-    return Sample(ids_t, labels, processed["pixel_values"], grid)
+    return Sample(ids_t, labels, pixels, grid)
 
 
 def rows(lengths: list[int], max_length: int) -> list[list[int]]:
@@ -285,44 +358,67 @@ def _row(samples: list[Sample]) -> dict:
 
 
 class BlockMaskPacker:
-    """Packs Gemma 3 samples into one row with sft's own attention masks (transformers' own Gemma 3 masks let a packed
-    row's samples see each other: measured in `NOT_PACKED`). Per layer type, a [1, 1, tokens, tokens] mask of what
-    transformers gives each sample alone: a token sees the tokens of its own sample only, causally, and the tokens of
-    its own image both ways (`token_type_ids`); in the sliding-window layers only those less than `sliding_window`
-    before it. Boolean for sdpa, additive (0 or the dtype's minimum) for eager. Positions restart at each sample (1-D
-    RoPE); each image is encoded on its own by the vision tower."""
+    """Packs Gemma 3 samples into one row: the `_row` (positions restart at each sample: 1-D RoPE; each image is
+    encoded on its own by the vision tower) with `token_type_ids` (1 on image tokens). Its attention masks are built
+    on the model's device by `block_masks`, from the row's positions and token types."""
 
     def __init__(self, model: torch.nn.Module):
-        text = model.config.get_text_config()
-        self.window = text.sliding_window
-        self.layer_types = set(text.layer_types)
         self.image_token_id = model.config.image_token_id
-        self.eager = text._attn_implementation == "eager"
-        self.dtype = next(model.parameters()).dtype
-
-    def masks(self, samples: list[Sample]) -> dict:
-        ids = torch.cat([s.input_ids for s in samples])
-        sample = torch.cat([torch.full((len(s.input_ids),), k) for k, s in enumerate(samples)])
-        image = ids == self.image_token_id
-        starts = image & ~torch.nn.functional.pad(image, (1, 0))[:-1]
-        block = torch.where(image, torch.cumsum(starts.long(), 0), -1)  # each image's tokens one block id
-        q, kv = torch.arange(len(ids))[:, None], torch.arange(len(ids))[None, :]
-        same = sample[:, None] == sample[None, :]
-        seen = same & ((kv <= q) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0)))
-        allowed = {"full_attention": seen, "sliding_attention": seen & (kv > q - self.window)}
-        out = {}
-        for kind in self.layer_types:
-            mask = allowed[kind][None, None]
-            if self.eager:
-                mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill(~mask, torch.finfo(self.dtype).min)
-            out[kind] = mask
-        return out
 
     def __call__(self, samples: list[Sample]) -> dict:
         batch = _row(samples)
         batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
-        batch["attention_mask"] = self.masks(samples)
         return batch
+
+
+def masks(position_ids: torch.Tensor, token_type_ids: torch.Tensor, window: int, layer_types, eager_dtype=None):
+    """sft's attention masks of a packed row of one batch, per layer type ([1, 1, tokens, tokens]), what transformers
+    gives each sample alone (its own Gemma 3 masks let a packed row's samples see each other: measured in the module's
+    docstring): a token sees the tokens of its own sample (`position_ids` restart at 0) only, causally, and the tokens
+    of its own image both ways (a run of `token_type_ids` 1); in the sliding-window layers only those less than
+    `window` before it. Boolean for sdpa; additive (0 or the minimum of `eager_dtype`) for eager."""
+    positions, image = position_ids[0], token_type_ids[0].bool()
+    sample = torch.cumsum((positions == 0).long(), 0)
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:-1]
+    block = torch.where(image, torch.cumsum(starts.long(), 0), -1)  # each image's tokens one block id
+    index = torch.arange(len(positions), device=positions.device)
+    q, kv = index[:, None], index[None, :]
+    same_image = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    seen = (sample[:, None] == sample[None, :]) & ((kv <= q) | same_image)
+    allowed = {"full_attention": seen, "sliding_attention": seen & (kv > q - window)}
+    out = {}
+    for kind in set(layer_types):
+        mask = allowed[kind][None, None]
+        if eager_dtype is not None:
+            mask = torch.zeros(mask.shape, dtype=eager_dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(eager_dtype).min)  # fmt: skip
+        out[kind] = mask
+    return out
+
+
+def block_masks(model: torch.nn.Module):
+    """A forward pre-hook on `model` that gives a packed Gemma 3 row (`BlockMaskPacker`: `position_ids` and
+    `token_type_ids`, no attention mask) sft's masks (`masks`), which the model then reads in place of its own; returns
+    the hook's handle. Built on the row's device at every forward: nothing of [tokens, tokens] crosses the data
+    loader."""
+    text = model.config.get_text_config()
+
+    def attach(module, args, kwargs):
+        positions, types = kwargs.get("position_ids"), kwargs.get("token_type_ids")
+        if positions is None or types is None or kwargs.get("attention_mask") is not None:
+            return args, kwargs
+        eager = text._attn_implementation == "eager"
+        dtype = next(module.parameters()).dtype if eager else None
+        kwargs["attention_mask"] = masks(positions, types.to(positions.device), text.sliding_window,
+                                         text.layer_types, dtype)  # fmt: skip
+        return args, kwargs
+
+    return model.register_forward_pre_hook(attach, with_kwargs=True)
+
+
+def packer(model: torch.nn.Module):
+    """The packer of an image+text model's family: by its masks (Gemma 3) or its positions (the M-RoPE families)."""
+    return BlockMaskPacker(model) if model.config.model_type in MASKED else MRopePacker(model)
 
 
 def join_positions(model: torch.nn.Module):
@@ -345,7 +441,7 @@ class Collator:
     only each row's sample indices and its split (`{"row": [...], "split": "train"}`); the records are encoded here,
     in the data loader, so images are decoded and processed as they are needed, not all at the start."""
 
-    def __init__(self, packer: MRopePacker, splits: dict):
+    def __init__(self, packer, splits: dict):
         self.packer, self.splits = packer, splits  # split -> (records, encode_one)
 
     def __call__(self, features: list[dict]) -> dict:
@@ -356,7 +452,7 @@ class Collator:
         return self.packer(samples)
 
 
-def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: str, plan: Plan):
+def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: str, run_plan):
     """The checked image+text records of the recipe's sources, measured (`length`: from their images' sizes) and
     packed into rows of `max_length`: (train rows, eval rows or None, the splits a `Collator` reads)."""
     import datasets
@@ -366,7 +462,8 @@ def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: s
 
     if not data_args.datasets:
         raise ConfigError("image+text training reads `datasets:` (local parquet/JSON files or folders); none is given")
-    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    plan = run_plan.vision
+    images = Images(run_plan.model_config, tokenizer, AutoImageProcessor.from_pretrained(model_dir))
     splits = {}
 
     def rows_of(sources, split: str) -> datasets.Dataset:
@@ -381,9 +478,9 @@ def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: s
         base = parts[0][1]
 
         def encode_one(record: dict) -> Sample:
-            return encode(record, tokenizer, image_processor, base, assistant_only=plan.assistant_only)
+            return encode(record, tokenizer, images, base, assistant_only=plan.assistant_only)
 
-        lengths = [length(r, tokenizer, image_processor, base, assistant_only=plan.assistant_only) for r in records]
+        lengths = [length(r, tokenizer, images, base, assistant_only=plan.assistant_only) for r in records]
         packed = rows(lengths, training_args.max_length)
         logger.info("Image+text %s data: %d records packed into %d rows of up to %d tokens (%.1f%% filled)", split,
                     len(lengths), len(packed), training_args.max_length,

@@ -340,34 +340,51 @@ def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_los
 
 
 # Vision-language families sft trains on image+text chats (`sft.data.vision` packs them exactly): built with
-# transformers' image-text-to-text class. Other multimodal configs (Gemma 3) keep the causal-LM class they train with.
+# transformers' image-text-to-text class, every run image+text.
 VISION_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+# Multimodal configs whose checkpoints are fine-tuned on text alone as often: image+text where the data has images
+# (`images` in its records), a text run otherwise. Gemma 3's 4B-27B checkpoints are `gemma3` (image+text) configs.
+IMAGE_DATA_FAMILIES = {"gemma3"}
+_ENCODERS = ("visual", "vision_tower")  # the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`
+_PROJECTORS = ("merger", "multi_modal_projector")  # what maps its features into the language model: trains
 
 
 def is_vision(config) -> bool:
-    """Whether sft trains this config as a vision-language model (image+text chats)."""
+    """Whether sft trains this config as a vision-language model whatever the data (image+text chats)."""
     return getattr(config, "model_type", None) in VISION_FAMILIES
 
 
 def vision_tower_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """A vision family's encoder weights: what `train_vision_tower: false` freezes. Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-    keep the encoder in `visual` and its projector(s) there too (`merger`, Qwen3-VL's `deepstack_merger_list`), which
-    stay trainable: they map the encoder's features into the language model."""
-    return [(n, p) for n, p in model.named_parameters() if ".visual." in f".{n}" and "merger" not in n]
+    keep the encoder in `visual` and its projector(s) there too (`merger`, Qwen3-VL's `deepstack_merger_list`); Gemma 3
+    its encoder in `vision_tower` and its projector beside it (`multi_modal_projector`). The projectors stay
+    trainable: they map the encoder's features into the language model."""
+    inside = tuple(f".{name}." for name in _ENCODERS)
+    return [(n, p) for n, p in model.named_parameters()
+            if any(part in f".{n}" for part in inside) and not any(x in n for x in _PROJECTORS)]  # fmt: skip
 
 
 def vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    """A vision family's encoder module (`visual`, with its projectors), under any wrapping (PEFT), or None."""
+    """A vision family's encoder module (Qwen-VL's `visual`, with its projectors; Gemma 3's `vision_tower`), under any
+    wrapping (PEFT), or None."""
     for name, module in model.named_modules():
-        if name.split(".")[-1] == "visual":
+        if name.split(".")[-1] in _ENCODERS:
             return module
     return None
 
 
-def lora_targets(config) -> str | None:
-    """LoRA's target modules when the recipe names none: for a vision family the language model's projections (PEFT
+def vision_projector(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A projector that sits beside the encoder (Gemma 3's `multi_modal_projector`), or None (Qwen-VL's are inside)."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "multi_modal_projector":
+            return module
+    return None
+
+
+def lora_targets(config, image_text: bool = False) -> str | None:
+    """LoRA's target modules when the recipe names none: for an image+text run the language model's projections (PEFT
     knows no default for these families, and the vision encoder stays frozen); None elsewhere (PEFT's default)."""
-    if not is_vision(config):
+    if not (is_vision(config) or image_text):
         return None
     return r".*\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 

@@ -122,6 +122,12 @@ def _vision_positions(model, plan) -> None:
     vision.join_positions(model)
 
 
+def _vision_masks(model, plan) -> None:
+    from sft.data import vision
+
+    vision.block_masks(model)
+
+
 def _vision_varlen(model, plan) -> None:
     from sft.model import attention
 
@@ -147,7 +153,15 @@ def _args(*names: str) -> Callable:
 
 ORDER = (
     Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
-    Converter("packed image+text positions", "build", lambda plan: plan.vision is not None, _vision_positions),
+    Converter(
+        "packed image+text positions",
+        "build",
+        lambda plan: plan.vision is not None and not plan.vision.masks,
+        _vision_positions,
+    ),
+    Converter(
+        "packed image+text masks", "build", lambda plan: plan.vision is not None and plan.vision.masks, _vision_masks
+    ),
     Converter(
         "vision encoder on varlen",
         "build",

@@ -15,10 +15,12 @@ leaves attention out. sft counts what the GPU multiplies:
   only `num_experts_per_tok` of `num_experts` experts' weights per token
   (`sft.model.architectures.matmul_flops_per_token`).
 
-- a vision-language model's encoder (`VisionFlops`), per image from `image_grid_thw`: its linear layers and patch
-  embedding per patch, its projector per merged token, attention both ways within each image (within each window
-  in Qwen2.5-VL's windowed layers); forward only (2 x) while the encoder is frozen. The image tokens the projector
-  hands the language model are tokens of their sample like any other.
+- a vision-language model's encoder (`VisionFlops`), per image from `image_grid_thw` (Gemma 3: per image of
+  `pixel_values`, all one size): its linear layers and patch embedding per patch, its projector per merged token,
+  attention both ways within each image (within each window in Qwen2.5-VL's windowed layers); forward only (2 x)
+  while the encoder is frozen. The image tokens the projector hands the language model are tokens of their sample
+  like any other, counted causally (Gemma 3's image tokens attend to each other both ways: half an image's pairs more
+  per layer, not counted).
 
 MFU = those FLOPs per second per GPU / the GPU's peak. The peak is looked up from the device name (dense bf16 spec,
 no sparsity) or given with `peak_tflops`.
@@ -86,14 +88,17 @@ def sample_lengths(inputs: dict) -> torch.Tensor:
 
 
 class VisionFlops:
-    """Training FLOPs of a vision-language model's encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) for a batch's images.
+    """Training FLOPs of a vision-language model's encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3) for a batch's
+    images.
 
     Per patch, every linear layer and the patch embedding (a convolution whose stride is its kernel: one matmul per
-    patch) of the encoder; per merged token (`spatial_merge_size`^2 patches), the projectors (`merger`, Qwen3-VL's
-    deepstack mergers). 2 x weights forward; 6 x where the encoder trains (a frozen weight under a trained one: 4 x);
-    a trained projector over a frozen encoder 4 x (no input gradient below it: the smaller count). Attention both ways,
-    4 x width x pairs forward (12 x where the encoder trains), pairs of patches within each frame of an image, and
-    in Qwen2.5-VL's windowed layers within each window of `window_size` pixels."""
+    patch) of the encoder; per merged token (Qwen-VL: `spatial_merge_size`^2 patches; Gemma 3: `mm_tokens_per_image`
+    an image, pooled from its patches), the projectors (`merger`, Qwen3-VL's deepstack mergers, Gemma 3's
+    `multi_modal_projector`). 2 x weights forward; 6 x where the encoder trains (a frozen weight under a trained one:
+    4 x); a trained projector over a frozen encoder 4 x (no input gradient below it: the smaller count). Attention
+    both ways, 4 x width x pairs forward (12 x where the encoder trains), pairs of patches within each frame of an
+    image, and in Qwen2.5-VL's windowed layers within each window of `window_size` pixels. Gemma 3's images are all
+    one size (`image_size`), counted from the batch's `pixel_values`."""
 
     def __init__(self, model: torch.nn.Module, encoder: torch.nn.Module):
         config = model.config.vision_config
@@ -108,7 +113,16 @@ class VisionFlops:
                 self.per_merged += (6 if trains else 4 if weight.requires_grad else 2) * size
             else:
                 self.per_patch += (6 if weight.requires_grad else 4 if trains else 2) * size
-        self.merge = config.spatial_merge_size
+        projector = architectures.vision_projector(model)  # Gemma 3's, beside the encoder: its matrices
+        for weight in projector.parameters() if projector is not None else ():
+            if len(architectures._shape(weight)) == 2:
+                self.per_merged += (6 if trains else 4 if weight.requires_grad else 2) * math.prod(
+                    architectures._shape(weight))  # fmt: skip
+        self.merge = getattr(config, "spatial_merge_size", None) or 1
+        # Gemma 3: every image `side` x `side` patches, pooled into mm_tokens_per_image tokens; Qwen-VL: from the grids
+        self.side = config.image_size // config.patch_size if projector is not None else 0
+        self.merged_per_patch = (model.config.mm_tokens_per_image / self.side**2 if self.side
+                                 else 1 / self.merge**2)  # fmt: skip
         self.width = getattr(config, "embed_dim", None) or config.hidden_size
         self.attention = 12 if trains else 4
         layers = getattr(config, "depth", None) or config.num_hidden_layers
@@ -117,6 +131,15 @@ class VisionFlops:
         self.window_layers = layers - self.full_layers
         # Qwen2.5-VL's windows, in merged tokens per side
         self.window = config.window_size // self.merge // config.patch_size if windowed else 0
+
+    def grids(self, inputs: dict) -> torch.Tensor | None:
+        """The (frames, height, width) patch grid of every image of a batch, or None without images."""
+        if inputs.get("image_grid_thw") is not None:
+            return inputs["image_grid_thw"]
+        pixels = inputs.get("pixel_values")
+        if not self.side or pixels is None:
+            return None
+        return torch.tensor([1, self.side, self.side]).expand(pixels.shape[0], 3)
 
     def _window_pairs(self, frames: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Patch pairs within the windows of frames of h x w patches: windows of `window` merged tokens per side,
@@ -137,7 +160,7 @@ class VisionFlops:
         pairs = self.full_layers * frames * (h * w) ** 2
         if self.window_layers:
             pairs = pairs + self.window_layers * self._window_pairs(*grid_thw.long().unbind(-1)).double()
-        linear = self.per_patch * patches + self.per_merged * patches / self.merge**2
+        linear = self.per_patch * patches + self.per_merged * patches * self.merged_per_patch
         return (linear + self.attention * self.width * pairs).sum()
 
 
@@ -155,8 +178,9 @@ class FlopCounter:
 
     def batch_flops(self, inputs: dict) -> torch.Tensor:
         flops = self.flops_of(sample_lengths(inputs))
-        if self.vision is not None and inputs.get("image_grid_thw") is not None:
-            flops = flops + self.vision.flops(inputs["image_grid_thw"]).to(flops.device)
+        grids = self.vision.grids(inputs) if self.vision is not None else None
+        if grids is not None:
+            flops = flops + self.vision.flops(grids).to(flops.device)
         return flops
 
     def flops_of(self, lengths: torch.Tensor) -> torch.Tensor:

@@ -101,20 +101,22 @@ def base_setting(
     )
 
 
-def preflight(training_args, model_args, resume: Resume | None = None) -> RunPlan:
+def preflight(training_args, model_args, resume: Resume | None = None, sources=None) -> RunPlan:
     """Decide the run: resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a
     resume), check the memory plan, set up a resume on another process count; returns the RunPlan, whose training
-    arguments are rebuilt once if anything changed. `model_args` is not changed."""
+    arguments are rebuilt once if anything changed. `model_args` is not changed. `sources`: the recipe's `datasets`,
+    whose records holding images make a run of a multimodal config that trains on text too an image+text run."""
     seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
     retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
     target = _target(training_args, resume, retry)
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
-    shape_of = _shape_of(model_args, training_args, model_config, arch, remote)
+    image_text = _image_text(model_config, sources)
+    shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
     if "engine" in training_args.auto_settings:
         training_args = _choose_engine(training_args, model_args, arch, shape_of, target, retry.micro_cap if retry
-                                       else None, resume, architectures.is_vision(model_config))  # fmt: skip
+                                       else None, resume, image_text)  # fmt: skip
     dims, engine = training_args.parallel, training_args.run_engine
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
@@ -131,8 +133,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
     if tools.keep_attention:
         _keep_attention_eager(training_args, kernels, changes)
     padding_free = training_args.padding_free_batches
-    attn = resolve_attn_implementation(model_args.attn_implementation, sp > 1, arch, padding_free)
-    check_packing(attn, padding_free, training_args.model_init_kwargs)
+    attn = _attention(model_args.attn_implementation, training_args, model_config, arch, sp, image_text)
     _resolve_fp8_changes(training_args, kernels["FP8"].on, sp, changes)
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
@@ -140,7 +141,7 @@ def preflight(training_args, model_args, resume: Resume | None = None) -> RunPla
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, padding_free)
     seqpar.check_model(model_config, sp, attn, arch)
-    vision = _vision_changes(training_args, model_config, sp, changes)
+    vision = _vision_changes(training_args, model_config, sp, changes) if image_text else None
     offload = (tools.offload_optimizer, tools.offload_params, ratio)
     if tools.offload_optimizer and memplan.moment_bytes_of(training_args.optim) < 8:
         optim = getattr(training_args.optim, "value", training_args.optim)
@@ -206,19 +207,46 @@ def checkpoint_engine(checkpoint: str) -> str:
     return "fsdp2" if (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir() else "deepspeed"
 
 
-def _shape_of(model_args, training_args, model_config, arch, remote: bool):
+def _shape_of(model_args, training_args, model_config, arch, remote: bool, image_text: bool):
     """The model's shape (a meta-device build) at most once, when first asked: for the memory plan and one process's
-    gradient bucket; a vision family's encoder counted frozen unless `train_vision_tower`."""
-    frozen_vision = architectures.is_vision(model_config) and not training_args.train_vision_tower
+    gradient bucket; an image+text run's encoder counted frozen unless `train_vision_tower`."""
+    frozen_vision = image_text and not training_args.train_vision_tower
     return functools.cache(functools.partial(shapes.load_shape, model_args.model_name_or_path, remote, model_config,
                                              arch, frozen_vision))  # fmt: skip
 
 
+def _image_text(model_config, sources) -> bool:
+    """Whether the run is image+text: always for a vision family; for a config that trains on text too (Gemma 3) where
+    the data's records hold images (read only for such a config)."""
+    if architectures.is_vision(model_config):
+        return True
+    if model_config.model_type not in architectures.IMAGE_DATA_FAMILIES:
+        return False
+    from sft.data import vision
+
+    images = vision.sources_have_images(sources)
+    logger.info("%s: %s data, an %s run", model_config.model_type, "image+text" if images else "text-only",
+                "image+text" if images else "text")  # fmt: skip
+    return images
+
+
+def _attention(requested, training_args, model_config, arch, sp: int, image_text: bool) -> str | None:
+    """The attention backend: an image+text run of a family packed with sft's own masks takes one that reads them
+    (`sft.data.vision.mask_attention`); any other run the fastest that honours the model
+    (`resolve_attn_implementation`)."""
+    if image_text and model_config.model_type in architectures.IMAGE_DATA_FAMILIES:
+        from sft.data import vision
+
+        return vision.mask_attention(requested, model_config)
+    padding_free = training_args.padding_free_batches
+    attn = resolve_attn_implementation(requested, sp > 1, arch, padding_free)
+    check_packing(attn, padding_free, training_args.model_init_kwargs)
+    return attn
+
+
 def _vision_changes(training_args, model_config, sp: int, changes: dict):
     """An image+text run (`sft.data.vision`): packed exactly or refused, its rows made and labelled by sft (TRL's
-    dataset preparation, packing and assistant masks off: the rows come ready); its `vision.Plan`, or None."""
-    if not architectures.is_vision(model_config):
-        return None
+    dataset preparation, packing and assistant masks off: the rows come ready); its `vision.Plan`."""
     from sft.data import vision
 
     vision.check(model_config)
@@ -239,10 +267,12 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
     changes["remove_unused_columns"] = False
     changes["packing"] = False  # the rows come packed from sft.data.vision; TRL's trainer collates none itself
     changes["assistant_only_loss"] = False  # sft.data.vision labels the assistant's tokens (the plan keeps the choice)
-    logger.info("Image+text chats of %s: packed exactly by sft.data.vision (per-sample M-RoPE positions, each "
-                "sample's own attention)", model_config.model_type)  # fmt: skip
+    masks = model_config.model_type in vision.MASKED
+    how = ("sft's attention masks: each sample's tokens causally, its images both ways, the sliding window" if masks
+           else "per-sample M-RoPE positions, each sample's own attention")  # fmt: skip
+    logger.info("Image+text chats of %s: packed exactly by sft.data.vision (%s)", model_config.model_type, how)
     return vision.Plan(assistant_only=bool(training_args.assistant_only_loss),
-                       train_tower=bool(training_args.train_vision_tower))  # fmt: skip
+                       train_tower=bool(training_args.train_vision_tower), masks=masks)  # fmt: skip
 
 
 def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None, vision=False):

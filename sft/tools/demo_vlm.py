@@ -28,26 +28,39 @@ from pathlib import Path
 from sft.tools import demo
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]  # no video in the data
-_PARTS = (
-    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- else -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-)
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}<|assistant|>{% generation %}" + _PARTS + "<|end|>{% endgeneration %}"
-    "{%- else -%}<|{{ message['role'] }}|>" + _PARTS + "<|end|>{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
-)
+GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]  # Gemma 3's: what its template writes,
+# the image's tokens, the end (Gemma3Processor's `full_image_sequence`)
+
+
+def chat_template(image: str = "<|vision_start|><|image_pad|><|vision_end|>") -> str:
+    """The demo's chat template, an image part rendered as `image`, the assistant's tokens marked."""
+    parts = (
+        "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+        "{%- for part in message['content'] -%}{%- if part['type'] == 'image' -%}" + image + "{%- else -%}"
+        "{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    )
+    return (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'assistant' -%}<|assistant|>{% generation %}" + parts + "<|end|>{% endgeneration %}"
+        "{%- else -%}<|{{ message['role'] }}|>" + parts + "<|end|>{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    )
+
+
+CHAT_TEMPLATE = chat_template()
 PIXELS = 56  # one image: 4 x 4 patches of 14 pixels, merged 2 x 2 into 4 tokens
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
 QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?", "both": "Describe the shape."}
 
 
-def build_tokenizer():
+def build_tokenizer(family: str = "qwen2_5_vl"):
     tokenizer = demo.build_tokenizer()
+    if family == "gemma3":
+        tokenizer.add_tokens(GEMMA3_TOKENS, special_tokens=True)
+        tokenizer.chat_template = chat_template(GEMMA3_TOKENS[0])
+        return tokenizer
     tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -63,7 +76,26 @@ def build_image_processor(patch_size: int = 14):
                                     merge_size=2, temporal_patch_size=2)  # fmt: skip
 
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")  # the demo's model is the first; the others for the tests
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3")  # the demo's model is the first; the others for tests
+
+
+def gemma3_config(tokenizer) -> dict:
+    """A tiny Gemma 3: 4 text layers of hidden 128 (three within a sliding window of 32 tokens, one full), a 2-layer
+    SigLIP encoder of hidden 64 over 56-pixel images (4 x 4 patches of 14), pooled into 4 image tokens."""
+    boi, soft, eoi = tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS)
+    text = {
+        "model_type": "gemma3_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "sliding_window": 32, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "max_position_embeddings": 1024, "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": PIXELS, "patch_size": 14,
+              "vision_use_head": False}  # fmt: skip
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+            "vision_config": vision, "mm_tokens_per_image": 4, "boi_token_index": boi, "image_token_index": soft,
+            "eoi_token_index": eoi, "dtype": "float32"}  # fmt: skip
 
 
 def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
@@ -100,10 +132,16 @@ def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
 
 def write_model(model_dir: Path, family: str = "qwen2_5_vl") -> Path:
     """The demo's model directory for `family`: tokenizer, image processor, config (no weights: `from_scratch`)."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(family)
     tokenizer.save_pretrained(model_dir)
-    build_image_processor(16 if family == "qwen3_vl" else 14).save_pretrained(model_dir)
-    config = model_config(tokenizer, family)
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        Gemma3ImageProcessorPil(size={"height": PIXELS, "width": PIXELS}, do_pan_and_scan=False).save_pretrained(
+            model_dir)  # fmt: skip
+    else:
+        build_image_processor(16 if family == "qwen3_vl" else 14).save_pretrained(model_dir)
+    config = gemma3_config(tokenizer) if family == "gemma3" else model_config(tokenizer, family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return model_dir
 
@@ -178,7 +216,7 @@ def evaluate(run_dir: Path, data: Path, limit: int | None = None) -> dict[str, f
         pixels = processor(images=[vision.open_image(record["images"][0], data.parent).convert("RGB")],
                            return_tensors="pt")  # fmt: skip
         tokens = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
-        prompt = torch.tensor([vision.expand_images(ids, [0] * len(ids), [tokens], image)[0]])
+        prompt = torch.tensor([vision.expand_images(ids, [0] * len(ids), [[image] * tokens], image)[0]])
         with torch.no_grad():
             out = model.generate(input_ids=prompt, pixel_values=pixels["pixel_values"],
                                  image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(prompt == image).int(),
