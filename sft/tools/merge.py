@@ -74,7 +74,8 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
     merged.save_pretrained(out)
     tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(out)
-    if architectures.is_vision(base_config):  # the merged directory loads and generates on its own
+    if architectures.is_vision(base_config) or (Path(base) / "preprocessor_config.json").is_file():  # Gemma 3 too
+        # the merged directory loads and generates on its own
         from sft.data import vision
 
         vision.save_image_processor(base, str(out))
