@@ -113,6 +113,8 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
     image_text = _image_text(model_config, sources)
+    if image_text:  # the family's fast paths were measured on text rows
+        arch = _image_text_kernels(arch)
     shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
     if "engine" in training_args.auto_settings:
         training_args = _choose_engine(training_args, model_args, arch, shape_of, target, retry.micro_cap if retry
@@ -228,6 +230,15 @@ def _image_text(model_config, sources) -> bool:
     logger.info("%s: %s data, an %s run", model_config.model_type, "image+text" if images else "text-only",
                 "image+text" if images else "text")  # fmt: skip
     return images
+
+
+def _image_text_kernels(arch):
+    """The architecture of an image+text run: Liger, FP8 and compiled layers off (each measured on text rows only;
+    Liger's patches of a vision-language model, FP8's casts of its encoder's weights and compiled layers over rows
+    with images are not)."""
+    off = architectures.Kernel(False, "measured on text rows only, not on image+text runs")
+    return dataclasses.replace(arch, kernels={**arch.kernels, **dict.fromkeys(("liger", "fp8", "compile",
+                                                                              "compile_bf16"), off)})  # fmt: skip
 
 
 def _attention(requested, training_args, model_config, arch, sp: int, image_text: bool) -> str | None:
