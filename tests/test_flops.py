@@ -117,26 +117,37 @@ def test_vision_encoder_flops_equal_torchs_count_of_its_forward(family):
     assert text == everything - in_encoder
 
 
-def test_gemma3_encoder_and_projector_flops_equal_torchs_count_of_their_forward():
-    """Gemma 3 (SigLIP encoder, a projector beside it pooling each image into `mm_tokens_per_image` tokens), frozen:
-    sft's count for a batch of three images (from `pixel_values`: all one size) equals torch's count of
-    `get_image_features` (encoder and projector), and the per-token count leaves the encoder out."""
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+def test_encoder_and_projector_beside_it_count_as_torch_counts_their_forward(family, tmp_path):
+    """Gemma 3 (SigLIP encoder, a projector beside it pooling each image into `mm_tokens_per_image` tokens) and SmolVLM
+    (tiles, a connector shuffling 4 patches into one token), frozen: sft's count for a batch's images (from
+    `pixel_values`: all one size) equals torch's count of `get_image_features` (encoder and projector), and the
+    per-token count leaves both out."""
     from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from sft.model import architectures
     from sft.model.flops import FlopCounter
-    from tests.test_vision_packing import tiny_gemma3
+    from sft.tools import demo_vlm
 
-    model = tiny_gemma3()  # eager: torch's counter counts its attention matmuls (not CPU sdpa's fused kernel)
+    config = AutoConfig.from_pretrained(demo_vlm.write_model(tmp_path, family))
+    config._attn_implementation = "eager"  # torch's counter counts eager's attention matmuls (not CPU sdpa's kernel)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
     model.requires_grad_(False)  # encoder and projector forward only
-    pixels = torch.randn(3, 3, 56, 56)
+    pixels = torch.randn(3, 3, 56, 56) if family == "gemma3" else torch.randn(1, 5, 3, 32, 32)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.model.get_image_features(pixels)
     counted = FlopCounter(model)
     inputs = {"pixel_values": pixels, "input_ids": torch.zeros(1, 0, dtype=torch.long)}
     assert float(counted.vision.flops(counted.vision.grids(inputs))) == pytest.approx(counter.get_total_flops(),
                                                                                          rel=1e-9)  # fmt: skip
-    encoder = architectures.vision_encoder(model)
-    assert type(encoder).__name__ == "SiglipVisionModel"
-    assert all(".vision_tower." in f".{n}" for n, _ in architectures.vision_tower_parameters(model))
-    assert not any("multi_modal_projector" in n for n, _ in architectures.vision_tower_parameters(model))
+    encoder, projector = architectures.vision_encoder(model), architectures.vision_projector(model)
+    assert type(encoder).__name__ == {"gemma3": "SiglipVisionModel", "smolvlm": "SmolVLMVisionTransformer"}[family]
+    frozen = [n for n, _ in architectures.vision_tower_parameters(model)]
+    inside = {"gemma3": ".vision_tower.", "smolvlm": ".vision_model."}[family]
+    assert frozen and all(inside in f".{n}" for n in frozen) and not any("projector" in n or "connector" in n
+                                                                         for n in frozen)  # fmt: skip
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # all frozen here: 4 x (no weight grad)
+    beside = {id(m) for part in (encoder, projector) for m in part.modules()}
+    assert counted.per_token == sum(4 * m.in_features * m.out_features for m in linears if id(m) not in beside)

@@ -150,7 +150,7 @@ def test_gemma3_is_an_image_text_run_on_image_data_and_a_text_run_on_text(tmp_pa
     model_dir = demo_vlm.write_model(tmp_path / "gemma3", "gemma3")
     with caplog.at_level("INFO"):
         plan, _, model_args = planned(tmp_path, "--model_name_or_path", str(model_dir))
-    assert plan.vision == vision.Plan(assistant_only=True, train_tower=False, masks=True)
+    assert plan.vision == vision.Plan(assistant_only=True, train_tower=False, packing="masks")
     assert plan.attn_implementation == "sdpa" and "gemma3: image+text data" in caplog.text
     assert plan.kernels["Liger"].reason == "measured on text rows only, not on image+text runs"  # gemma3_text's is on
     torch.manual_seed(0)

@@ -32,8 +32,11 @@ or full), on the model's device at every forward, and the run takes sdpa (or eag
 checkpoints train on text too: a run of a `gemma3` config is image+text where its data's records hold images
 (`sources_have_images`), a text run otherwise.
 
-Other families are refused here with the reason (`check`): Idefics3/SmolVLM and video inputs are not yet checked
-against one-by-one runs.
+SmolVLM and Idefics3 pack by positions (`TiledPacker`): their text model is a Llama (1-D positions restarting at each
+sample keep packed samples apart, as for text), their encoder takes each tile of an image alone (all one size), and a
+record's image part becomes its processor's prompt of that image's tiles (`Images`).
+
+Other families are refused here, named (`check`); video inputs are not built.
 """
 
 from __future__ import annotations
@@ -52,12 +55,11 @@ from sft.model.architectures import IMAGE_DATA_FAMILIES, VISION_FAMILIES
 
 logger = logging.getLogger(__name__)
 
-MROPE = VISION_FAMILIES  # packed by their positions: per-sample M-RoPE rows and a boundary row (`MRopePacker`)
+MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # packed by per-sample M-RoPE rows and a boundary row (`MRopePacker`)
+TILED = {"smolvlm", "idefics3"}  # 1-D positions restarting at each sample (`TiledPacker`); images cut into tiles
 MASKED = IMAGE_DATA_FAMILIES  # packed by sft's own attention masks (`BlockMaskPacker`, `block_masks`): Gemma 3
-NOT_PACKED = {
-    "idefics3": "not yet checked against one-by-one runs",
-    "smolvlm": "not yet checked against one-by-one runs",
-}
+assert MROPE | TILED == VISION_FAMILIES
+NOT_PACKED: dict[str, str] = {}  # a family's reason, where one is known
 IGNORE = -100
 
 
@@ -66,20 +68,21 @@ class Plan(NamedTuple):
 
     assistant_only: bool  # labels on the assistant's tokens only (`assistant_only_loss`), else on every text token
     train_tower: bool  # the vision encoder trains too (`train_vision_tower`); else frozen, its projector trained
-    masks: bool = False  # packed by sft's own attention masks (Gemma 3), else by positions (the M-RoPE families)
+    packing: str = "mrope"  # how rows keep samples apart: "mrope" (M-RoPE rows and a boundary row), "masks" (sft's
+    # attention masks: Gemma 3) or "positions" (1-D positions restarting: SmolVLM, Idefics3)
 
 
 def check(config) -> None:
     """Refuse, before any work, a vision-language family sft does not pack exactly (sft builds no padded batches of
     images: `preflight` refuses `packing: false` for these models)."""
     family = config.model_type
-    if family in MROPE or family in MASKED:
+    if family in VISION_FAMILIES or family in MASKED:
         return
     why = NOT_PACKED.get(family, "not a vision-language family sft packs")
     raise ConfigError(
         f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and {why}. "
-        f"Families sft trains: {', '.join(sorted(MROPE | MASKED))}. For this one, use TRL's SFTTrainer on padded "
-        "batches."
+        f"Families sft trains: {', '.join(sorted(VISION_FAMILIES | MASKED))}. For this one, use TRL's SFTTrainer on "
+        "padded batches."
     )
 
 
@@ -219,14 +222,20 @@ class Images:
     - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the template writes `<|image_pad|>` (between its vision start and end tokens),
       repeated once per merged patch group of that image (its size decides: `image_tokens`); the pixels are patches
       with their grids (`image_grid_thw`).
-    - Gemma 3: the template writes `<start_of_image>`, which becomes `\n\n<start_of_image>`, `mm_tokens_per_image`
-      soft image tokens, `<end_of_image>\n\n` (Gemma3Processor's `full_image_sequence`); every image is resized to
+    - Gemma 3: the template writes `<start_of_image>`, which becomes `\\n\\n<start_of_image>`, `mm_tokens_per_image`
+      soft image tokens, `<end_of_image>\\n\\n` (Gemma3Processor's `full_image_sequence`); every image is resized to
       one size. The newlines are tokenized on their own here, where the processor tokenizes the text around them with
-      them (a neighbouring newline may merge into one token there). Pan-and-scan crops are not built (refused)."""
+      them (a neighbouring newline may merge into one token there). Pan-and-scan crops are not built (refused).
+    - SmolVLM, Idefics3: the template writes `<image>`, which becomes the processor's prompt of that image's tiles
+      (`get_image_prompt_string`: per tile `<fake_token_around_image><row_r_col_c>` and `image_seq_len` image tokens,
+      then the global image), its rows and columns from the image's size (`get_number_of_image_patches`); the pixels
+      are the tiles, all of the encoder's size. The prompt begins and ends with special tokens, so it tokenizes alone
+      as in its text."""
 
     def __init__(self, config, tokenizer, image_processor):
-        self.processor = image_processor
+        self.processor, self.tokenizer = image_processor, tokenizer
         self.family = config.model_type
+        self.fixed = None
         if self.family in MASKED:
             if getattr(image_processor, "do_pan_and_scan", None):
                 raise ConfigError(f"`do_pan_and_scan: true` in the image processor of `{self.family}`: sft builds one "
@@ -237,22 +246,40 @@ class Images:
             soft = [config.image_token_id] * config.mm_tokens_per_image
             self.fixed = newlines + [config.boi_token_index] + soft + [config.eoi_token_index] + newlines
         else:
-            self.placeholder, self.fixed = config.image_token_id, None
+            self.placeholder = config.image_token_id
+        if self.family in TILED:
+            encoder = config.vision_config
+            self.seq_len = (encoder.image_size // encoder.patch_size) ** 2 // config.scale_factor**2
 
     def tokens(self, width: int, height: int) -> list[int]:
         """The tokens the model reads for an image of this size."""
         if self.fixed is not None:
             return self.fixed
+        if self.family in TILED:
+            from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+            _, rows, cols = self.processor.get_number_of_image_patches(height, width, {})
+            image = self.tokenizer.convert_ids_to_tokens(self.placeholder)
+            prompt = get_image_prompt_string(rows, cols, self.seq_len, "<fake_token_around_image>", image,
+                                             "<global-img>")  # fmt: skip
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [self.placeholder] * image_tokens(self.processor, width, height)
 
-    def process(self, images: list) -> tuple[torch.Tensor, torch.Tensor | None, list[list[int]]]:
-        """The processor's pixels of these (RGB) images, their grids (Qwen-VL) or None, and each one's tokens."""
+    def process(self, images: list) -> tuple[dict, list[list[int]]]:
+        """The processor's pixels of these (RGB) images as `Sample` fields (Qwen-VL: with their grids; SmolVLM and
+        Idefics3: every image's tiles, with their pixel mask), and each image's tokens."""
+        if self.family in TILED:
+            processed = [self.processor(images=[[image]], return_tensors="pt") for image in images]
+            fields = {key: torch.cat([p[key][0] for p in processed])
+                      for key in ("pixel_values", "pixel_attention_mask")}  # fmt: skip
+            return fields, [self.tokens(*image.size) for image in images]
         processed = self.processor(images=images, return_tensors="pt")
         grid = processed.get("image_grid_thw")
         if grid is None:
-            return processed["pixel_values"], None, [self.fixed] * len(images)
+            return {"pixel_values": processed["pixel_values"]}, [self.fixed] * len(images)
         counts = (grid.prod(-1) // self.processor.merge_size**2).tolist()
-        return processed["pixel_values"], grid, [[self.placeholder] * n for n in counts]
+        return {"pixel_values": processed["pixel_values"], "image_grid_thw": grid}, [
+            [self.placeholder] * n for n in counts]  # fmt: skip
 
 
 def length(record: dict, tokenizer, images: Images, base: Path, assistant_only=True) -> int:
@@ -271,11 +298,11 @@ def encode(record: dict, tokenizer, images: Images, base: Path, assistant_only=T
     if not pictures:
         ids_t = torch.tensor(ids)
         return Sample(ids_t, torch.where(torch.tensor(trained, dtype=torch.bool), ids_t, IGNORE))
-    pixels, grid, tokens = images.process(pictures)
+    fields, tokens = images.process(pictures)
     out_ids, out_trained = expand_images(ids, trained, tokens, images.placeholder)
     ids_t = torch.tensor(out_ids)
     labels = torch.where(torch.tensor(out_trained, dtype=torch.bool), ids_t, IGNORE)
-    return Sample(ids_t, labels, pixels, grid)
+    return Sample(ids_t, labels, **fields)
 
 
 def rows(lengths: list[int], max_length: int) -> list[list[int]]:
@@ -305,13 +332,14 @@ def rows(lengths: list[int], max_length: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Sample:
-    """One chat as the model's processor made it: token ids and labels (1-D), and its images' patches with their
-    (temporal, height, width) grids, or none."""
+    """One chat as the model's processor made it: token ids and labels (1-D), and its images' pixels (Qwen-VL: patches
+    with their (temporal, height, width) grids; SmolVLM, Idefics3: tiles with their pixel mask), or none."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    pixel_attention_mask: torch.Tensor | None = None
 
 
 class MRopePacker:
@@ -416,9 +444,31 @@ def block_masks(model: torch.nn.Module):
     return model.register_forward_pre_hook(attach, with_kwargs=True)
 
 
+class TiledPacker:
+    """Packs SmolVLM or Idefics3 samples into one row: the `_row` (1-D positions restarting at each sample, from which
+    transformers' text model keeps the samples apart, as for text), every image's tiles as one batch of images
+    ([1, tiles, 3, side, side]) with their pixel mask; each tile is encoded on its own."""
+
+    def __call__(self, samples: list[Sample]) -> dict:
+        batch = _row(samples)
+        if "pixel_values" in batch:
+            batch["pixel_values"] = batch["pixel_values"][None]
+            masks = [s.pixel_attention_mask for s in samples if s.pixel_attention_mask is not None]
+            batch["pixel_attention_mask"] = torch.cat(masks)[None]
+        return batch
+
+
 def packer(model: torch.nn.Module):
-    """The packer of an image+text model's family: by its masks (Gemma 3) or its positions (the M-RoPE families)."""
-    return BlockMaskPacker(model) if model.config.model_type in MASKED else MRopePacker(model)
+    """The packer of an image+text model's family: by its masks (Gemma 3), its M-RoPE positions (Qwen-VL) or its 1-D
+    positions (SmolVLM, Idefics3)."""
+    family = model.config.model_type
+    return BlockMaskPacker(model) if family in MASKED else TiledPacker() if family in TILED else MRopePacker(model)
+
+
+def packing(config) -> str:
+    """How an image+text family's rows keep samples apart (`Plan.packing`)."""
+    family = config.model_type
+    return "masks" if family in MASKED else "positions" if family in TILED else "mrope"
 
 
 def join_positions(model: torch.nn.Module):

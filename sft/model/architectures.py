@@ -341,12 +341,14 @@ def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_los
 
 # Vision-language families sft trains on image+text chats (`sft.data.vision` packs them exactly): built with
 # transformers' image-text-to-text class, every run image+text.
-VISION_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+VISION_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3"}
 # Multimodal configs whose checkpoints are fine-tuned on text alone as often: image+text where the data has images
 # (`images` in its records), a text run otherwise. Gemma 3's 4B-27B checkpoints are `gemma3` (image+text) configs.
 IMAGE_DATA_FAMILIES = {"gemma3"}
-_ENCODERS = ("visual", "vision_tower")  # the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`
-_PROJECTORS = ("merger", "multi_modal_projector")  # what maps its features into the language model: trains
+# the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`, SmolVLM's and Idefics3's `vision_model`
+_ENCODERS = ("visual", "vision_tower", "vision_model")
+_PROJECTORS = ("merger", "multi_modal_projector", "connector")  # what maps its features into the language model
+_BESIDE = ("multi_modal_projector", "connector")  # projectors beside the encoder (Gemma 3; SmolVLM, Idefics3)
 
 
 def is_vision(config) -> bool:
@@ -357,16 +359,17 @@ def is_vision(config) -> bool:
 def vision_tower_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """A vision family's encoder weights: what `train_vision_tower: false` freezes. Qwen2-VL, Qwen2.5-VL and Qwen3-VL
     keep the encoder in `visual` and its projector(s) there too (`merger`, Qwen3-VL's `deepstack_merger_list`); Gemma 3
-    its encoder in `vision_tower` and its projector beside it (`multi_modal_projector`). The projectors stay
-    trainable: they map the encoder's features into the language model."""
+    its encoder in `vision_tower` and its projector beside it (`multi_modal_projector`); SmolVLM and Idefics3 in
+    `vision_model`, `connector` beside it. The projectors stay trainable: they map the encoder's features into the
+    language model."""
     inside = tuple(f".{name}." for name in _ENCODERS)
     return [(n, p) for n, p in model.named_parameters()
             if any(part in f".{n}" for part in inside) and not any(x in n for x in _PROJECTORS)]  # fmt: skip
 
 
 def vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    """A vision family's encoder module (Qwen-VL's `visual`, with its projectors; Gemma 3's `vision_tower`), under any
-    wrapping (PEFT), or None."""
+    """A vision family's encoder module (Qwen-VL's `visual`, with its projectors; Gemma 3's `vision_tower`; SmolVLM's
+    and Idefics3's `vision_model`), under any wrapping (PEFT), or None."""
     for name, module in model.named_modules():
         if name.split(".")[-1] in _ENCODERS:
             return module
@@ -374,9 +377,10 @@ def vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def vision_projector(model: torch.nn.Module) -> torch.nn.Module | None:
-    """A projector that sits beside the encoder (Gemma 3's `multi_modal_projector`), or None (Qwen-VL's are inside)."""
+    """A projector that sits beside the encoder (Gemma 3's `multi_modal_projector`, SmolVLM's and Idefics3's
+    `connector`), or None (Qwen-VL's are inside it)."""
     for name, module in model.named_modules():
-        if name.split(".")[-1] == "multi_modal_projector":
+        if name.split(".")[-1] in _BESIDE:
             return module
     return None
 
@@ -386,7 +390,7 @@ def lora_targets(config, image_text: bool = False) -> str | None:
     knows no default for these families, and the vision encoder stays frozen); None elsewhere (PEFT's default)."""
     if not (is_vision(config) or image_text):
         return None
-    return r".*\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    return r".*\.(language_model|text_model)\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 def model_class(config):
@@ -441,8 +445,8 @@ def matmul_flops_per_token(model: torch.nn.Module, arch: Architecture | None = N
     in_features x out_features and the ZeRO-3 full shape, not `weight.numel()`: under ZeRO-3 a rank holds a slice of
     each weight, and 4-bit weights are packed."""
     experts = {id(m): m for m in experts_modules(model)}
-    encoder = vision_encoder(model)
-    per_image = {id(m) for m in encoder.modules()} if encoder is not None else set()  # `sft.model.flops.VisionFlops`
+    parts = [p for p in (vision_encoder(model), vision_projector(model)) if p is not None]  # `flops.VisionFlops`
+    per_image = {id(m) for part in parts for m in part.modules()}
     total = 0.0
     for module in model.modules():
         if id(module) in per_image:

@@ -156,16 +156,21 @@ ORDER = (
     Converter(
         "packed image+text positions",
         "build",
-        lambda plan: plan.vision is not None and not plan.vision.masks,
+        lambda plan: plan.vision is not None and plan.vision.packing == "mrope",
         _vision_positions,
     ),
     Converter(
-        "packed image+text masks", "build", lambda plan: plan.vision is not None and plan.vision.masks, _vision_masks
+        "packed image+text masks",
+        "build",
+        lambda plan: plan.vision is not None and plan.vision.packing == "masks",
+        _vision_masks,
     ),
     Converter(
         "vision encoder on varlen",
         "build",
-        lambda plan: plan.vision is not None and plan.attn_implementation == "sft_varlen",
+        lambda plan: (
+            plan.vision is not None and plan.vision.packing == "mrope" and plan.attn_implementation == "sft_varlen"
+        ),
         _vision_varlen,
     ),
     Converter(

@@ -88,17 +88,18 @@ def sample_lengths(inputs: dict) -> torch.Tensor:
 
 
 class VisionFlops:
-    """Training FLOPs of a vision-language model's encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3) for a batch's
-    images.
+    """Training FLOPs of a vision-language model's encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, SmolVLM, Idefics3)
+    for a batch's images.
 
     Per patch, every linear layer and the patch embedding (a convolution whose stride is its kernel: one matmul per
     patch) of the encoder; per merged token (Qwen-VL: `spatial_merge_size`^2 patches; Gemma 3: `mm_tokens_per_image`
-    an image, pooled from its patches), the projectors (`merger`, Qwen3-VL's deepstack mergers, Gemma 3's
-    `multi_modal_projector`). 2 x weights forward; 6 x where the encoder trains (a frozen weight under a trained one:
-    4 x); a trained projector over a frozen encoder 4 x (no input gradient below it: the smaller count). Attention
+    an image, pooled from its patches; SmolVLM, Idefics3: `scale_factor`^2 patches of a tile), the projectors
+    (`merger`, Qwen3-VL's deepstack mergers, Gemma 3's `multi_modal_projector`, SmolVLM's `connector`). 2 x weights
+    forward; 6 x where the encoder trains (a frozen weight under a trained one: 4 x); a trained projector over a
+    frozen encoder 4 x (no input gradient below it: the smaller count). Attention
     both ways, 4 x width x pairs forward (12 x where the encoder trains), pairs of patches within each frame of an
-    image, and in Qwen2.5-VL's windowed layers within each window of `window_size` pixels. Gemma 3's images are all
-    one size (`image_size`), counted from the batch's `pixel_values`."""
+    image, and in Qwen2.5-VL's windowed layers within each window of `window_size` pixels. Gemma 3's images and
+    SmolVLM's tiles are all one size (`image_size`), counted from the batch's `pixel_values`."""
 
     def __init__(self, model: torch.nn.Module, encoder: torch.nn.Module):
         config = model.config.vision_config
@@ -119,10 +120,12 @@ class VisionFlops:
                 self.per_merged += (6 if trains else 4 if weight.requires_grad else 2) * math.prod(
                     architectures._shape(weight))  # fmt: skip
         self.merge = getattr(config, "spatial_merge_size", None) or 1
-        # Gemma 3: every image `side` x `side` patches, pooled into mm_tokens_per_image tokens; Qwen-VL: from the grids
+        # Gemma 3: every image `side` x `side` patches, pooled into mm_tokens_per_image tokens; SmolVLM, Idefics3:
+        # every tile `side` x `side` patches, shuffled into 1 / scale_factor^2 as many; Qwen-VL: from the grids
         self.side = config.image_size // config.patch_size if projector is not None else 0
-        self.merged_per_patch = (model.config.mm_tokens_per_image / self.side**2 if self.side
-                                 else 1 / self.merge**2)  # fmt: skip
+        tokens = getattr(model.config, "mm_tokens_per_image", None)
+        scale = getattr(model.config, "scale_factor", None) or self.merge
+        self.merged_per_patch = tokens / self.side**2 if tokens else 1 / scale**2
         self.width = getattr(config, "embed_dim", None) or config.hidden_size
         self.attention = 12 if trains else 4
         layers = getattr(config, "depth", None) or config.num_hidden_layers
@@ -139,7 +142,7 @@ class VisionFlops:
         pixels = inputs.get("pixel_values")
         if not self.side or pixels is None:
             return None
-        return torch.tensor([1, self.side, self.side]).expand(pixels.shape[0], 3)
+        return torch.tensor([1, self.side, self.side]).expand(pixels.shape[:-3].numel(), 3)  # images (or tiles)
 
     def _window_pairs(self, frames: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Patch pairs within the windows of frames of h x w patches: windows of `window` merged tokens per side,

@@ -278,12 +278,14 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
     changes["remove_unused_columns"] = False
     changes["packing"] = False  # the rows come packed from sft.data.vision; TRL's trainer collates none itself
     changes["assistant_only_loss"] = False  # sft.data.vision labels the assistant's tokens (the plan keeps the choice)
-    masks = model_config.model_type in vision.MASKED
-    how = ("sft's attention masks: each sample's tokens causally, its images both ways, the sliding window" if masks
-           else "per-sample M-RoPE positions, each sample's own attention")  # fmt: skip
+    packing = vision.packing(model_config)
+    how = {"masks": "sft's attention masks: each sample's tokens causally, its images both ways, the sliding window",
+           "mrope": "per-sample M-RoPE positions, each sample's own attention",
+           "positions": "positions restarting at each sample, each sample's own attention; images in tiles",
+           }[packing]  # fmt: skip
     logger.info("Image+text chats of %s: packed exactly by sft.data.vision (%s)", model_config.model_type, how)
     return vision.Plan(assistant_only=bool(training_args.assistant_only_loss),
-                       train_tower=bool(training_args.train_vision_tower), masks=masks)  # fmt: skip
+                       train_tower=bool(training_args.train_vision_tower), packing=packing)  # fmt: skip
 
 
 def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None, vision=False):

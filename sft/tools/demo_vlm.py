@@ -30,6 +30,8 @@ from sft.tools import demo
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]  # no video in the data
 GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]  # Gemma 3's: what its template writes,
 # the image's tokens, the end (Gemma3Processor's `full_image_sequence`)
+TILES = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]  # SmolVLM's tile tokens: up to 4 x 4
+SMOLVLM_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", *TILES]
 
 
 def chat_template(image: str = "<|vision_start|><|image_pad|><|vision_end|>") -> str:
@@ -57,9 +59,10 @@ QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"
 
 def build_tokenizer(family: str = "qwen2_5_vl"):
     tokenizer = demo.build_tokenizer()
-    if family == "gemma3":
-        tokenizer.add_tokens(GEMMA3_TOKENS, special_tokens=True)
-        tokenizer.chat_template = chat_template(GEMMA3_TOKENS[0])
+    tokens = {"gemma3": GEMMA3_TOKENS, "smolvlm": SMOLVLM_TOKENS}.get(family)
+    if tokens:
+        tokenizer.add_tokens(tokens, special_tokens=True)
+        tokenizer.chat_template = chat_template(tokens[0])
         return tokenizer
     tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -76,7 +79,7 @@ def build_image_processor(patch_size: int = 14):
                                     merge_size=2, temporal_patch_size=2)  # fmt: skip
 
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3")  # the demo's model is the first; the others for tests
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "smolvlm")  # the demo's model first; the others for tests
 
 
 def gemma3_config(tokenizer) -> dict:
@@ -130,18 +133,42 @@ def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
             "dtype": "float32", **ids}  # fmt: skip
 
 
+def smolvlm_config(tokenizer) -> dict:
+    """A tiny SmolVLM: a 4-layer Llama of hidden 128, a 2-layer encoder of hidden 64 over 32-pixel tiles (4 x 4 patches
+    of 8, shuffled into 4 image tokens); a 56-pixel demo image is resized to 64 and cut into 2 x 2 tiles and a
+    global image (20 image tokens)."""
+    text = {
+        "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id, "tie_word_embeddings": False,
+    }  # fmt: skip
+    vision = {"model_type": "smolvlm_vision", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 8}  # fmt: skip
+    return {"architectures": ["SmolVLMForConditionalGeneration"], "model_type": "smolvlm", "text_config": text,
+            "vision_config": vision, "scale_factor": 2, "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
+            "tie_word_embeddings": False, "dtype": "float32"}  # fmt: skip
+
+
+def _image_processor(family: str):
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": PIXELS, "width": PIXELS}, do_pan_and_scan=False)
+    if family == "smolvlm":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        return SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    return build_image_processor(16 if family == "qwen3_vl" else 14)
+
+
 def write_model(model_dir: Path, family: str = "qwen2_5_vl") -> Path:
     """The demo's model directory for `family`: tokenizer, image processor, config (no weights: `from_scratch`)."""
     tokenizer = build_tokenizer(family)
     tokenizer.save_pretrained(model_dir)
-    if family == "gemma3":
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-        Gemma3ImageProcessorPil(size={"height": PIXELS, "width": PIXELS}, do_pan_and_scan=False).save_pretrained(
-            model_dir)  # fmt: skip
-    else:
-        build_image_processor(16 if family == "qwen3_vl" else 14).save_pretrained(model_dir)
-    config = gemma3_config(tokenizer) if family == "gemma3" else model_config(tokenizer, family)
+    _image_processor(family).save_pretrained(model_dir)
+    configs = {"gemma3": gemma3_config, "smolvlm": smolvlm_config}
+    config = configs[family](tokenizer) if family in configs else model_config(tokenizer, family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return model_dir
 

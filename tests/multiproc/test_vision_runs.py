@@ -77,10 +77,10 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     assert out.shape == (1, 7)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3", "smolvlm"])
 def other_family(request, tmp_path_factory) -> tuple[str, Path]:
-    """The demo's model for another family (`sft.tools.demo_vlm.write_model`: the M-RoPE ones, and Gemma 3 packed by
-    sft's masks), one random init on disk."""
+    """The demo's model for another family (`sft.tools.demo_vlm.write_model`: the M-RoPE ones, Gemma 3 packed by
+    sft's masks, SmolVLM in tiles), one random init on disk."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from sft.tools import demo_vlm
@@ -92,8 +92,9 @@ def other_family(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def test_the_other_families_resume_bit_identically_and_save_under_zero3(other_family, tmp_path):
-    """Qwen2-VL, Qwen3-VL and Gemma 3 on the demo's data (2 processes, 8 steps): SIGKILLed after checkpoint-4 and run
-    again, bit-identical; under ZeRO-3 within 1e-4 of ZeRO-2, and the saved model loads with its family's class."""
+    """Qwen2-VL, Qwen3-VL, Gemma 3 and SmolVLM on the demo's data (2 processes, 8 steps): SIGKILLed after
+    checkpoint-4 and run again, bit-identical; under ZeRO-3 within 1e-4 of ZeRO-2, and the saved model loads with its
+    family's class."""
     from transformers import AutoModelForImageTextToText
 
     family, model = other_family
