@@ -113,8 +113,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
     image_text = _image_text(model_config, sources)
-    if image_text:  # the family's fast paths were measured on text rows
-        arch = _image_text_kernels(arch)
+    arch = _image_text_kernels(arch) if image_text else arch  # the family's fast paths were measured on text rows
     shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
     if "engine" in training_args.auto_settings:
         training_args = _choose_engine(training_args, model_args, arch, shape_of, target, retry.micro_cap if retry
