@@ -26,7 +26,7 @@ MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 # conftest.py, made once per worker) are one group; the two-node tests are one group (one pair of namespaces).
 SHARED_SESSION = {
     "test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk",
-    "test_reference_curve.py": "demo-walk",
+    "test_reference_curve.py": "demo-walk", "test_vision_demo.py": "demo-walk",
 }  # fmt: skip
 # The longest groups first (measured, `--durations`), so that the two workers end together
 LONGEST_FIRST = [

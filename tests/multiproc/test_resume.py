@@ -203,8 +203,9 @@ def test_sigkill_during_checkpoint_write(reference, killed, model_dir, tmp_path)
     assert_same_run(reference("zero2"), out)
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+# each direction once: 2 -> 1 under ZeRO-2 (overlap_comm turned off with one process), 1 -> 2 under ZeRO-3 (its
+# partitions made anew for two); the other two pairs took 130 s of the suite and test the same resharding
+@pytest.mark.parametrize(("stage", "before", "after"), [("zero2", 2, 1), ("zero3", 1, 2)])
 def test_different_process_count(stage, before, after, shared, reference, killed, model_dir, tmp_path):
     shared.prepare(("reference", stage, before), ("killed", stage, before))  # with one process: side by side
     out = killed(stage, before, tmp_path / "out")

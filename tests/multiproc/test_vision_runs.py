@@ -92,25 +92,23 @@ def other_family(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def test_the_other_families_resume_bit_identically_and_save_under_zero3(other_family, tmp_path):
-    """Qwen2-VL, Qwen3-VL, Gemma 3 and SmolVLM on the demo's data (2 processes, 8 steps): SIGKILLed after
-    checkpoint-4 and run again, bit-identical; under ZeRO-3 within 1e-4 of ZeRO-2, and the saved model loads with its
-    family's class."""
+    """Qwen2-VL, Qwen3-VL, Gemma 3 and SmolVLM on the demo's data under ZeRO-3 (2 processes, 8 steps): SIGKILLed
+    after checkpoint-4 and run again, bit-identical to the uninterrupted run; the loss falls, and the saved model
+    (ZeRO-3's shards gathered) loads with its family's class. (ZeRO-3 against ZeRO-2 on the demo's family above.)"""
     from transformers import AutoModelForImageTextToText
 
     family, model = other_family
-    reference, killed, zero3 = (tmp_path / name for name in ("reference", "killed", "zero3"))
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
     steps = ["--max_steps", "8"]
-    for out, stage in ((reference, 2), (zero3, 3)):
-        result = run_cli([*args_for(model, out, stage), *steps], nproc=2)
-        assert result.returncode == 0, result.stderr[-5000:]
-    kill_after_checkpoint([*args_for(model, killed, 2), *steps], killed, step=4)
-    result = run_cli([*args_for(model, killed, 2), *steps], nproc=2)
+    result = run_cli([*args_for(model, reference, 3), *steps], nproc=2)
+    assert result.returncode == 0, result.stderr[-5000:]
+    kill_after_checkpoint([*args_for(model, killed, 3), *steps], killed, step=4)
+    result = run_cli([*args_for(model, killed, 3), *steps], nproc=2)
     assert result.returncode == 0 and "checkpoint-4" in result.stderr, result.stderr[-5000:]
     assert len(losses(reference)) == 8 and losses(killed) == losses(reference), family  # bit for bit
-    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses(zero3), losses(reference), strict=True))
     assert sum(losses(reference)[-2:]) < sum(losses(reference)[:2])
-    loaded = AutoModelForImageTextToText.from_pretrained(zero3)
-    assert loaded.config.model_type == family and (zero3 / "preprocessor_config.json").is_file()
+    loaded = AutoModelForImageTextToText.from_pretrained(reference)
+    assert loaded.config.model_type == family and (reference / "preprocessor_config.json").is_file()
 
 
 def test_lora_on_the_language_model_of_an_image_text_run_trains_and_merges(init_vlm, tmp_path):
