@@ -96,21 +96,20 @@ def test_the_memory_plan_counts_no_gradient_or_optimizer_state_for_a_frozen_enco
         assert saved > encoder * 2, stage  # at least the gradients' 16 bits a frozen weight does not have
 
 
-def test_image_text_runs_stay_on_deepspeed(tmp_path, monkeypatch, caplog):
-    """FSDP2 is refused for an image+text model (its first gradient norm measured 0.1% off DeepSpeed's and one
-    process's on the demo): named when asked for, and `engine: auto` keeps DeepSpeed under ZeRO-3 on a GPU, where it
-    would weigh FSDP2 for a text model."""
+def test_image_text_runs_take_fsdp2_when_asked_and_auto_keeps_deepspeed(tmp_path, monkeypatch, caplog):
+    """`engine: fsdp2` runs an image+text model (trained as under ZeRO-2: tests/multiproc/test_vision_runs.py), and
+    `engine: auto` keeps DeepSpeed under ZeRO-3 on a GPU, where it would weigh FSDP2 for a text model (FSDP2 is not
+    measured on GPUs for vision-language models)."""
     import logging
 
     from sft.plan import preflight as pre
 
-    with pytest.raises(ConfigError, match=r"`engine: fsdp2` with the image\+text model `qwen2_5_vl`: .*0\.1%"):
-        planned(tmp_path, "--engine", "fsdp2", "--deepspeed", "none")
+    assert planned(tmp_path, "--engine", "fsdp2", "--deepspeed", "none")[0].engine.name == "fsdp2"
     monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H200")
     with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
         plan, _, _ = planned(tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "139.8")
     assert plan.engine.name == "deepspeed"
-    assert "engine: auto -> deepspeed (image+text training under FSDP2 is refused" in caplog.text
+    assert "engine: auto -> deepspeed (image+text training: FSDP2 is not measured on GPUs" in caplog.text
 
 
 def test_sft_plan_counts_a_vision_models_encoder_frozen_as_a_run_does(capsys, tmp_path):

@@ -1,7 +1,7 @@
 """Image+text runs of the vision-language demo on 2 processes from one saved random init (recipes/demo-vlm.yaml,
 12 steps, a checkpoint every 4): SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run,
-and resumed by one process the same rows and schedule, the losses to the summation order; under ZeRO-3 the same
-losses as under ZeRO-2, and the saved model loads and generates."""
+and resumed by one process the same rows and schedule, the losses to the summation order; under ZeRO-3 and FSDP2 the
+same losses as under ZeRO-2, and the saved model loads and generates."""
 
 from __future__ import annotations
 
@@ -49,10 +49,14 @@ def losses(out: Path) -> list[float]:
 def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zero2(init_vlm, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    reference, killed, zero3, fewer = (tmp_path / name for name in ("reference", "killed", "zero3", "fewer"))
+    names = ("reference", "killed", "zero3", "fewer", "fsdp2")
+    reference, killed, zero3, fewer, fsdp2 = (tmp_path / name for name in names)
     for out, stage in ((reference, 2), (zero3, 3)):
         result = run_cli(args_for(init_vlm, out, stage), nproc=2)
         assert result.returncode == 0, result.stderr[-5000:]
+    fsdp2_args = [*args_for(init_vlm, fsdp2, 2)[:-2], "--engine", "fsdp2", "--deepspeed", "none"]
+    result = run_cli([*fsdp2_args, "--save_strategy", "no"], nproc=2)
+    assert result.returncode == 0, result.stderr[-5000:]
     kill_after_checkpoint(args_for(init_vlm, killed, 2), killed, step=4)
     shutil.copytree(killed, fewer)  # the same checkpoint, resumed below by one process
     result = run_cli(args_for(init_vlm, killed, 2), nproc=2)
@@ -69,6 +73,9 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     assert losses(fewer)[:4] == losses(reference)[:4]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses(fewer), losses(reference), strict=True))
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses(zero3), losses(reference), strict=True))
+    norms = [[r["grad_norm"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] for out in (reference, fsdp2)]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses(fsdp2), losses(reference), strict=True))
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(*norms, strict=True))  # the output head's too
     assert sum(losses(reference)[-3:]) < sum(losses(reference)[:3])
     model = AutoModelForImageTextToText.from_pretrained(zero3)  # ZeRO-3's shards gathered into a model directory
     assert (zero3 / "preprocessor_config.json").is_file()

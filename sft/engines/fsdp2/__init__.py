@@ -119,6 +119,7 @@ class FSDP2(Engine):
             trainer.is_fsdp_enabled = True
         if not trainer.is_fsdp_enabled or state.fsdp_plugin.fsdp_version != 2:
             raise ConfigError(f"`engine: fsdp2`: accelerate did not take FSDP2 ({state.distributed_type}).")
+        head_with_the_decoders_norm()
 
     def model_state_to_save(self, trainer) -> dict | None:
         """Checkpoints are sharded (`SHARDED_STATE_DICT`), and transformers' `save_model` then writes no weights at
@@ -152,3 +153,28 @@ class FSDP2(Engine):
 
     def after_load(self, wrapped_model) -> int:
         return 0
+
+
+def head_with_the_decoders_norm() -> None:
+    """accelerate gives the output head an FSDP unit of its own together with the final norm, which it looks for
+    among the base model's direct children (`_find_final_norm`); a vision-language model keeps it one level deeper
+    (`model.language_model.norm`), so the head was left alone in its unit, and on two processes its weight's
+    gradient came out wrong while every other one (and the loss) agreed (the demo's Qwen2.5-VL, 2 CPU processes:
+    a first gradient norm of 9.235 where one process and ZeRO-2 give 9.243). Where accelerate finds no norm, sft hands
+    it the decoder's (`get_decoder().norm`), as it finds for a text model: 9.243 then. Installed once."""
+    from accelerate.utils import fsdp_utils
+
+    find = fsdp_utils._find_final_norm
+    if getattr(find, "sft_decoder_norm", False):
+        return
+
+    def find_with_the_decoder(model: torch.nn.Module):
+        found = find(model)
+        if found is None:
+            decoder = getattr(model, "get_decoder", lambda: None)()
+            norm = getattr(decoder, "norm", None)
+            found = norm if isinstance(norm, torch.nn.Module) else None
+        return found
+
+    find_with_the_decoder.sft_decoder_norm = True
+    fsdp_utils._find_final_norm = find_with_the_decoder
