@@ -410,3 +410,51 @@ def test_smolvlm_and_idefics3_records_pack_exactly_in_tiles(family, tmp_path):
             assert torch.allclose(packed, torch.cat(alone), rtol=0, atol=1e-5), backend
         leaked = model(**{k: v for k, v in batch.items() if k != "position_ids"}).logits[0]
     assert (leaked - packed).abs().max() > 1e-2
+
+
+def test_gemma3_records_are_what_its_processor_makes(tmp_path):
+    """A Gemma 3 record's ids equal Gemma3Processor's on its rendered chat (image expanded in the text, the whole text
+    tokenized) with a byte-level BPE tokenizer whose newlines merge ("\\n" before the image and the expansion's
+    "\\n\\n" become one "\\n\\n\\n" token, which tokenizing the expansion alone would not give), its pixels equal the
+    processor's; the labels are the answer's tokens, or with `assistant_only` false every token but the image's."""
+    import datasets
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from sft.tools import demo_vlm
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    corpus = ["hello world\n\n\nfoo\n\nbar\n", "What colour is the shape?\n\n\n", "a red circle\n\nyellow\n\n\n\n"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(corpus * 50, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<pad>"],
+                                                             initial_alphabet=alphabet))  # fmt: skip
+    marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>",
+                                        extra_special_tokens=marks)  # fmt: skip
+    tokenizer.add_tokens([*marks.values(), "<|user|>", "<|assistant|>", "<|end|>"], special_tokens=True)
+    role = "<|{{ message['role'] }}|>"
+    tokenizer.chat_template = demo_vlm.chat_template("<start_of_image>").replace(role, role + "\n")  # "\n" before
+    assert len(tokenizer.encode("\n\n\n")) == 1 and len(tokenizer.encode("\n") + tokenizer.encode("\n\n")) == 2
+    image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, do_pan_and_scan=False)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4)
+    config = AutoConfig.from_pretrained(demo_vlm.write_model(tmp_path, "gemma3"))
+    config.boi_token_index, config.image_token_index, config.eoi_token_index = tokenizer.convert_tokens_to_ids(
+        list(marks.values()))  # fmt: skip
+    source = ROOT / "recipes" / "demo-vlm" / "data" / "eval.parquet"
+    records = datasets.load_dataset("parquet", data_files=str(source), split="train").select(range(3))
+    images = vision.Images(config, tokenizer, image_processor)
+    for record in records:
+        sample = vision.encode(record, tokenizer, images, source.parent)
+        theirs = processor(text=tokenizer.apply_chat_template(record["messages"], tokenize=False),
+                           images=[vision.open_image(record["images"][0], source.parent).convert("RGB")],
+                           return_tensors="pt")  # fmt: skip
+        assert sample.input_ids.tolist() == theirs["input_ids"][0].tolist()
+        assert torch.equal(sample.pixel_values, theirs["pixel_values"])
+        assert vision.length(record, tokenizer, images, source.parent) == len(sample.input_ids)
+        answer = record["messages"][1]["content"][0]["text"]
+        assert tokenizer.decode(sample.labels[sample.labels != vision.IGNORE]) == answer + "<|end|>"
+        every = vision.encode(record, tokenizer, images, source.parent, assistant_only=False)
+        untrained = every.input_ids[every.labels == vision.IGNORE]
+        assert set(untrained.tolist()) == images.image_ids and len(untrained) == 4 + 2  # the image's tokens only

@@ -223,9 +223,9 @@ class Images:
       repeated once per merged patch group of that image (its size decides: `image_tokens`); the pixels are patches
       with their grids (`image_grid_thw`).
     - Gemma 3: the template writes `<start_of_image>`, which becomes `\\n\\n<start_of_image>`, `mm_tokens_per_image`
-      soft image tokens, `<end_of_image>\\n\\n` (Gemma3Processor's `full_image_sequence`); every image is resized to
-      one size. The newlines are tokenized on their own here, where the processor tokenizes the text around them with
-      them (a neighbouring newline may merge into one token there). Pan-and-scan crops are not built (refused).
+      soft image tokens, `<end_of_image>\\n\\n` (Gemma3Processor's `full_image_sequence`) in the rendered text, and the
+      whole text is tokenized as the processor does (its newlines merge with the text's beside them:
+      `_expanded_template`); every image is resized to one size. Pan-and-scan crops are not built (refused).
     - SmolVLM, Idefics3: the template writes `<image>`, which becomes the processor's prompt of that image's tiles
       (`get_image_prompt_string`: per tile `<fake_token_around_image><row_r_col_c>` and `image_seq_len` image tokens,
       then the global image), its rows and columns from the image's size (`get_number_of_image_patches`); the pixels
@@ -235,7 +235,7 @@ class Images:
     def __init__(self, config, tokenizer, image_processor):
         self.processor, self.tokenizer = image_processor, tokenizer
         self.family = config.model_type
-        self.fixed = None
+        self.fixed = self.text = None
         if self.family in MASKED:
             if getattr(image_processor, "do_pan_and_scan", None):
                 raise ConfigError(f"`do_pan_and_scan: true` in the image processor of `{self.family}`: sft builds one "
@@ -245,6 +245,10 @@ class Images:
             newlines = tokenizer.encode("\n\n", add_special_tokens=False)
             soft = [config.image_token_id] * config.mm_tokens_per_image
             self.fixed = newlines + [config.boi_token_index] + soft + [config.eoi_token_index] + newlines
+            self.image_ids = {config.boi_token_index, config.image_token_id, config.eoi_token_index}
+            boi, image, eoi = tokenizer.convert_ids_to_tokens([config.boi_token_index, config.image_token_id,
+                                                               config.eoi_token_index])  # fmt: skip
+            self.text = boi, f"\n\n{boi}{image * config.mm_tokens_per_image}{eoi}\n\n"  # placeholder, its expansion
         else:
             self.placeholder = config.image_token_id
         if self.family in TILED:
@@ -282,24 +286,57 @@ class Images:
             [self.placeholder] * n for n in counts]  # fmt: skip
 
 
+def _expanded_template(record: dict, tokenizer, assistant_only: bool, images: Images) -> tuple[list[int], list[int]]:
+    """Gemma3Processor's way: the chat rendered as text, each image placeholder replaced by its expansion in the text
+    (`Images.text`), and the whole text tokenized, so that newlines beside an image merge as the processor's do; the
+    trained tokens are those overlapping the characters of the tokens the template marked (`_template`), never an
+    image's own tokens. Where the rendered text does not tokenize to the template's own ids (a control token in a
+    message), the expansion's tokens are put in place of the placeholder token instead."""
+    placeholder, expansion = images.text
+    ids, trained = _template(record, tokenizer, assistant_only)
+    rendered = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    first = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    if first["input_ids"] != ids:
+        count = ids.count(images.placeholder)
+        return expand_images(ids, trained, [images.fixed] * count, images.placeholder)
+
+    def moved(position: int) -> int:  # a character of the rendered text in the expanded one
+        return position + rendered.count(placeholder, 0, position) * (len(expansion) - len(placeholder))
+
+    spans = [(moved(a), moved(b)) for (a, b), on in zip(first["offset_mapping"], trained, strict=True) if on]
+    second = tokenizer(expansion.join(rendered.split(placeholder)), add_special_tokens=False,
+                       return_offsets_mapping=True)  # fmt: skip
+    out, k = [], 0
+    for token, (start, end) in zip(second["input_ids"], second["offset_mapping"], strict=True):
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        out.append(int(k < len(spans) and end > spans[k][0] and token not in images.image_ids))
+    return second["input_ids"], out
+
+
+def _with_images(record: dict, tokenizer, images: Images, base: Path, assistant_only: bool, tokens=None):
+    """A record's token ids and trained flags with its images' tokens in: each image's `tokens` (the processor's), or
+    (None) from the images' sizes; Gemma 3's from its text (`_expanded_template`)."""
+    if images.text is not None:
+        return _expanded_template(record, tokenizer, assistant_only, images)
+    ids, trained = _template(record, tokenizer, assistant_only)
+    if tokens is None:
+        tokens = [images.tokens(*open_image(x, base).size) for x in record.get("images") or []]
+    return expand_images(ids, trained, tokens, images.placeholder)
+
+
 def length(record: dict, tokenizer, images: Images, base: Path, assistant_only=True) -> int:
     """The tokens `encode` makes of a checked record, from its images' sizes (the file headers), not their pixels."""
-    ids, trained = _template(record, tokenizer, assistant_only)
-    tokens = [images.tokens(*open_image(x, base).size) for x in record.get("images") or []]
-    return len(expand_images(ids, trained, tokens, images.placeholder)[0])
+    return len(_with_images(record, tokenizer, images, base, assistant_only)[0])
 
 
 def encode(record: dict, tokenizer, images: Images, base: Path, assistant_only=True) -> Sample:
     """One checked record as its model sees it: the chat rendered by the tokenizer's template, each image part
     replaced by the tokens its family's processor makes of it (`Images`), labels on the assistant's tokens only (the
     template's `{% generation %}` markers), or with `assistant_only` false on every token but the images' tokens."""
-    ids, trained = _template(record, tokenizer, assistant_only)
     pictures = [open_image(x, base).convert("RGB") for x in record.get("images") or []]
-    if not pictures:
-        ids_t = torch.tensor(ids)
-        return Sample(ids_t, torch.where(torch.tensor(trained, dtype=torch.bool), ids_t, IGNORE))
-    fields, tokens = images.process(pictures)
-    out_ids, out_trained = expand_images(ids, trained, tokens, images.placeholder)
+    fields, tokens = images.process(pictures) if pictures else ({}, [])
+    out_ids, out_trained = _with_images(record, tokenizer, images, base, assistant_only, tokens)
     ids_t = torch.tensor(out_ids)
     labels = torch.where(torch.tensor(out_trained, dtype=torch.bool), ids_t, IGNORE)
     return Sample(ids_t, labels, **fields)
