@@ -59,7 +59,6 @@ MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # packed by per-sample M-RoPE ro
 TILED = {"smolvlm", "idefics3"}  # 1-D positions restarting at each sample (`TiledPacker`); images cut into tiles
 MASKED = IMAGE_DATA_FAMILIES  # packed by sft's own attention masks (`BlockMaskPacker`, `block_masks`): Gemma 3
 assert MROPE | TILED == VISION_FAMILIES
-NOT_PACKED: dict[str, str] = {}  # a family's reason, where one is known
 IGNORE = -100
 
 
@@ -78,9 +77,9 @@ def check(config) -> None:
     family = config.model_type
     if family in VISION_FAMILIES or family in MASKED:
         return
-    why = NOT_PACKED.get(family, "not a vision-language family sft packs")
     raise ConfigError(
-        f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and {why}. "
+        f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and not a "
+        "vision-language family sft packs. "
         f"Families sft trains: {', '.join(sorted(VISION_FAMILIES | MASKED))}. For this one, use TRL's SFTTrainer on "
         "padded batches."
     )
@@ -184,17 +183,19 @@ def check_records(records, source: Path) -> None:
             raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
 
-def _template(record: dict, tokenizer, assistant_only: bool) -> tuple[list[int], list[int]]:
-    """The chat rendered by the tokenizer's template: token ids, and which of them train (the template's
-    `{% generation %}` markers, or every token with `assistant_only` false)."""
+def _template(record: dict, tokenizer, assistant_only: bool) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """The chat rendered by the tokenizer's template: token ids, which of them train (the template's
+    `{% generation %}` markers, or every token with `assistant_only` false), and each token's characters in the
+    rendered text."""
     rendered = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
-                                             return_assistant_tokens_mask=True)  # fmt: skip
+                                             return_assistant_tokens_mask=True,
+                                             tokenizer_kwargs={"return_offsets_mapping": True})  # fmt: skip
     ids, trained = rendered["input_ids"], rendered["assistant_masks"]
     if not assistant_only:
         trained = [1] * len(ids)
     elif not any(trained):
         raise DataError("the chat template marks no assistant tokens (`{% generation %}`): nothing would be trained")
-    return ids, trained
+    return ids, trained, rendered["offset_mapping"]
 
 
 def expand_images(ids: list[int], trained: list[int], images: list[list[int]], placeholder: int):
@@ -235,16 +236,13 @@ class Images:
     def __init__(self, config, tokenizer, image_processor):
         self.processor, self.tokenizer = image_processor, tokenizer
         self.family = config.model_type
-        self.fixed = self.text = None
+        self.text = None
         if self.family in MASKED:
             if getattr(image_processor, "do_pan_and_scan", None):
                 raise ConfigError(f"`do_pan_and_scan: true` in the image processor of `{self.family}`: sft builds one "
                                   "image per image part, not pan-and-scan crops. Set it false in "
                                   "preprocessor_config.json.")  # fmt: skip
             self.placeholder = config.boi_token_index
-            newlines = tokenizer.encode("\n\n", add_special_tokens=False)
-            soft = [config.image_token_id] * config.mm_tokens_per_image
-            self.fixed = newlines + [config.boi_token_index] + soft + [config.eoi_token_index] + newlines
             self.image_ids = {config.boi_token_index, config.image_token_id, config.eoi_token_index}
             boi, image, eoi = tokenizer.convert_ids_to_tokens([config.boi_token_index, config.image_token_id,
                                                                config.eoi_token_index])  # fmt: skip
@@ -256,9 +254,7 @@ class Images:
             self.seq_len = (encoder.image_size // encoder.patch_size) ** 2 // config.scale_factor**2
 
     def tokens(self, width: int, height: int) -> list[int]:
-        """The tokens the model reads for an image of this size."""
-        if self.fixed is not None:
-            return self.fixed
+        """The tokens the model reads for an image of this size (Gemma 3's: from its text, `_expanded_template`)."""
         if self.family in TILED:
             from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
@@ -280,7 +276,7 @@ class Images:
         processed = self.processor(images=images, return_tensors="pt")
         grid = processed.get("image_grid_thw")
         if grid is None:
-            return {"pixel_values": processed["pixel_values"]}, [self.fixed] * len(images)
+            return {"pixel_values": processed["pixel_values"]}, []  # Gemma 3: its tokens from its text
         counts = (grid.prod(-1) // self.processor.merge_size**2).tolist()
         return {"pixel_values": processed["pixel_values"], "image_grid_thw": grid}, [
             [self.placeholder] * n for n in counts]  # fmt: skip
@@ -290,28 +286,23 @@ def _expanded_template(record: dict, tokenizer, assistant_only: bool, images: Im
     """Gemma3Processor's way: the chat rendered as text, each image placeholder replaced by its expansion in the text
     (`Images.text`), and the whole text tokenized, so that newlines beside an image merge as the processor's do; the
     trained tokens are those overlapping the characters of the tokens the template marked (`_template`), never an
-    image's own tokens. Where the rendered text does not tokenize to the template's own ids (a control token in a
-    message), the expansion's tokens are put in place of the placeholder token instead."""
+    image's own tokens."""
     placeholder, expansion = images.text
-    ids, trained = _template(record, tokenizer, assistant_only)
+    _, trained, offsets = _template(record, tokenizer, assistant_only)
     rendered = tokenizer.apply_chat_template(record["messages"], tokenize=False)
-    first = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    if first["input_ids"] != ids:
-        count = ids.count(images.placeholder)
-        return expand_images(ids, trained, [images.fixed] * count, images.placeholder)
 
     def moved(position: int) -> int:  # a character of the rendered text in the expanded one
         return position + rendered.count(placeholder, 0, position) * (len(expansion) - len(placeholder))
 
-    spans = [(moved(a), moved(b)) for (a, b), on in zip(first["offset_mapping"], trained, strict=True) if on]
-    second = tokenizer(expansion.join(rendered.split(placeholder)), add_special_tokens=False,
-                       return_offsets_mapping=True)  # fmt: skip
+    spans = [(moved(a), moved(b)) for (a, b), on in zip(offsets, trained, strict=True) if on]
+    expanded = tokenizer(expansion.join(rendered.split(placeholder)), add_special_tokens=False,
+                         return_offsets_mapping=True)  # fmt: skip
     out, k = [], 0
-    for token, (start, end) in zip(second["input_ids"], second["offset_mapping"], strict=True):
+    for token, (start, end) in zip(expanded["input_ids"], expanded["offset_mapping"], strict=True):
         while k < len(spans) and spans[k][1] <= start:
             k += 1
         out.append(int(k < len(spans) and end > spans[k][0] and token not in images.image_ids))
-    return second["input_ids"], out
+    return expanded["input_ids"], out
 
 
 def _with_images(record: dict, tokenizer, images: Images, base: Path, assistant_only: bool, tokens=None):
@@ -319,7 +310,7 @@ def _with_images(record: dict, tokenizer, images: Images, base: Path, assistant_
     (None) from the images' sizes; Gemma 3's from its text (`_expanded_template`)."""
     if images.text is not None:
         return _expanded_template(record, tokenizer, assistant_only, images)
-    ids, trained = _template(record, tokenizer, assistant_only)
+    ids, trained, _ = _template(record, tokenizer, assistant_only)
     if tokens is None:
         tokens = [images.tokens(*open_image(x, base).size) for x in record.get("images") or []]
     return expand_images(ids, trained, tokens, images.placeholder)
