@@ -93,6 +93,11 @@ class Engine(abc.ABC):
         prepared (nothing by default)."""
         return None
 
+    def optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        """After transformers made the optimizer, before the engine wraps it: anything the engine's step needs of its
+        parameter groups (nothing by default)."""
+        return None
+
     def model_state_to_save(self, trainer) -> dict | None:
         """The whole model's weights for the final save where the library's `save_model` would not write them (a
         collective: every process calls it), else None (transformers saves as it does)."""

@@ -39,6 +39,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 class Kernel(NamedTuple):
     on: bool
     reason: str
+    # its tokens/s against plain bf16's at the same micro batch, where measured (Liger: `benchmarks/architectures.py`);
+    # the speed model weighs it against what the kernel frees (`sft.plan.speed`: a kernel's worth is the fastest
+    # setting it makes possible, not its speed at a fixed micro batch)
+    speedup: float | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,13 @@ class Architecture:
     @property
     def is_moe(self) -> bool:
         return self.experts is not None
+
+    @property
+    def liger_exact(self) -> bool:
+        """Whether Liger's patches were measured exact on this family (on by themselves, or a candidate the plan's
+        ranking may take for what they free)."""
+        liger = self.kernel("liger")
+        return liger.on or liger.speedup is not None
 
     def identity(self) -> dict:
         """What makes weights and optimizer states belong to this model (the checkpoint fingerprint's `architecture`):
@@ -208,16 +219,25 @@ EXPERTS_UNDER_COMPILE = Kernel(False, f"equal to transformers' grouped_mm under 
 
 
 def _liger(speed: float) -> Kernel:
+    """Liger measured exact on the family at `speed` x plain bf16's tokens/s (2 layers, the same micro batch): on by
+    itself where not slower; elsewhere a candidate the plan's ranking takes where what it frees (the logits, the
+    norms' and SwiGLU's activations) buys a faster setting (`sft.plan.preflight`)."""
     if speed >= 1.0:
-        return Kernel(True, f"finite, loss within 0.06% of plain bf16, {speed:.2f}x its tokens/s ({RESULTS})")
-    return Kernel(False, f"finite and exact but {speed:.2f}x plain bf16's tokens/s ({RESULTS})")
+        return Kernel(True, f"finite, loss within 0.06% of plain bf16, {speed:.2f}x its tokens/s ({RESULTS})", speed)
+    why = f"finite and exact but {speed:.2f}x plain bf16's tokens/s at the same micro batch ({RESULTS})"
+    return Kernel(False, why, speed)
 
 
 UNMEASURED = "not yet measured for this family on a GPU"
-# `speed`: the plan ranks what fits by its speed model (`sft.plan.speed`), whose constants were fitted on this family;
-# elsewhere the plan keeps its rule (the largest micro batch with the fewest levers) until the family is swept
+# `speed`: the plan ranks what fits by its speed model (`sft.plan.speed`) for every family sft knows and every
+# vision-language family: the terms (matmul and attention FLOPs, recomputation, per-layer host work, ZeRO's gradient
+# work, collectives, the optimizer step) come from the model's shapes, the card's constants are shared across families
+# (fitted on Llama widths; a family gets its own only where a measurement shows it differs). Only the generic path
+# (a family sft has not checked) keeps the plan's rule: the largest micro batch with the fewest levers.
 SPEED_MEASURED = Kernel(True, "the speed model's constants were fitted on Llama widths (1B, 3B; "
                         "benchmarks/results/speed_sweep_h100)")  # fmt: skip
+SPEED_FROM_SHAPES = Kernel(True, "the speed model's terms from this model's shapes, the card's constants shared with "
+                           "Llama's (benchmarks/results/speed_sweep_h100)")  # fmt: skip
 KERNELS: dict[str, dict[str, Kernel]] = {
     "llama": {"liger": LLAMA_MEASURED, "fp8": LLAMA_MEASURED, "compile": LLAMA_MEASURED, "speed": SPEED_MEASURED},
     "qwen2": {"liger": _liger(0.86), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},  # windowed: 0.93
@@ -302,6 +322,9 @@ def of(config) -> Architecture:
         sinks=family in SINK_FAMILIES,
         other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"})),
     )
+    kernels = KERNELS.get(family, {})
+    if family in KERNELS or is_vision(config):  # a vision family's text model (qwen2_5_vl_text) has no row
+        kernels = {"speed": SPEED_FROM_SHAPES, **kernels}
     return Architecture(
         family=family,
         known=family in KERNELS,
@@ -314,7 +337,7 @@ def of(config) -> Architecture:
         vocab=text.vocab_size,
         attention=attention,
         experts=_experts(text),
-        kernels=KERNELS.get(family, {}),
+        kernels=kernels,
     )
 
 

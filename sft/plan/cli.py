@@ -190,13 +190,19 @@ def _card(args) -> speed.Card:
 
 def _bases(args, setting: Setting) -> list[Setting]:
     """The kernel settings ranked, as `sft train` ranks them: with `--fp8 auto` turning FP8 on, bf16 beside it (FP8
-    is a candidate, not a given; layers compiled where the family's bf16 compile was measured faster)."""
-    if args.fp8 != "auto" or not setting.fp8 or not args.by_speed:
+    is a candidate, not a given; layers compiled where the family's bf16 compile was measured faster); with `--liger
+    auto` on a family where Liger was measured exact, each with Liger the other way."""
+    if not args.by_speed:
         return [setting]
     from sft.model import architectures
 
     arch = architectures.of(load_config(args.model))
-    return [setting, dataclasses.replace(setting, fp8=False, compiled=arch.kernel("compile_bf16").on)]
+    bases = [setting]
+    if args.fp8 == "auto" and setting.fp8:
+        bases.append(dataclasses.replace(setting, fp8=False, compiled=arch.kernel("compile_bf16").on))
+    if args.liger == "auto" and arch.liger_exact:  # Liger the other way too: what it frees may buy a faster setting
+        bases += [dataclasses.replace(b, liger=not b.liger) for b in bases]
+    return bases
 
 
 def _candidate_kernels(args):

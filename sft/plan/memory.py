@@ -58,6 +58,8 @@ TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
 # benchmarks/results/memory_plan_calibration_measured.json).
 EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
+# ZeRO-1/2 with a low-bit optimizer: groups of at most this many parameters (`sft.engines.deepspeed.zero`)
+STEP_GROUP_PARAMS = SUB_GROUP_SIZE
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # With the checkpoints offloaded, this many layers' inputs are on the GPU at once (the one recomputed, the next)
 OFFLOAD_STASH_LAYERS = 2
@@ -207,6 +209,7 @@ class Setting:
         levers = ", ".join(self.tools.names()) or "no memory lever"
         dtype = "bf16" if self.dtype_bytes == 2 else "fp32"
         kernels = "FP8 compiled" if self.fp8 else f"{dtype} compiled" if self.compiled else dtype
+        kernels += ", Liger" if self.liger else ""
         moments = ", 8-bit Adam" if self.state_bytes < 12 else ""
         return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}{moments}"
 
@@ -621,20 +624,26 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         items[_optimizer_line(s)] = 0 if s.offload_optimizer else s.state_bytes * part
         on_gpu = 0 if s.offload_optimizer else part
         step["gradient partition (16-bit)"] = b * on_gpu
-        step["fp32 gradient partition (step)"] = 4 * on_gpu
         # with 8-bit moments the flattened copy is gone by the optimizer's step (3B on 1 x H100 and 8B on 2 x H200,
-        # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1)
+        # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1), and the step
+        # goes one group of at most STEP_GROUP_PARAMS at a time (`sft.engines.deepspeed.zero.split_optimizer_groups`)
         if s.state_bytes < 12:
-            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * on_gpu
+            group = min(on_gpu, STEP_GROUP_PARAMS / n)
+            step["fp32 gradients of one group (step)"] = 4 * group
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
         else:
+            step["fp32 gradient partition (step)"] = 4 * on_gpu
             step["flattened gradient copy (step)"] = b * on_gpu
         states_own = sum(items.values()) + (b + 4) * on_gpu
     elif s.zero_stage == 1:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * part
-        step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
-        if s.state_bytes < 12:
-            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * part
+        if s.state_bytes < 12:  # one group of at most STEP_GROUP_PARAMS at a time (as ZeRO-2)
+            group = min(part, STEP_GROUP_PARAMS / n)
+            step["gradients 16-bit + fp32 of one group (step)"] = b * held + 4 * group
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
+        else:
+            step["gradients 16-bit + fp32 partition (step)"] = b * held + 4 * part
         states_own = sum(items.values()) + sum(step.values())
     else:
         items["weights (16-bit)"] = b * held + frozen

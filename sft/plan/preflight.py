@@ -124,11 +124,10 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
     resumed_optim = resume.optim if resume is not None and "optim" in training_args.auto_settings else None
-    micro, tools, sp, sentence, ratio, bf16, optim = _plan_memory(
+    micro, tools, sp, sentence, ratio, bf16, optim, liger = _plan_memory(
         training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch, resumed_optim
     )
-    if optim is not None:
-        changes["optim"] = optim
+    _ranked_changes(kernels, changes, optim, liger)
     if bf16 is not None:
         _bf16_faster(training_args, kernels, changes, bf16)
     if tools.keep_attention:
@@ -398,12 +397,17 @@ def _with_accumulation(training_args, base: memplan.Setting, target: int | None)
 
 def _kernel_bases(training_args, arch, base: memplan.Setting) -> list[memplan.Setting]:
     """The kernel settings to rank: `base`, and where `fp8: auto` turned FP8 on, bf16 beside it (compiled where the
-    family's compiled bf16 is good): FP8 is a candidate, not a given."""
+    family's compiled bf16 is good); where `use_liger_kernel: auto` and Liger was measured exact on the family, each
+    with Liger the other way: FP8 and Liger are candidates, not givens (Liger's fused loss frees the logits, which may
+    fit a faster setting where it is no faster at one micro batch)."""
     auto = training_args.auto_settings
-    if "fp8" not in auto or not base.fp8:
-        return [base]
-    compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
-    return [base, dataclasses.replace(base, fp8=False, compiled=compile_bf16)]
+    bases = [base]
+    if "fp8" in auto and base.fp8:
+        compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
+        bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
+    if "use_liger_kernel" in auto and training_args.use_liger_kernel and arch.liger_exact:  # Liger can run here
+        bases += [dataclasses.replace(b, liger=not b.liger) for b in bases]  # what it frees may buy a faster setting
+    return bases
 
 
 def _shown(value):
@@ -463,6 +467,21 @@ def _decide_kernels(training_args, model_args, arch, engine) -> tuple[dict, dict
         kernels["sft experts"] = architectures.Kernel(name == experts.NAME, reason)
     architectures.log_kernels(arch, kernels, training_args.router_aux_loss_coef)
     return kernels, changes
+
+
+def _ranked_changes(kernels: dict, changes: dict, optim: str | None, liger: bool | None) -> None:
+    """What the speed model's ranking set: the optimizer where `optim: auto` chose it, Liger the other way from the
+    family's rule where the fastest setting that fits has it so (logged)."""
+    if optim is not None:
+        changes["optim"] = optim
+    if liger is None:
+        return
+    why = ("its fused loss frees the logits for a faster setting than any that fits without it" if liger
+           else "the fastest setting that fits does as well without it, and plain bf16 measured faster")  # fmt: skip
+    on = liger
+    kernels["Liger"] = architectures.Kernel(on, f"the speed model's ranking above: {why}")
+    changes["use_liger_kernel"] = on
+    logger.info("Liger: %s after all (%s)", "on" if on else "off", kernels["Liger"].reason)
 
 
 def _bf16_faster(training_args, kernels: dict, changes: dict, compiled: bool) -> None:
@@ -695,10 +714,11 @@ def _plan_memory(
     shape_of,
     arch: architectures.Architecture,
     resumed_optim: str | None = None,
-) -> tuple[int, memplan.Tools, int, str, float, bool | None, str | None]:
+) -> tuple[int, memplan.Tools, int, str, float, bool | None, str | None, bool | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
     share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None), the optimizer where
-    `optim: auto` set it (else None)), from the model's shape (`shape_of()`, built on first call): the `auto` ones
+    `optim: auto` set it (else None), Liger where the ranking took it the other way from the family's rule (else
+    None)), from the model's shape (`shape_of()`, built on first call): the `auto` ones
     chosen by the memory plan and the speed model (the smallest sp first, then the fastest setting that fits; micro
     batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the checkpoint's `resumed_optim` on a
     resume); the plan logged and checked against the GPU and host."""
@@ -715,7 +735,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None, resumed_optim
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None, resumed_optim, None
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -723,14 +743,14 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, resumed_optim
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, resumed_optim, None
     shape = shape_of()
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
                                compiled=kernels["compiled layers"].on)  # fmt: skip
     if resumed_optim:
         base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
     base = _with_accumulation(training_args, base, target)
-    bf16, optim = None, resumed_optim
+    bf16, optim, liger = None, resumed_optim, None
     if auto:
         bases = [base]
         by_speed = arch.kernel("speed")
@@ -746,11 +766,13 @@ def _plan_memory(
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
         if chosen.moment_bytes != base.moment_bytes:  # `optim: auto` chose 8-bit moments
             base, optim = dataclasses.replace(base, moment_bytes=chosen.moment_bytes), memplan.EIGHT_BIT_OPTIM
+        if chosen.liger != base.liger:  # `use_liger_kernel: auto`, taken the other way by the ranking
+            base, liger = dataclasses.replace(base, liger=chosen.liger), chosen.liger
         if base.fp8 and not chosen.fp8 and not chosen.keep_attention:  # kept attention turns FP8 off by itself
             bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
-    return micro, tools, sp, sentence, ratio, bf16, optim
+    return micro, tools, sp, sentence, ratio, bf16, optim, liger
 
 
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:

@@ -193,6 +193,8 @@ def step_time(
         again_linear += decoder * mlp_share(shape) / 3
     compute = tokens * (linear / linear_rate + attention / attention_rate) + _fp8_casts(shape, s, c)
     recompute = tokens * (again_linear / linear_rate + again_attention / attention_rate)
+    if not s.liger:  # the constants were fitted with Liger on; the family's measured Liger speed says what off costs
+        compute, recompute = compute * shape.liger_speedup, recompute * shape.liger_speedup
     # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
     # GPU's work does not cover shows
     per_layer = c.host_s_per_layer.get(kernel, 0.0) + (

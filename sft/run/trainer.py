@@ -179,6 +179,7 @@ class Trainer(SFTTrainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        self.plan.engine.optimizer_created(optimizer)
         if self._hf_shapes is not None:  # AutoEP's experts in DeepSpeed's MoE groups (`sft.engines.deepspeed.autoep`)
             self.experts.group_experts(optimizer, self.model, self.args.parallel.ep)
         return optimizer

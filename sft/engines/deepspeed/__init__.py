@@ -150,6 +150,18 @@ class DeepSpeed(Engine):
 
         partition(model)
 
+    def optimizer_created(self, optimizer) -> None:
+        from sft.engines.deepspeed.zero import STEP_GROUP_PARAMS, split_optimizer_groups
+
+        # a low-bit optimizer under ZeRO-1/2: its step is bounded by one group's memory, not the whole partition's
+        low_bit = type(optimizer).__module__.startswith("torchao")
+        if self._sharding.stage in (1, 2) and low_bit and not self._sharding.offload_optimizer:
+            added = split_optimizer_groups(optimizer)
+            if added:
+                logger.info("ZeRO-%d with %s: the optimizer steps groups of at most %.0e parameters (%d groups)",
+                            self._sharding.stage, type(optimizer).__name__, STEP_GROUP_PARAMS,
+                            len(optimizer.param_groups))  # fmt: skip
+
     def compiled_layers_ready(self, layers) -> int:
         return hooks_outside_compile(layers) if self._sharding.stage == 3 else 0
 

@@ -32,6 +32,33 @@ def prepare_model_build(stage3: bool, sp: int) -> bool:
     return stage3
 
 
+# ZeRO-1/2 steps its optimizer one parameter group at a time (the group's flat fp32 gradient made, stepped, freed); a
+# low-bit optimizer (torchao's 8-bit AdamW) also dequantizes the moments of each flat tensor whole at its step (8.03
+# bytes an element, benchmarks/results/optimizer_step_memory). Groups of at most this many parameters bound both, as
+# ZeRO-3's `sub_group_size` (the same default) does (`sft.plan.memory` counts one group at the step).
+STEP_GROUP_PARAMS = 1_000_000_000
+
+
+def split_optimizer_groups(optimizer: torch.optim.Optimizer, limit: int = STEP_GROUP_PARAMS) -> int:
+    """Split each of the optimizer's parameter groups into groups of at most `limit` parameters (in the model's order,
+    a parameter never cut; each with its group's hyperparameters), before DeepSpeed flattens them; returns the number
+    of groups added. Only for a low-bit optimizer under ZeRO-1/2 (the caller decides): its step's transient memory is
+    one group's, not the whole partition's."""
+    groups = []
+    for group in optimizer.param_groups:
+        chunk, size = [], 0
+        for param in group["params"]:
+            if chunk and size + param.numel() > limit:
+                groups.append({**group, "params": chunk})
+                chunk, size = [], 0
+            chunk.append(param)
+            size += param.numel()
+        groups.append({**group, "params": chunk})
+    added = len(groups) - len(optimizer.param_groups)
+    optimizer.param_groups[:] = groups
+    return added
+
+
 def hooks_outside_compile(layers) -> int:
     """Under ZeRO-3 with compiled decoder layers: every ZeRO-3 forward hook inside `layers` (gather before, release
     and the backward hooks after each submodule) runs eagerly, outside torch.compile; the number of hooks wrapped.
