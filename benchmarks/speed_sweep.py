@@ -56,15 +56,20 @@ from benchmarks.common import (
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, collect
 from sft.engines import bucket_elements
 from sft.model import architectures
-from sft.model.shapes import load_config, load_shape
+from sft.model.shapes import load_config, load_shape, shipped_config
 from sft.plan import memory as plan
 from sft.plan import speed
 from sft.plan.batch import micro_batches_for
 
+# other families at their public widths (the configs sft ships: `sft/model/model_configs.json`), for the per-family
+# sweep of issue #65 (`--shape qwen3-4b`)
+FAMILY_SHAPES = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "mistral-7b": "mistralai/Mistral-7B-v0.3",
+                 "gemma2-9b": "google/gemma-2-9b", "qwen2.5-7b": "Qwen/Qwen2.5-7B"}  # fmt: skip
 SHAPES = {
     "1b": LLAMA_SHAPES["llama-1b"],
     "3b": LLAMA_SHAPES["llama-3b"],
     "8b": LLAMA_SHAPES["llama-8b"],
+    **{name: shipped_config(model) for name, model in FAMILY_SHAPES.items()},
     "tiny": None,
 }  # tiny: the demo model (--tiny)
 FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if plan.speed_ranked(t))  # none, attention kept, checkpointing
@@ -96,7 +101,8 @@ def _moment_bytes(name: str) -> float:
 # memory limit); `bkt`, ZeRO's gradient buckets of 5e8 elements instead of `auto` (hidden^2: hundreds of reductions
 # per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
 # torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
-# AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `fsdp2`, the FSDP2 engine
+# AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `adamw`, torch's fused fp32
+# AdamW as TRL's default (`optim: adamw_torch_fused`, not `auto`: a hand-tuned TRL run); `fsdp2`, the FSDP2 engine
 # instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout); `fsdp2g`, FSDP2 with the weights kept
 # gathered from the forward to the backward (`fsdp_config: {reshard_after_forward: false}`)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
@@ -104,6 +110,7 @@ VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True
             "z3b": {"ds": {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8}},
             "prof": {},
             "adam8": {"fields": {"optim": "adamw_torch_8bit"}},
+            "adamw": {"fields": {"optim": "adamw_torch_fused"}},
             "fsdp2": {"fields": {"engine": "fsdp2"}},
             "fsdp2g": {"fields": {"engine": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}}}  # fmt: skip
 
@@ -244,7 +251,9 @@ def measure(args) -> None:
     shape, arch = load_shape(str(model), False, model_config), architectures.of(model_config)
     memory = (args.gpu_memory * plan.GiB) if args.gpu_memory else plan.detected_gpu_memory()
     data = work / "data.jsonl"
-    make_sft_data(data, args.records, 104 if args.tiny else SHAPES["1b"]["vocab_size"], args.seq_len)
+    make_sft_data(
+        data, args.records, 104 if args.tiny else min(SHAPES[args.shape]["vocab_size"], 128_256), args.seq_len
+    )
     span = sample_tokens(data, args.seq_len)
     env = environment()
     args.gpu = env["gpu"]
