@@ -102,7 +102,8 @@ def _moment_bytes(name: str) -> float:
 # per micro step); `z3b`, ZeRO-3's gradient and prefetch buckets both 5e8; `prof`, the last step under
 # torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
 # AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `adamw`, torch's fused fp32
-# AdamW as TRL's default (`optim: adamw_torch_fused`, not `auto`: a hand-tuned TRL run); `fsdp2`, the FSDP2 engine
+# AdamW as TRL's default (`optim: adamw_torch_fused`, not `auto`: a hand-tuned TRL run); `ds`, DeepSpeed as the config
+# says (`engine: deepspeed`, not `auto`, which may take FSDP2 for a ZeRO-3 config); `fsdp2`, the FSDP2 engine
 # instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout); `fsdp2g`, FSDP2 with the weights kept
 # gathered from the forward to the backward (`fsdp_config: {reshard_after_forward: false}`)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
@@ -111,6 +112,7 @@ VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True
             "prof": {},
             "adam8": {"fields": {"optim": "adamw_torch_8bit"}},
             "adamw": {"fields": {"optim": "adamw_torch_fused"}},
+            "ds": {"fields": {"engine": "deepspeed"}},
             "fsdp2": {"fields": {"engine": "fsdp2"}},
             "fsdp2g": {"fields": {"engine": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}}}  # fmt: skip
 
