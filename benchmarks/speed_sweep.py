@@ -103,7 +103,8 @@ def _moment_bytes(name: str) -> float:
 # torch.profiler (benchmarks/profile_step.py's summary; that step left out of the timing); `adam8`, torchao's 8-bit
 # AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `adamw`, torch's fused fp32
 # AdamW as TRL's default (`optim: adamw_torch_fused`, not `auto`: a hand-tuned TRL run); `ds`, DeepSpeed as the config
-# says (`engine: deepspeed`, not `auto`, which may take FSDP2 for a ZeRO-3 config); `fsdp2`, the FSDP2 engine
+# says (`engine: deepspeed`, not `auto`, which may take FSDP2 for a ZeRO-3 config); `nods`, no DeepSpeed (`deepspeed:
+# none`: bf16 weights stepped by transformers' optimizer); `fsdp2`, the FSDP2 engine
 # instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout); `fsdp2g`, FSDP2 with the weights kept
 # gathered from the forward to the backward (`fsdp_config: {reshard_after_forward: false}`)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
@@ -113,6 +114,7 @@ VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True
             "adam8": {"fields": {"optim": "adamw_torch_8bit"}},
             "adamw": {"fields": {"optim": "adamw_torch_fused"}},
             "ds": {"fields": {"engine": "deepspeed"}},
+            "nods": {"fields": {"deepspeed": "none"}},
             "fsdp2": {"fields": {"engine": "fsdp2"}},
             "fsdp2g": {"fields": {"engine": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}}}  # fmt: skip
 
@@ -179,6 +181,8 @@ def launch(name: str, recipe_fields: dict, args, work: Path, data: Path, model: 
     recipe["deepspeed"] = str(ROOT / "ds_configs" / f"zero{stage_of(name, args.zero)}.json")
     if fields.get("engine") == "fsdp2":  # FSDP2 shards instead of DeepSpeed
         recipe["deepspeed"] = None
+    if fields.get("deepspeed") == "none":  # `+nods`: one replica per process, transformers' optimizer
+        recipe["deepspeed"] = "none"
     if zero:
         config = json.loads(Path(recipe["deepspeed"]).read_text())
         config["zero_optimization"].update(zero)

@@ -267,6 +267,11 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         moment_bytes=plan.moment_bytes_of(args.optim),
         engine=args.engine,
     )
+    if args.zero == "none" and args.dtype == "bfloat16" and not args.lora_r:  # bf16 weights stepped in place, as
+        # `sft train` does (`sft.plan.preflight._precision`): 8-bit moments with stochastic rounding under `--optim
+        # auto`, else the optimizer's moments in bf16
+        moments = plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM if args.optim == "auto" else args.optim)
+        setting = dataclasses.replace(setting, master_weights=False, moment_bytes=moments if moments < 8 else 4)
     if not args.global_batch:
         return setting
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))

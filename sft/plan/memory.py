@@ -163,12 +163,22 @@ class Setting:
     # the engine that shards (`sft.engines`): "fsdp2" has none of ZeRO-3's per-layer host hooks (the speed model's
     # `zero3_host_s_per_layer_pass`); its memory is planned with DeepSpeed's terms for the same layout
     engine: str = "deepspeed"
+    # an fp32 master copy of the trained weights: kept by every engine that shards (ZeRO, FSDP2's fp32 parameters);
+    # without one, bf16 weights are stepped in place (`sft.plan.preflight._precision`: stochastic rounding)
+    master_weights: bool = True
 
     @property
     def state_bytes(self) -> float:
         """Optimizer state per trained parameter: the fp32 master weight and Adam's moments (fp32 where the optimizer
         is offloaded: DeepSpeed's CPU Adam steps it then, whatever `optim` says)."""
-        return 4 + (8.0 if self.offload_optimizer else self.moment_bytes)
+        if self.offload_optimizer:
+            return 12.0
+        return (4 if self.master_weights else 0) + self.moment_bytes
+
+    @property
+    def eight_bit_moments(self) -> bool:
+        """Adam's moments in 8-bit blocks on the GPU (torchao's AdamW8bit)."""
+        return not self.offload_optimizer and self.moment_bytes < 4
 
     @property
     def tokens(self) -> int:
@@ -201,7 +211,7 @@ class Setting:
         return (
             f"{zero}, {self.gpus} GPU(s){sp}, micro batch {self.micro_batch} x {self.seq_len} tokens, activation "
             f"checkpointing {ckpt}{tools}, Liger {liger}, {method}{', FP8' if self.fp8 else ''}"
-            f"{', 8-bit Adam moments' if self.state_bytes < 12 else ''}"
+            f"{', 8-bit Adam moments' if self.eight_bit_moments else ''}"
         )
 
     def levers_and_micro(self) -> str:
@@ -210,7 +220,7 @@ class Setting:
         dtype = "bf16" if self.dtype_bytes == 2 else "fp32"
         kernels = "FP8 compiled" if self.fp8 else f"{dtype} compiled" if self.compiled else dtype
         kernels += ", Liger" if self.liger else ""
-        moments = ", 8-bit Adam" if self.state_bytes < 12 else ""
+        moments = ", 8-bit Adam" if self.eight_bit_moments else ""
         return f"micro batch {self.micro_batch} x {self.accumulation} accumulation, {levers}, {kernels}{moments}"
 
     def attention_kept_eager(self, fp8_auto: bool = True) -> Setting:
@@ -590,7 +600,9 @@ def eight_bit_wins(fp32: list[Ranked], eight: list[Ranked]) -> bool:
 
 
 def _optimizer_line(s: Setting) -> str:
-    return "optimizer: fp32 master + Adam moments" + (" (8-bit)" if s.state_bytes < 12 else "")
+    if not s.master_weights:
+        return "optimizer: Adam moments" + (" (8-bit)" if s.eight_bit_moments else " (16-bit)") + ", no fp32 master"
+    return "optimizer: fp32 master + Adam moments" + (" (8-bit)" if s.eight_bit_moments else "")
 
 
 def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float) -> tuple[dict, dict, float]:
@@ -615,7 +627,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
             sub_group = min(p / n, SUB_GROUP_SIZE)
         step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
         step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
-        if s.state_bytes < 12:
+        if s.eight_bit_moments:
             step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * sub_group
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
         states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
@@ -627,7 +639,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
         # with 8-bit moments the flattened copy is gone by the optimizer's step (3B on 1 x H100 and 8B on 2 x H200,
         # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1), and the step
         # goes one group of at most STEP_GROUP_PARAMS at a time (`sft.engines.deepspeed.zero.split_optimizer_groups`)
-        if s.state_bytes < 12:
+        if s.eight_bit_moments:
             group = min(on_gpu, STEP_GROUP_PARAMS / n)
             step["fp32 gradients of one group (step)"] = 4 * group
             step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
@@ -638,7 +650,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
     elif s.zero_stage == 1:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * part
-        if s.state_bytes < 12:  # one group of at most STEP_GROUP_PARAMS at a time (as ZeRO-2)
+        if s.eight_bit_moments:  # one group of at most STEP_GROUP_PARAMS at a time (as ZeRO-2)
             group = min(part, STEP_GROUP_PARAMS / n)
             step["gradients 16-bit + fp32 of one group (step)"] = b * held + 4 * group
             step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
@@ -648,8 +660,11 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
     else:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * held
-        step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
-        if s.state_bytes < 12:  # without ZeRO the optimizer steps each parameter apart
+        if s.master_weights:
+            step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
+        else:  # bf16 weights stepped in place: their bf16 gradients, no fp32 copy
+            step["gradients (16-bit, step)"] = b * held
+        if s.eight_bit_moments:  # without ZeRO the optimizer steps each parameter apart
             step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * shape.largest_module_params
         states_own = sum(items.values()) + sum(step.values())
     return items, step, states_own

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import logging
 import math
 import re
@@ -124,10 +125,10 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
     resumed_optim = resume.optim if resume is not None and "optim" in training_args.auto_settings else None
-    micro, tools, sp, sentence, ratio, bf16, optim, liger = _plan_memory(
+    micro, tools, sp, sentence, ratio, bf16, optimizer, liger = _plan_memory(
         training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch, resumed_optim
     )
-    _ranked_changes(kernels, changes, optim, liger)
+    _ranked_changes(kernels, changes, optimizer, liger)
     if bf16 is not None:
         _bf16_faster(training_args, kernels, changes, bf16)
     if tools.keep_attention:
@@ -470,11 +471,10 @@ def _decide_kernels(training_args, model_args, arch, engine) -> tuple[dict, dict
     return kernels, changes
 
 
-def _ranked_changes(kernels: dict, changes: dict, optim: str | None, liger: bool | None) -> None:
-    """What the speed model's ranking set: the optimizer where `optim: auto` chose it, Liger the other way from the
+def _ranked_changes(kernels: dict, changes: dict, optimizer: dict, liger: bool | None) -> None:
+    """What the plan set: the optimizer (and its arguments) where `optim: auto` chose it, Liger the other way from the
     family's rule where the fastest setting that fits has it so (logged)."""
-    if optim is not None:
-        changes["optim"] = optim
+    changes.update({key: value for key, value in optimizer.items() if value is not None})
     if liger is None:
         return
     why = ("its fused loss frees the logits for a faster setting than any that fits without it" if liger
@@ -725,6 +725,9 @@ def _plan_memory(
     resume); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
+    master, optimizer = _precision(training_args, model_args)
+    resumed_optim = optimizer.get("optim", resumed_optim)
+    unplanned = {"optim": resumed_optim, **optimizer}  # what the optimizer is where the memory plan does not run
     micro = training_args.per_device_train_batch_size
     tools = _given_levers(training_args)
     ratio = training_args.run_engine.sharding.offload_ratio
@@ -736,7 +739,7 @@ def _plan_memory(
                 "No GPU to plan memory for (plan_gpu_memory_gib plans for one): the `auto` settings take their "
                 "no-GPU values (micro batch 1, no checkpointing, offloading or tiling)"
             )
-        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None, resumed_optim, None
+        return micro, tools, sp, "There was no GPU memory to plan for.", ratio, None, unplanned, None
     if not training_args.max_length:
         if "per_device_train_batch_size" in auto:
             raise ConfigError(
@@ -744,12 +747,15 @@ def _plan_memory(
                 "max_length, or give per_device_train_batch_size."
             )
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
-        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, resumed_optim, None
+        return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, unplanned, None
     shape = shape_of()
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
                                compiled=kernels["compiled layers"].on)  # fmt: skip
     if resumed_optim:
         base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
+    if not master:  # bf16 weights stepped in place; a torch optimizer's moments in their dtype
+        moments = base.moment_bytes if base.moment_bytes < 8 else 2 * base.dtype_bytes
+        base = dataclasses.replace(base, master_weights=False, moment_bytes=moments)
     base = _with_accumulation(training_args, base, target)
     bf16, optim, liger = None, resumed_optim, None
     if auto:
@@ -773,7 +779,40 @@ def _plan_memory(
             bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
-    return micro, tools, sp, sentence, ratio, bf16, optim, liger
+    return micro, tools, sp, sentence, ratio, bf16, {"optim": optim, **optimizer}, liger
+
+
+# bf16 weights without an engine that keeps an fp32 master copy: torchao's 8-bit AdamW with stochastic rounding
+# (transformers' `optim_args`), so that an update under half a bf16 ulp still lands in expectation. CPU check of the
+# mechanics: tests/test_precision.py (pure bf16 steps leave a regression's loss where it started; these reach fp32's)
+STOCHASTIC_ROUNDING = "bf16_stochastic_round=True"
+
+
+def _precision(training_args, model_args) -> tuple[bool, dict]:
+    """Whether the trained weights have an fp32 master copy, and the optimizer changes that decides: an engine that
+    shards keeps one (ZeRO, FSDP2), so do fp32 weights; bf16 weights stepped by transformers' optimizer (`deepspeed:
+    none`) have none, so `optim: auto` takes torchao's 8-bit AdamW with stochastic rounding (logged) and any other
+    optimizer is stepped in pure bf16, said in a warning. LoRA's adapters train in fp32 (PEFT's default)."""
+    engine = training_args.run_engine
+    if engine.sharding.stage is not None or engine.name == "fsdp2" or model_args.use_peft:
+        return True, {}
+    weights = str(model_args.dtype or "auto")
+    if weights == "auto":  # the checkpoint's own dtype
+        config = shapes.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", 0)))
+        weights = str(getattr(config, "dtype", None) or "")
+    if "bfloat16" not in weights:
+        return True, {}
+    if "optim" in training_args.auto_settings and importlib.util.find_spec("torchao") is not None:
+        logger.info("Precision: bf16 weights without an fp32 master copy (no sharding engine): optim: auto -> %s with "
+                    "%s (torchao: each update rounded up or down in proportion, so updates under half a bf16 ulp are "
+                    "not lost; 6 bytes a weight with its 8-bit moments)", memplan.EIGHT_BIT_OPTIM,
+                    STOCHASTIC_ROUNDING)  # fmt: skip
+        return False, {"optim": memplan.EIGHT_BIT_OPTIM, "optim_args": STOCHASTIC_ROUNDING}
+    if STOCHASTIC_ROUNDING.lower() not in str(training_args.optim_args or "").replace(" ", "").lower():
+        logger.warning("Precision: bf16 weights stepped in place by %s (no sharding engine, no fp32 master copy): an "
+                       "update under half a bf16 ulp is rounded away. Set optim: auto (8-bit AdamW with stochastic "
+                       "rounding), dtype: float32, or a DeepSpeed config.", _shown(training_args.optim))  # fmt: skip
+    return False, {}
 
 
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
