@@ -123,6 +123,44 @@ def test_activation_bytes_are_autograds_saved_tensors(tiled):
     assert ckpt == per_token + 2 * 256  # one layer: its input kept, plus the same layer recomputed
 
 
+def test_query_and_key_norms_are_counted_as_autograd_saves_them():
+    """Qwen3's layer keeps more than Llama's of the same widths: its query and key RMSNorms' inputs (fp32 copy and
+    normalised output, an rstd per head), counted by the plan to the byte (transformers' path, bf16)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    widths = dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                  num_hidden_layers=1, vocab_size=1000)  # fmt: skip
+    measured = {}
+    for name, config, layer_class, rotary in (
+        ("llama", LlamaConfig(**widths), LlamaDecoderLayer, LlamaRotaryEmbedding),
+        ("qwen3", Qwen3Config(**widths), Qwen3DecoderLayer, Qwen3RotaryEmbedding),
+    ):
+        config._attn_implementation = "sdpa"
+        layer = layer_class(config, 0).to(torch.bfloat16)
+        x = torch.randn(1, 512, 256, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = rotary(config)(x, torch.arange(512)[None])
+        saved = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x, attention_mask=None, position_ids=torch.arange(512)[None], position_embeddings=(cos, sin))
+        shared = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *layer.parameters())}
+        measured[name] = sum(n for ptr, n in saved.items() if ptr not in shared) / 512
+    shape = shapes.ModelShape("qwen3", 0, 0, 0, 0, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32,
+                              intermediate=688, vocab=1000, tied=True, qk_norm=True)  # fmt: skip
+    assert plan.qk_norm_bytes_per_token(shape, plan.Setting()) == measured["qwen3"] - measured["llama"]
+    llama = dataclasses.replace(shape, qk_norm=False)
+    kept = plan.activation_bytes_per_token(shape, plan.Setting()) - plan.activation_bytes_per_token(
+        llama, plan.Setting()
+    )
+    assert kept == measured["qwen3"] - measured["llama"]  # one layer, no checkpointing
+    assert shapes.load_shape("Qwen/Qwen3-4B").qk_norm and not shapes.load_shape("meta-llama/Llama-3.2-1B").qk_norm
+
+
 def test_peak_grows_with_micro_batch_and_checkpointing_saves(tmp_path):
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=8, zero_stage=3, seq_len=4096, liger=True)

@@ -41,6 +41,7 @@ class ModelShape:
     # Liger's tokens/s against plain bf16's at one micro batch, measured on this family (`Kernel.speedup`; 1: not
     # measured apart, as on Llama, whose speed constants were fitted with Liger on)
     liger_speedup: float = 1.0
+    qk_norm: bool = False  # an RMSNorm on the queries and keys of each layer (Qwen3, OLMo 2, Gemma 3): activations
 
     def trainable(self, lora_r: int = 0) -> int:
         """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one but the frozen ones."""
@@ -172,6 +173,9 @@ def load_shape(
         param_sizes=tuple(unique.values()),
         frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
         liger_speedup=arch.kernel("liger").speedup or 1.0,
+        qk_norm=any(name.split(".")[-1] == "q_norm" for name, _ in decoder_layers[0].named_modules())
+        if decoder_layers
+        else False,
     )
 
 

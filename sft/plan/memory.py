@@ -300,6 +300,18 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     return layer
 
 
+def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes per token and layer that an RMSNorm on the queries and keys keeps. transformers': an fp32 copy of its
+    input and the normalised bf16 output, an fp32 rstd per head (autograd's saved tensors, tests/test_plan.py).
+    Liger's: 2 x 16-bit q and k, measured on 1 x H100 (Qwen3-4B widths, micro batch 2 without checkpointing: 19.1 KB
+    per token and layer over the plan without it, this 20.5 KB; benchmarks/results/family_speed_h100/
+    call4_qwen3_4b_nods)."""
+    b, width = s.dtype_bytes, (shape.heads + shape.kv_heads) * shape.head_dim
+    if s.liger:
+        return 2 * b * width
+    return (4 + b) * width + 4 * (shape.heads + shape.kv_heads)
+
+
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     if shape.mlp_kept != 4:  # a family's own gate (gpt-oss's), which Liger does not replace
         return shape.mlp_kept * s.dtype_bytes * shape.intermediate
@@ -329,7 +341,10 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
         kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
         attention = shape.layers * attention_kept_bytes_per_token(shape, s) if s.keep_attention else 0
         return kept * s.dtype_bytes * shape.hidden + attention + layer + extra
-    return shape.layers * layer + extra
+    # the query and key norms' saved tensors, where every layer keeps its own (within the peaks measured with
+    # checkpointing, Qwen3-4B's long rows, the one recomputed layer's are not counted apart)
+    qk = qk_norm_bytes_per_token(shape, s) if shape.qk_norm else 0
+    return shape.layers * (layer + qk) + extra
 
 
 def attention_kept_bytes_per_token(shape: ModelShape, s: Setting) -> float:
