@@ -753,7 +753,11 @@ def loss_backward_apart(
 
 
 def ladder(base: Setting) -> list[Setting]:
-    """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters."""
+    """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters.
+    DeepSpeed keeps an fp32 master copy and fp32 moments where the base stepped bf16 weights in place with torch's."""
+    if not base.master_weights:
+        moments = 8.0 if base.moment_bytes >= 4 else base.moment_bytes  # torch's bf16 moments are fp32 there
+        base = dataclasses.replace(base, master_weights=True, moment_bytes=moments)
     plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
     return plain + [
         dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),
