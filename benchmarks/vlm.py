@@ -16,9 +16,13 @@ encoder frozen in both (sft's default; done by hand for TRL), its projector trai
   `--max-length` tokens (`sft.data.vision`), the attention backend, micro batch and checkpointing from the plan,
   `global_batch_size: --rows` rows per step.
 - `trl`: TRL's SFTTrainer as its docs set up a VLM (`AutoModelForImageTextToText`, a processor, `max_length: None`:
-  no truncation of image tokens; TRL refuses packing and padding-free for images), its defaults otherwise (padded
-  batches, sdpa attention, gradient checkpointing), micro batch `--trl-batch`, accumulation to about the same
-  samples per step as sft's rows hold. The GPU image has no torchvision, so the processor is Qwen2.5-VL's with its
+  no truncation of image tokens; TRL refuses packing and padding-free for images), tuned as a skilled user runs it
+  (`--trl-setting tuned`, the default, issue #65): length-grouped batches (transformers' `train_sampling_strategy:
+  group_by_length` over a `length` column of each record's image and text tokens), micro batch `--trl-batch` (10: the
+  largest that fit one H100 in the issue's measurement) x `--trl-accumulation` (7: 70 samples, about sft's 8 rows), no
+  checkpointing (it fits without), sdpa (its flash and efficient kernels). `--trl-setting defaults` is TRL left at
+  its defaults (random order, gradient checkpointing; micro 4 x 18), what session 30's 11.1x compared against. The GPU
+  image has no torchvision, so the processor is Qwen2.5-VL's with its
   video processor left out (`ImageProcessorOnly`: only the check of a video processor's class is skipped).
 
 Both count tokens (every non-padding token, image tokens included) and FLOPs the same way (`sft.model.flops`: the
@@ -159,7 +163,8 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.vlm", "--trl-worker", str(out), "--model", str(model), "--data",
            str(data), "--steps", str(args.steps), "--trl-batch", str(args.trl_batch), "--trl-accumulation",
-           str(args.trl_accumulation)] + (["--tiny"] if args.tiny else [])  # fmt: skip
+           str(args.trl_accumulation), "--trl-setting", args.trl_setting,
+           *(["--tiny"] if args.tiny else [])]  # fmt: skip
     start = time.time()
     rc = timed_run(cmd, log, args.run_timeout)
     result = {"setting": "trl", "exit_code": rc, "wall_s": round(time.time() - start, 1),
@@ -167,6 +172,17 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
     if rc != 0 or not result["steps"]:
         result["log_tail"] = log.read_text()[-4000:]
     return result
+
+
+def record_length(record: dict) -> int:
+    """About a record's tokens: its image's (one per 28 x 28 pixels after the 2 x 2 merge, as Qwen2.5-VL's processor
+    counts them) and its text's characters (the demo tokenizer's one token each)."""
+    from PIL import Image
+
+    with Image.open(record["images"][0]) as image:
+        w, h = image.size
+    text = sum(len(part.get("text", "")) for m in record["messages"] for part in m["content"])
+    return math.ceil(w / 28) * math.ceil(h / 28) + text
 
 
 def trl_worker(args) -> None:
@@ -210,6 +226,10 @@ def trl_worker(args) -> None:
     records = [json.loads(x) for x in Path(args.data).read_text().splitlines()]
     for r in records:
         r["images"] = [str(base / x) for x in r["images"]]
+    tuned = args.trl_setting == "tuned"
+    if tuned:  # what length grouping sorts by: the record's image tokens and its text's (one token a character)
+        for r in records:
+            r["length"] = record_length(r)
     dataset = datasets.Dataset.from_list(records).cast_column("images", datasets.Sequence(datasets.Image()))
     flops, rows = FlopCounter(model), []
 
@@ -246,6 +266,9 @@ def trl_worker(args) -> None:
         output_dir=str(Path(args.trl_worker).parent / "trl"), max_steps=args.steps, max_length=None,
         per_device_train_batch_size=args.trl_batch, gradient_accumulation_steps=args.trl_accumulation,
         bf16=not args.tiny, **{k: v for k, v in COMMON.items() if k != "from_scratch"},
+        # the `length` column kept for the sampler (TRL's signature columns would drop it)
+        **({"train_sampling_strategy": "group_by_length", "gradient_checkpointing": False,
+            "remove_unused_columns": False} if tuned else {}),  # fmt: skip
     )  # fmt: skip
     if args.tiny:
         training_args.dataloader_num_workers = 0
@@ -368,8 +391,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=8192, help="sft's packed row length")
     parser.add_argument("--rows", type=int, default=8, help="sft's global batch in packed rows")
-    parser.add_argument("--trl-batch", type=int, default=4)
-    parser.add_argument("--trl-accumulation", type=int, default=18, help="4 x 18 = 72 samples: about sft's 8 rows")
+    parser.add_argument(
+        "--trl-batch", type=int, default=10, help="TRL's micro batch (10: the largest that fit one H100)"
+    )
+    parser.add_argument("--trl-accumulation", type=int, default=7, help="10 x 7 = 70 samples: about sft's 8 rows")
+    parser.add_argument(
+        "--trl-setting",
+        choices=["tuned", "defaults"],
+        default="tuned",
+        help="tuned: length-grouped, no checkpointing; defaults: TRL's (random order, checkpointing)",
+    )
     parser.add_argument("--run-timeout", type=float, default=400, help="Seconds before a run is stopped")
     parser.add_argument("--reuse-sft", type=float, help="Read sft's run from --work (an earlier call); its wall s")
     parser.add_argument("--work", type=Path, help="Model, data and run folders (default <out>/work)")
@@ -398,7 +429,8 @@ def main() -> None:
     plot(args.out, runs)
     result = {"environment": environment(), "layers": args.layers, "records": args.records, "steps": args.steps,
               "warmup": args.warmup, "max_length": args.max_length, "rows": args.rows, "trl_batch": args.trl_batch,
-              "trl_accumulation": args.trl_accumulation, "runs": runs, "ratios": ratios}  # fmt: skip
+              "trl_accumulation": args.trl_accumulation, "trl_setting": args.trl_setting, "runs": runs,
+              "ratios": ratios}  # fmt: skip
     device = result["environment"]["device"]
     lines = [f"# Vision-language SFT, Qwen2.5-VL-7B widths ({args.layers} decoder layers), {device}", "",
              "| run | exit | tokens/s/GPU | MFU | tokens/step | peak GiB |",
