@@ -138,6 +138,9 @@ def test_sft_plan_counts_a_vision_models_encoder_frozen_as_a_run_does(capsys, tm
     assert main([*common[:5], "2", *common[6:]]) == 0
     assert line(zero2, "optimizer") - line(capsys.readouterr().out, "optimizer") == pytest.approx(7.06, abs=0.02)
     assert line(frozen, "weights") == line(trained, "weights")
+    assert main([*common, "--suggest", "--same-stage"]) == 0  # ranked by the speed model, as every family (#65)
+    ranking = capsys.readouterr().out
+    assert "fastest first" in ranking and "not fitted" not in ranking and "| 1 | no DeepSpeed" in ranking
 
 
 def test_gemma3_is_an_image_text_run_on_image_data_and_a_text_run_on_text(tmp_path, caplog):
