@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sft.errors import ConfigError
 from tests.conftest import ROOT
 from tests.conftest import run_cli_in_process as run_cli
 
@@ -342,3 +343,31 @@ def test_an_error_one_rank_meets_alone_is_printed_by_that_rank(monkeypatch, caps
     monkeypatch.setenv("RANK", "0")
     report_error("the recipe names no dataset")
     assert capsys.readouterr().err == "sft: error: the recipe names no dataset\n"
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def test_a_checkpoint_of_the_other_engine_is_refused_before_the_model(tmp_path):
+    """issue #66: `--engine fsdp2 --deepspeed none` on an output directory whose newest checkpoint DeepSpeed wrote
+    started, then died in the load with a traceback. Refused before the model is built, naming the checkpoint, the
+    engine that wrote it and the choices; exit 2, nothing in the output directory changed. FSDP2's checkpoint under
+    DeepSpeed likewise; `engine: auto` follows the checkpoint."""
+    from sft.plan.preflight import Resume, check_resume_engine
+    from tests.test_checkpoint import make
+
+    out = tmp_path / "out"
+    written = make(out, 6, world=1)
+    before = _snapshot(out)
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--engine", "fsdp2", "--deepspeed", "none"])
+    expect_error(result, f"{written} was written by DeepSpeed and this run's engine is FSDP2, which cannot read it",
+                 "Resume with DeepSpeed (--engine deepspeed", "start a new run in another --output_dir")  # fmt: skip
+    assert result.returncode == 2 and _snapshot(out) == before
+    fsdp2 = tmp_path / "fsdp2" / "checkpoint-4"
+    (fsdp2 / "pytorch_model_fsdp_0").mkdir(parents=True)
+    resume = Resume(str(fsdp2), 1, 2, 1, 2)
+    with pytest.raises(ConfigError, match="was written by FSDP2 and this run's engine is DeepSpeed.*--engine fsdp2"):
+        check_resume_engine("deepspeed", resume)
+    check_resume_engine("fsdp2", resume)  # its own engine: no word
+    check_resume_engine("fsdp2", Resume(str(tmp_path), 1, 2, 1, 2))  # transformers' own files: not refused here

@@ -120,6 +120,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
         training_args = _choose_engine(training_args, model_args, arch, shape_of, target, retry.micro_cap if retry
                                        else None, resume, image_text)  # fmt: skip
     dims, engine = training_args.parallel, training_args.run_engine
+    check_resume_engine(engine.name, resume)
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
@@ -201,9 +202,30 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def checkpoint_engine(checkpoint: str) -> str:
-    """The engine that wrote a checkpoint: FSDP2's torch.distributed.checkpoint folder, else DeepSpeed's."""
-    return "fsdp2" if (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir() else "deepspeed"
+def checkpoint_engine(checkpoint: str) -> str | None:
+    """The engine that wrote a checkpoint: FSDP2 (its torch.distributed.checkpoint folder), DeepSpeed (its
+    `global_step*` shards), else None (transformers' own files: one process without a sharding engine)."""
+    path = Path(checkpoint)
+    if (path / "pytorch_model_fsdp_0").is_dir():
+        return "fsdp2"
+    return "deepspeed" if any(p.is_dir() for p in path.glob("global_step*")) else None
+
+
+ENGINE_NAMES = {"deepspeed": "DeepSpeed", "fsdp2": "FSDP2"}
+
+
+def check_resume_engine(engine: str, resume: Resume | None) -> None:
+    """A resume under the engine that wrote the checkpoint: DeepSpeed cannot read FSDP2's sharded state nor FSDP2
+    DeepSpeed's (it would start, then fail deep inside a load). Refused before the model is built, naming both."""
+    written = checkpoint_engine(resume.checkpoint) if resume is not None else None
+    if written is None or written == engine:
+        return
+    flag = "--engine fsdp2 --deepspeed none" if written == "fsdp2" else "--engine deepspeed --deepspeed <its config>"
+    raise ConfigError(
+        f"{resume.checkpoint} was written by {ENGINE_NAMES[written]} and this run's engine is {ENGINE_NAMES[engine]}, "
+        f"which cannot read it. Resume with {ENGINE_NAMES[written]} ({flag}, or `engine: auto`, which follows the "
+        "checkpoint), or start a new run in another --output_dir."
+    )
 
 
 def _shape_of(model_args, training_args, model_config, arch, remote: bool, image_text: bool):
@@ -297,8 +319,8 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
 
     if resume is not None:
         written = checkpoint_engine(resume.checkpoint)
-        if written == "deepspeed":
-            return deepspeed(f"{resume.checkpoint} was written by DeepSpeed")
+        if written != "fsdp2":
+            return deepspeed(f"{resume.checkpoint} was written by {ENGINE_NAMES.get(written, 'one process')}")
         logger.info("engine: auto -> fsdp2 (%s was written by FSDP2)", resume.checkpoint)
         return _rebuilt_for_fsdp2(training_args)
     stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
