@@ -155,12 +155,19 @@ def test_image_records_are_checked_up_front_and_the_bad_one_named(tmp_path):
         "`images[0]` (images/cut.png) cannot be read as an image": chat("images/cut.png"),
         "2 image part(s) in `messages` but 1 image(s)": chat("images/red.png", parts=[{"type": "image"}] * 2),
         "`messages[0].content[0]` must be": chat("images/red.png", parts=[{"type": "picture"}]),
+        # issue #66: a chat without an assistant turn stopped later without its file or record
+        "its chat has no assistant turn, and only assistant turns train": {
+            **chat("images/red.png"),
+            "messages": chat("images/red.png")["messages"][:1],
+        },
     }
     for expected, bad in cases.items():
         with pytest.raises(DataError) as error:
             vision.check_records([*good, bad], source)
         assert str(error.value).startswith(f"{source}: record 5: {expected}"), str(error.value)
         assert str(error.value).endswith("Fix or drop that record.")
+    no_answer = cases["its chat has no assistant turn, and only assistant turns train"]
+    vision.check_records([*good, no_answer], source, assistant_only=False)  # every token trains then: taken
 
 
 @pytest.fixture(scope="module")

@@ -153,12 +153,15 @@ def open_image(image, base: Path):
     return Image.open(path)
 
 
-def check_record(record: dict, base: Path) -> str | None:
-    """What is wrong with one image+text record, or None: its chat's shape, the image parts against `images`, and
-    whether each image opens and decodes."""
+def check_record(record: dict, base: Path, assistant_only: bool = True) -> str | None:
+    """What is wrong with one image+text record, or None: its chat's shape, an assistant turn where only those train,
+    the image parts against `images`, and whether each image opens and decodes."""
     count = image_parts(record.get("messages"))
     if isinstance(count, str):
         return count
+    if assistant_only and not any(m.get("role") == "assistant" for m in record["messages"]):
+        return ("its chat has no assistant turn, and only assistant turns train (`assistant_only_loss`): nothing of "
+                "it would be trained")  # fmt: skip
     images = record.get("images") or []
     if not isinstance(images, list):
         return f"`images` must be a list, got {type(images).__name__}"
@@ -175,10 +178,10 @@ def check_record(record: dict, base: Path) -> str | None:
     return None
 
 
-def check_records(records, source: Path) -> None:
+def check_records(records, source: Path, assistant_only: bool = True) -> None:
     """Every record of the data file `source` checked up front: the first bad one is a DataError naming it."""
     for i, record in enumerate(records):
-        problem = check_record(record, source.parent)
+        problem = check_record(record, source.parent, assistant_only)
         if problem:
             raise DataError(f"{source}: record {i}: {problem}. Fix or drop that record.")
 
@@ -548,7 +551,7 @@ def load_datasets(script_args, data_args, training_args, tokenizer, model_dir: s
         parts = []
         for source in sources:
             records = load_source(source)
-            check_records(records, Path(source.path))
+            check_records(records, Path(source.path), plan.assistant_only)
             parts.append((records, Path(source.path).parent))
         if len({b for _, b in parts}) > 1:
             raise ConfigError("image+text sources in different folders: give the images as absolute paths or bytes")
