@@ -501,10 +501,9 @@ def _ranked_changes(kernels: dict, changes: dict, optimizer: dict, liger: bool |
         return
     why = ("its fused loss frees the logits for a faster setting than any that fits without it" if liger
            else "the fastest setting that fits does as well without it, and plain bf16 measured faster")  # fmt: skip
-    on = liger
-    kernels["Liger"] = architectures.Kernel(on, f"the speed model's ranking above: {why}")
-    changes["use_liger_kernel"] = on
-    logger.info("Liger: %s after all (%s)", "on" if on else "off", kernels["Liger"].reason)
+    kernels["Liger"] = architectures.Kernel(liger, f"the speed model's ranking above: {why}")
+    changes["use_liger_kernel"] = liger
+    logger.info("Liger: %s after all (%s)", "on" if liger else "off", kernels["Liger"].reason)
 
 
 def _bf16_faster(training_args, kernels: dict, changes: dict, compiled: bool) -> None:
@@ -737,14 +736,14 @@ def _plan_memory(
     shape_of,
     arch: architectures.Architecture,
     resumed_optim: str | None = None,
-) -> tuple[int, memplan.Tools, int, str, float, bool | None, str | None, bool | None]:
+) -> tuple[int, memplan.Tools, int, str, float, bool | None, dict, bool | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
-    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None), the optimizer where
-    `optim: auto` set it (else None), Liger where the ranking took it the other way from the family's rule (else
-    None)), from the model's shape (`shape_of()`, built on first call): the `auto` ones
-    chosen by the memory plan and the speed model (the smallest sp first, then the fastest setting that fits; micro
-    batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the checkpoint's `resumed_optim` on a
-    resume); the plan logged and checked against the GPU and host."""
+    share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None), the optimizer fields
+    `optim: auto` set (`optim`, and `optim_args` for bf16 weights without a master copy: `_precision`), Liger where
+    the ranking took it the other way from the family's rule (else None)), from the model's shape (`shape_of()`,
+    built on first call): the `auto` ones chosen by the memory plan and the speed model (the smallest sp first, then
+    the fastest setting that fits; micro batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the
+    checkpoint's `resumed_optim` on a resume); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
     master, optimizer = _precision(training_args, model_args)
