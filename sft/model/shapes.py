@@ -153,6 +153,7 @@ def load_shape(
         m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )
     routed = sum(p.numel() for name, p in built.named_parameters() if architectures.is_routed_expert(name))
+    layer_modules = decoder_layers[0].named_modules() if decoder_layers else ()
     return ModelShape(
         model_type=arch.family,
         n_params=sum(unique.values()),
@@ -173,9 +174,7 @@ def load_shape(
         param_sizes=tuple(unique.values()),
         frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
         liger_speedup=arch.kernel("liger").speedup or 1.0,
-        qk_norm=any(name.split(".")[-1] == "q_norm" for name, _ in decoder_layers[0].named_modules())
-        if decoder_layers
-        else False,
+        qk_norm=any(n.split(".")[-1] == "q_norm" for n, _ in layer_modules),
     )
 
 

@@ -200,10 +200,7 @@ def _bases(args, setting: Setting) -> list[Setting]:
     bases = [setting]
     if args.fp8 == "auto" and setting.fp8:
         bases.append(dataclasses.replace(setting, fp8=False, compiled=arch.kernel("compile_bf16").on))
-    if args.liger == "auto" and arch.liger_exact:  # Liger the other way too: what it frees may buy a faster setting
-        flipped = [dataclasses.replace(b, liger=not b.liger) for b in bases]
-        bases = flipped + bases if flipped[0].liger else bases + flipped  # Liger's first: ahead where equally fast
-    return bases
+    return plan.with_liger_candidates(bases) if args.liger == "auto" and arch.liger_exact else bases
 
 
 def _candidate_kernels(args):
@@ -271,7 +268,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         # `sft train` does (`sft.plan.preflight._precision`): 8-bit moments with stochastic rounding under `--optim
         # auto`, else the optimizer's moments in bf16
         moments = plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM if args.optim == "auto" else args.optim)
-        setting = dataclasses.replace(setting, master_weights=False, moment_bytes=moments if moments < 8 else 4)
+        setting = dataclasses.replace(setting, moment_bytes=moments).stepped_in_place()
     if not args.global_batch:
         return setting
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))

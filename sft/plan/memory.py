@@ -231,6 +231,19 @@ class Setting:
             return self
         return dataclasses.replace(self, compiled=False, fp8=self.fp8 and not fp8_auto)
 
+    def stepped_in_place(self) -> Setting:
+        """As a run without a sharding engine steps bf16 weights: no fp32 master copy, a torch optimizer's moments in
+        the weights' dtype (8-bit ones stay 8-bit)."""
+        moments = self.moment_bytes if self.moment_bytes < 8 else 2 * self.dtype_bytes
+        return dataclasses.replace(self, master_weights=False, moment_bytes=moments)
+
+    def with_master_copy(self) -> Setting:
+        """As DeepSpeed steps it: an fp32 master copy, and fp32 moments where a torch optimizer kept 16-bit ones."""
+        if self.master_weights:
+            return self
+        moments = 8.0 if self.moment_bytes >= 4 else self.moment_bytes
+        return dataclasses.replace(self, master_weights=True, moment_bytes=moments)
+
     def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
         return dataclasses.replace(
             self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
@@ -601,6 +614,13 @@ def eight_bit_candidate(s: Setting) -> bool:
             and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 
+def with_liger_candidates(bases: list[Setting]) -> list[Setting]:
+    """`bases` and each with Liger the other way (`use_liger_kernel: auto` on a family where Liger was measured exact:
+    what its fused loss frees may buy a faster setting), Liger's first: ahead where equally fast (it frees memory)."""
+    flipped = [dataclasses.replace(b, liger=not b.liger) for b in bases]
+    return flipped + bases if flipped[0].liger else bases + flipped
+
+
 def with_eight_bit_moments(bases: list[Setting]) -> list[Setting]:
     """`bases` with torchao's 8-bit Adam moments (`optim: auto`'s other candidates)."""
     return [dataclasses.replace(b, moment_bytes=moment_bytes_of(EIGHT_BIT_OPTIM)) for b in bases]
@@ -755,9 +775,7 @@ def loss_backward_apart(
 def ladder(base: Setting) -> list[Setting]:
     """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters.
     DeepSpeed keeps an fp32 master copy and fp32 moments where the base stepped bf16 weights in place with torch's."""
-    if not base.master_weights:
-        moments = 8.0 if base.moment_bytes >= 4 else base.moment_bytes  # torch's bf16 moments are fp32 there
-        base = dataclasses.replace(base, master_weights=True, moment_bytes=moments)
+    base = base.with_master_copy()
     plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
     return plain + [
         dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),

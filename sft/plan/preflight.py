@@ -109,7 +109,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     whose records holding images make a run of a multimodal config that trains on text too an image+text run."""
     seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
     retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
-    target = _target(training_args, resume, retry)
+    target, micro_cap = _target(training_args, resume, retry), retry.micro_cap if retry else None
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
@@ -117,17 +117,17 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     arch = _image_text_kernels(arch) if image_text else arch  # the family's fast paths were measured on text rows
     shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
     if "engine" in training_args.auto_settings:
-        training_args = _choose_engine(training_args, model_args, arch, shape_of, target, retry.micro_cap if retry
-                                       else None, resume, image_text)  # fmt: skip
+        training_args = _choose_engine(
+            training_args, model_args, arch, shape_of, target, micro_cap, resume, image_text
+        )
     dims, engine = training_args.parallel, training_args.run_engine
     check_resume_engine(engine.name, resume)
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, model_config, remote)
     kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
-    resumed_optim = resume.optim if resume is not None and "optim" in training_args.auto_settings else None
     micro, tools, sp, sentence, ratio, bf16, optimizer, liger = _plan_memory(
-        training_args, model_args, target, kernels, retry.micro_cap if retry else None, shape_of, arch, resumed_optim
+        training_args, model_args, model_config, target, kernels, micro_cap, shape_of, arch, resume
     )
     _ranked_changes(kernels, changes, optimizer, liger)
     if bf16 is not None:
@@ -320,7 +320,8 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     if resume is not None:
         written = checkpoint_engine(resume.checkpoint)
         if written != "fsdp2":
-            return deepspeed(f"{resume.checkpoint} was written by {ENGINE_NAMES.get(written, 'one process')}")
+            by = ENGINE_NAMES[written] if written else "one process without a sharding engine"
+            return deepspeed(f"{resume.checkpoint} was written by {by}")
         logger.info("engine: auto -> fsdp2 (%s was written by FSDP2)", resume.checkpoint)
         return _rebuilt_for_fsdp2(training_args)
     stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
@@ -429,8 +430,7 @@ def _kernel_bases(training_args, arch, base: memplan.Setting) -> list[memplan.Se
         compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
         bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
     if "use_liger_kernel" in auto and training_args.use_liger_kernel and arch.liger_exact:  # Liger can run here
-        flipped = [dataclasses.replace(b, liger=not b.liger) for b in bases]  # what it frees may buy a faster one
-        bases = flipped + bases if flipped[0].liger else bases + flipped  # Liger's first: ahead where equally fast
+        return memplan.with_liger_candidates(bases)
     return bases
 
 
@@ -730,12 +730,13 @@ def _resolve_fp8(training_args, model_args, engine, arch: architectures.Architec
 def _plan_memory(
     training_args,
     model_args,
+    model_config,
     target: int | None,
     kernels: dict,
     micro_cap: int | None,
     shape_of,
     arch: architectures.Architecture,
-    resumed_optim: str | None = None,
+    resume: Resume | None = None,
 ) -> tuple[int, memplan.Tools, int, str, float, bool | None, dict, bool | None]:
     """(micro batch, memory levers, sequence-parallel size, the plan's figures in a sentence, the optimizer offload
     share, whether layers compile in bf16 where the speed model turned `auto` FP8 off (else None), the optimizer fields
@@ -743,11 +744,11 @@ def _plan_memory(
     the ranking took it the other way from the family's rule (else None)), from the model's shape (`shape_of()`,
     built on first call): the `auto` ones chosen by the memory plan and the speed model (the smallest sp first, then
     the fastest setting that fits; micro batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the
-    checkpoint's `resumed_optim` on a resume); the plan logged and checked against the GPU and host."""
+    checkpoint's optimizer on a `resume`); the plan logged and checked against the GPU and host."""
     fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
-    master, optimizer = _precision(training_args, model_args)
-    resumed_optim = optimizer.get("optim", resumed_optim)
+    master, optimizer = _precision(training_args, model_args, model_config)
+    resumed_optim = optimizer.get("optim", resume.optim if resume is not None and "optim" in auto else None)
     unplanned = {"optim": resumed_optim, **optimizer}  # what the optimizer is where the memory plan does not run
     micro = training_args.per_device_train_batch_size
     tools = _given_levers(training_args)
@@ -774,9 +775,8 @@ def _plan_memory(
                                compiled=kernels["compiled layers"].on)  # fmt: skip
     if resumed_optim:
         base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
-    if not master:  # bf16 weights stepped in place; a torch optimizer's moments in their dtype
-        moments = base.moment_bytes if base.moment_bytes < 8 else 2 * base.dtype_bytes
-        base = dataclasses.replace(base, master_weights=False, moment_bytes=moments)
+    if not master:
+        base = base.stepped_in_place()
     base = _with_accumulation(training_args, base, target)
     bf16, optim, liger = None, resumed_optim, None
     if auto:
@@ -809,7 +809,7 @@ def _plan_memory(
 STOCHASTIC_ROUNDING = "bf16_stochastic_round=True"
 
 
-def _precision(training_args, model_args) -> tuple[bool, dict]:
+def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
     """Whether the trained weights have an fp32 master copy, and the optimizer changes that decides: an engine that
     shards keeps one (ZeRO, FSDP2), so do fp32 weights; bf16 weights stepped by transformers' optimizer (`deepspeed:
     none`) have none, so `optim: auto` takes torchao's 8-bit AdamW with stochastic rounding (logged) and any other
@@ -819,8 +819,7 @@ def _precision(training_args, model_args) -> tuple[bool, dict]:
         return True, {}
     weights = str(model_args.dtype or "auto")
     if weights == "auto":  # the checkpoint's own dtype
-        config = shapes.load_config(model_args.model_name_or_path, bool(getattr(model_args, "trust_remote_code", 0)))
-        weights = str(getattr(config, "dtype", None) or "")
+        weights = str(getattr(model_config, "dtype", None) or "")
     if "bfloat16" not in weights:
         return True, {}
     if "optim" in training_args.auto_settings and importlib.util.find_spec("torchao") is not None:
