@@ -125,28 +125,38 @@ def timed_run(cmd: list[str], log: Path, timeout: float):
             return "timeout"
 
 
-def run_sft(args, work: Path, model: Path, data: Path) -> dict:
+# `sft-master`: sft with fp32 master weights (DeepSpeed ZeRO-2's copy, torch's fused fp32 AdamW; no memory cap): the
+# loss curve that sft's default without an engine (bf16 weights, 8-bit AdamW with stochastic rounding) is checked
+# against (issue #65)
+MASTER = {"deepspeed": str(ROOT / "ds_configs" / "zero2.json"), "engine": "deepspeed", "optim": "adamw_torch_fused"}
+
+
+def run_sft(args, work: Path, model: Path, data: Path, arm: str = "sft") -> dict:
     recipe = {**COMMON, "model_name_or_path": str(model), "datasets": [{"path": str(data)}],
-              "output_dir": str(work / "sft"), "max_steps": args.steps, "packing": True,
+              "output_dir": str(work / arm), "max_steps": args.steps, "packing": True,
               "max_length": args.max_length, "global_batch_size": args.rows}  # fmt: skip
     if args.tiny:
         recipe.update(bf16=False, dtype="float32", peak_tflops=1.0, dataloader_num_workers=0)
     else:
         recipe.update(bf16=True, dtype="bfloat16")
-    (work / "sft.yaml").write_text(yaml.safe_dump(recipe))
-    log = work / "logs" / "sft.log"
+    if arm == "sft-master":
+        recipe.update(MASTER)
+    elif args.gpu_memory:  # plan for and cap at a smaller card's memory (an H100's on an H200)
+        recipe.update(plan_gpu_memory_gib=args.gpu_memory, max_gpu_memory_gib=args.gpu_memory)
+    (work / f"{arm}.yaml").write_text(yaml.safe_dump(recipe))
+    log = work / "logs" / f"{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     if args.reuse_sft and log.exists():  # a run of an earlier call on this machine
         rc, start = 0, time.time() - args.reuse_sft
     else:
-        rc = timed_run([sys.executable, "sft/train.py", "--config", str(work / "sft.yaml")], log, args.run_timeout)
-    metrics = work / "sft" / "metrics.jsonl"
+        rc = timed_run([sys.executable, "sft/train.py", "--config", str(work / f"{arm}.yaml")], log, args.run_timeout)
+    metrics = work / arm / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in steps if "loss" in r and "tokens_per_second_per_gpu" in r]
     text = log.read_text()
     plan = [x.split("sft.plan.preflight: ", 1)[1] for x in text.splitlines() if "sft.plan.preflight: " in x]
-    result = {"setting": "sft", "exit_code": rc, "wall_s": round(time.time() - start, 1), "plan": plan[-12:],
+    result = {"setting": arm, "exit_code": rc, "wall_s": round(time.time() - start, 1), "plan": plan[-12:],
               "steps": [{"step": r.get("step"), "loss": r["loss"], "tokens": r["tokens_per_step"],
                          "tokens_per_second_per_gpu": r["tokens_per_second_per_gpu"], "mfu": r.get("mfu"),
                          "peak_memory_gib": r.get("peak_memory_gib")} for r in steps]}  # fmt: skip
@@ -164,7 +174,8 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.vlm", "--trl-worker", str(out), "--model", str(model), "--data",
            str(data), "--steps", str(args.steps), "--trl-batch", str(args.trl_batch), "--trl-accumulation",
            str(args.trl_accumulation), "--trl-setting", args.trl_setting,
-           *(["--tiny"] if args.tiny else [])]  # fmt: skip
+           *(["--tiny"] if args.tiny else []),
+           *(["--gpu-memory", str(args.gpu_memory)] if args.gpu_memory else [])]  # fmt: skip
     start = time.time()
     rc = timed_run(cmd, log, args.run_timeout)
     result = {"setting": "trl", "exit_code": rc, "wall_s": round(time.time() - start, 1),
@@ -217,6 +228,9 @@ def trl_worker(args) -> None:
     config = AutoConfig.from_pretrained(args.model)
     set_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.gpu_memory and device == "cuda":  # the cap sft's arm has (`max_gpu_memory_gib`)
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory * 2**30 / total))
     dtype = torch.float32 if args.tiny else torch.bfloat16
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -346,7 +360,7 @@ def summarise(args, runs: dict) -> dict:
         timed = r["steps"][args.warmup :]
         if not timed:
             continue
-        if name == "sft":
+        if name.startswith("sft"):
             r["tokens_per_second_per_gpu"] = float(np.mean([s["tokens_per_second_per_gpu"] for s in timed]))
             r["mfu"] = float(np.mean([s["mfu"] for s in timed])) if timed[0]["mfu"] is not None else None
         else:
@@ -355,10 +369,18 @@ def summarise(args, runs: dict) -> dict:
             r["mfu"] = sum(s["flops"] for s in timed) / seconds / 1e12 / peak
         r["tokens_per_step"] = float(np.mean([s["tokens"] for s in timed]))
         r["peak_memory_gib"] = max((s.get("peak_memory_gib") or 0.0) for s in r["steps"])
-    if all("tokens_per_second_per_gpu" in r for r in runs.values()) and len(runs) == 2:
+    ratios = {}
+    if all("tokens_per_second_per_gpu" in runs.get(k, {}) for k in ("sft", "trl")):
         sft, trl = (runs[k]["tokens_per_second_per_gpu"] for k in ("sft", "trl"))
-        return {"sft / trl tokens/s": sft / trl}
-    return {}
+        ratios["sft / trl tokens/s"] = sft / trl
+    losses = [[s.get("loss") for s in runs.get(k, {}).get("steps", [])] for k in ("sft", "sft-master")]
+    n = min(map(len, losses))
+    if n and None not in losses[0][:n] + losses[1][:n]:  # sft's default against fp32 master weights, last half
+        default, master = (np.array(x[:n])[n // 2 :] for x in losses)
+        ratios["sft / sft-master mean |loss difference|, last half of the steps, relative"] = float(
+            np.abs(default - master).mean() / master.mean()
+        )
+    return ratios
 
 
 def plot(out: Path, runs: dict) -> None:
@@ -401,6 +423,7 @@ def main() -> None:
         default="tuned",
         help="tuned: length-grouped, no checkpointing; defaults: TRL's (random order, checkpointing)",
     )
+    parser.add_argument("--gpu-memory", type=float, help="GiB both arms plan for and are capped at (an H100's)")
     parser.add_argument("--run-timeout", type=float, default=400, help="Seconds before a run is stopped")
     parser.add_argument("--reuse-sft", type=float, help="Read sft's run from --work (an earlier call); its wall s")
     parser.add_argument("--work", type=Path, help="Model, data and run folders (default <out>/work)")
@@ -423,7 +446,9 @@ def main() -> None:
     print(f"data: {args.records} records in {time.time() - started:.0f} s", flush=True)
     runs = {}
     for name in args.only:
-        runs[name] = (run_sft if name == "sft" else run_trl)(args, work, model, data)
+        runs[name] = (
+            run_sft(args, work, model, data, name) if name.startswith("sft") else run_trl(args, work, model, data)
+        )
         print(name, {k: v for k, v in runs[name].items() if k != "steps"}, flush=True)
     ratios = summarise(args, runs)
     plot(args.out, runs)
@@ -442,7 +467,7 @@ def main() -> None:
                          f"{r['tokens_per_step']:.0f} | {r['peak_memory_gib']:.1f} |")  # fmt: skip
         else:
             lines.append(f"| {name} | {r['exit_code']} | failed | | | |")
-    lines += [""] + [f"- {k} = {v:.2f}x" for k, v in ratios.items()]
+    lines += [""] + [f"- {k} = {v:.3f}" for k, v in ratios.items()]
     write_results(args.out, "vlm", result, "\n".join(lines) + "\n")
     for log in (work / "logs").glob("*.log"):
         shutil.copy(log, args.out / f"run_{log.name}")

@@ -773,11 +773,13 @@ def loss_backward_apart(
 
 
 def ladder(base: Setting) -> list[Setting]:
-    """Settings from fastest to most memory-frugal: ZeRO-0..3, then CPU offload of the optimizer, then parameters.
-    DeepSpeed keeps an fp32 master copy and fp32 moments where the base stepped bf16 weights in place with torch's."""
+    """Settings from fastest to most memory-frugal: a base without DeepSpeed as it is (bf16 weights stepped in place
+    hold the fewest bytes a weight), ZeRO-0..3, then CPU offload of the optimizer, then parameters. DeepSpeed keeps an
+    fp32 master copy and fp32 moments where the base stepped bf16 weights in place with torch's."""
+    own = [base] if base.zero_stage is None else []
     base = base.with_master_copy()
     plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
-    return plain + [
+    return own + plain + [
         dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),
         dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=False),
         dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=True),
