@@ -127,7 +127,7 @@ def timed_run(cmd: list[str], log: Path, timeout: float):
 
 # `sft-master`: sft with fp32 master weights (DeepSpeed ZeRO-2's copy, torch's fused fp32 AdamW; no memory cap): the
 # loss curve that sft's default without an engine (bf16 weights, 8-bit AdamW with stochastic rounding) is checked
-# against (issue #65)
+# against (issue #65); `sft-m<N>`: sft's default at micro batch N (the memory plan checked at a second point)
 MASTER = {"deepspeed": str(ROOT / "ds_configs" / "zero2.json"), "engine": "deepspeed", "optim": "adamw_torch_fused"}
 
 
@@ -143,6 +143,8 @@ def run_sft(args, work: Path, model: Path, data: Path, arm: str = "sft") -> dict
         recipe.update(MASTER)
     elif args.gpu_memory:  # plan for and cap at a smaller card's memory (an H100's on an H200)
         recipe.update(plan_gpu_memory_gib=args.gpu_memory, max_gpu_memory_gib=args.gpu_memory)
+    if arm.startswith("sft-m") and arm[5:].isdigit():  # `sft-m1`: the default at a micro batch set by hand
+        recipe["per_device_train_batch_size"] = int(arm[5:])
     (work / f"{arm}.yaml").write_text(yaml.safe_dump(recipe))
     log = work / "logs" / f"{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
