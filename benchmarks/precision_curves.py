@@ -1,9 +1,9 @@
 """Loss curves of the ways a one-GPU run steps its weights (issue #65): sft's default without a sharding engine (bf16
 weights, torchao's 8-bit AdamW with stochastic rounding) against fp32 master weights (DeepSpeed ZeRO-2's copy, torch's
-fused fp32 AdamW) and against pure bf16 steps (the same run with `optim: adamw_torch_fused`: what transformers does
-with bf16 weights and no engine).
+fused fp32 AdamW; and the same with torchao's 8-bit moments) and against pure bf16 steps (the default's run with
+`optim: adamw_torch_fused`: what transformers does with bf16 weights and no engine).
 
-    python -m benchmarks.precision_curves --out $OUT           # Llama-3.2-1B widths on GPU 0, the three runs in turn
+    python -m benchmarks.precision_curves --out $OUT           # Llama-3.2-1B widths on GPU 0, the four runs in turn
     python -m benchmarks.precision_curves --tiny --out /tmp/p  # the demo's widths on the CPU (fp32: a smoke test)
     python -m benchmarks.precision_curves --plot DIR           # draw DIR/precision_curves.png from its json
 
@@ -36,6 +36,13 @@ ARMS = {
         "optim": "adamw_torch_fused",
     },  # fmt: skip
     "pure_bf16": {"deepspeed": "none", "optim": "adamw_torch_fused"},
+    # fp32 master weights with torchao's 8-bit moments (what `optim: auto` takes under ZeRO-1/2): which of the
+    # default's two differences from fp32 master (8-bit moments, stochastic rounding) moves its curve
+    "master_8bit": {
+        "deepspeed": str(ROOT / "ds_configs" / "zero2.json"),
+        "engine": "deepspeed",
+        "optim": "adamw_torch_8bit",
+    },  # fmt: skip
 }
 COMMON = {"from_scratch": True, "learning_rate": 1e-5, "lr_scheduler_type": "constant", "warmup_steps": 0,
           "weight_decay": 0.0, "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none",
@@ -130,8 +137,8 @@ def plot(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rows", type=int, default=16, help="Packed rows per optimizer step")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rows", type=int, default=8, help="Packed rows per optimizer step")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--records", type=int, default=1200)
     parser.add_argument("--states", type=int, default=4096, help="Token ids the walks visit")
