@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -153,8 +155,9 @@ def main() -> None:
         sys.exit("--out is needed to measure")
     if args.tiny:
         args.steps, args.rows, args.seq_len, args.records, args.states = min(args.steps, 3), 2, 256, 40, 64
-    work = args.out / "work"
+    work = Path(tempfile.mkdtemp(prefix="precision-curves-"))  # the model's data and runs; the logs come back tarred
     (work / "logs").mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     config = None if args.tiny else LLAMA_SHAPES["llama-1b"]
     model = model_dir(work / "model", config)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -165,6 +168,7 @@ def main() -> None:
               "seq_len": args.seq_len, "environment": environment(), "runs": runs,
               "against_master": compare(runs)}  # fmt: skip
     (args.out / "precision_curves.json").write_text(json.dumps(result, indent=2) + "\n")
+    shutil.make_archive(str(args.out / "precision_logs"), "gztar", work, "logs")
     print(json.dumps(result["against_master"], indent=2))
 
 

@@ -742,8 +742,12 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
             # widths: every step after the first peaks 2P bytes higher, FP8 on or off; benchmarks/results/
             # plan_defaults; the calibration and validation runs had no accumulation)
             backward["16-bit gradients accumulated across micro-batches"] = partition
-    else:
-        backward["gradients (16-bit) + loss tile"] = b * held + tile
+    else:  # the LM head's gradient from the fused loss is in flight beside the 16-bit ones held: Liger's in 16 bits,
+        # TRL's fused head's in fp32 and then 16 bits (measured: Qwen2.5-VL-7B widths at 12 layers without an engine,
+        # 1 x H200 capped at 79.18 GiB, micro batch 1 and 2: 48.23 and 69.26 GiB, planned 45.24 and 66.97 without it;
+        # benchmarks/results/family_speed_h100/call6_vlm_h200)
+        in_flight = (b * v_h if s.liger else head_grad) if full else 0
+        backward["gradients (16-bit) + LM head's in flight + loss tile"] = b * held + in_flight + tile
     return backward, loss_phase
 
 
