@@ -783,11 +783,12 @@ def ladder(base: Setting) -> list[Setting]:
     own = [base] if base.zero_stage is None else []
     base = base.with_master_copy()
     plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
-    return own + plain + [
+    offloaded = [
         dataclasses.replace(base, zero_stage=2, offload_optimizer=True, offload_params=False),
         dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=False),
         dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=True),
     ]
+    return own + plain + offloaded
 
 
 def suggest(
