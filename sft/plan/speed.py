@@ -22,7 +22,8 @@ A step of `accumulation` micro-batches of `micro_batch` rows is
 - communication (more than one process): ZeRO-3 gathers the 16-bit weights in the forward, the backward and a
   recomputation, and reduce-scatters the gradients; ZeRO-1/2 reduce the gradients at every backward; sequence
   parallelism's all-to-all per layer. The share the engine overlaps with compute is hidden;
-- the optimizer step: the fused Adam over this GPU's fp32 partition; the share of the states offloaded to the CPU
+- the optimizer step: the fused Adam over this GPU's fp32 partition (without ZeRO, torchao's 8-bit AdamW stepping
+  each bf16 weight tensor apart, its own constant); the share of the states offloaded to the CPU
   stepped by DeepSpeed's CPU Adam, their gradients copied out and the weights back.
 
 The constants of each card (`speed_constants.json` beside this module) come from a committed sweep
@@ -68,6 +69,12 @@ class Card:
     zero3_host_s_per_layer_pass: float  # ZeRO-3: the host's seconds per layer and pass (its fetch/release hooks)
     bucket_s: float  # seconds per gradient-reduction bucket (ZeRO's `reduce_bucket_size`) per micro step
     optimizer_s_per_gparam: float  # fused Adam on the GPU, per 1e9 parameters of this GPU's partition
+    # torchao's 8-bit AdamW without ZeRO (bf16 weights stepped in place with stochastic rounding), per 1e9 parameters:
+    # it steps each weight tensor apart (ZeRO-1/2 hand it flat groups instead, timed as fused Adam). One value for
+    # both cards, fitted by least squares on the defaults without DeepSpeed (`benchmarks/results/family_speed_h100`:
+    # Qwen3-4B on 1 x H100, call 4; Qwen3-8B, Mistral-7B and Llama-3.1-8B widths on 1 x H200, call 7): their
+    # estimates were 1.13-1.29x the measurements without it, 0.94-1.12x with it
+    eight_bit_step_s_per_gparam: float
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
     link_gbps: float  # GB/s between a node's GPUs (NVLink) as collectives see it: fitted together with `overlap`
     pcie_gbps: float  # GB/s between host and GPU (offloaded weights and checkpoints)
@@ -313,5 +320,7 @@ def _host_traffic(shape: ModelShape, s, c: Card) -> float:
 
 def _optimizer(shape: ModelShape, s, c: Card) -> float:
     partition = _trainable(shape, s) / (s.gpus if s.zero_stage in (1, 2, 3) else 1)
+    if s.zero_stage is None and s.eight_bit_moments:  # torchao's 8-bit step, one weight tensor at a time
+        return c.eight_bit_step_s_per_gparam * partition / 1e9
     on_cpu = partition * s.ratio if s.offload_optimizer else 0.0
     return (c.optimizer_s_per_gparam * (partition - on_cpu) + c.cpu_adam_s_per_gparam * on_cpu) / 1e9
