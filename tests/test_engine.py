@@ -203,3 +203,42 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
         resume = pre.Resume(str(checkpoint), 2, 2, 1, 4)
         plan, log = planned(*zero3, resume=resume)
         assert plan.engine.name == engine and f"was written by {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}" in log
+
+
+def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(tmp_path, monkeypatch, caplog):
+    """`engine: auto` on one process with bf16 weights and `optim: auto`: no engine (torchao's 8-bit AdamW with
+    stochastic rounding steps the bf16 weights in place) where the speed model estimates it faster than the DeepSpeed
+    config's setting, both estimates and what it was measured on logged, the `auto` fields still chosen by the plan;
+    DeepSpeed kept where the optimizer is named (no rounding to rely on), with `engine: deepspeed`, without a GPU."""
+    import logging
+
+    from sft.config import parse_args
+    from sft.plan import preflight as pre
+    from tests.conftest import ROOT
+
+    def planned(*extra):
+        _, _, args, model_args = parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir",
+                                             str(tmp_path / "o"), "--per_device_train_batch_size", "auto",
+                                             "--plan_gpu_memory_gib", "79.18", "--bf16", "true", "--dtype",
+                                             "bfloat16", *extra])  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+            plan = pre.preflight(args, model_args)
+        return plan, caplog.text
+
+    plan, log = planned()
+    assert plan.training_args.deepspeed is not None and "engine: auto -> none" not in log  # no GPU: not measured
+    monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    plan, log = planned()
+    assert plan.training_args.deepspeed is None and plan.engine.sharding.stage is None
+    assert "engine: auto -> none (one process: nothing to shard" in log and "against DeepSpeed ZeRO-2: " in log
+    assert "17,102 tokens/s" in log and "engine = none" in log
+    assert (
+        plan.training_args.optim == "adamw_torch_8bit"
+        and "bf16_stochastic_round=True" in plan.training_args.optim_args
+    )
+    assert "Precision: bf16 weights without an fp32 master copy" in log
+    assert plan.batch.per_device_batch_size > 1  # `per_device_train_batch_size: auto` still chosen by the plan
+    for extra in (("--optim", "adamw_torch_fused"), ("--engine", "deepspeed")):
+        plan, log = planned(*extra)
+        assert plan.training_args.deepspeed is not None and "engine: auto -> none" not in log, extra

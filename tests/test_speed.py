@@ -200,6 +200,26 @@ def test_sft_plan_decides_liger_as_train_does_and_names_the_lever_that_fits(caps
     assert "use LoRA (use_peft): the model states are what does not fit" in capsys.readouterr().out
 
 
+def test_sft_plan_without_deepspeed_suggests_the_run_without_deepspeed_and_times_its_8bit_step(capsys):
+    """Qwen3-8B on one 80 GB GPU: `--zero none --suggest` finds the setting without DeepSpeed that fits (bf16 weights,
+    8-bit moments: 6 bytes a weight), where the search once started at ZeRO-0 and found nothing; its estimate counts
+    torchao's per-tensor 8-bit step (`eight_bit_step_s_per_gparam`: the measured run made 10,950 tokens/s on an H200,
+    estimated 13,065 without that term)."""
+    plan_cli.main(["--model", "Qwen/Qwen3-8B", "--gpus", "1", "--zero", "none", "--seq-len", "4096",
+                   "--gpu-memory", "79.18", "--liger", "on", "--global-batch", "32", "--gpu-name", "NVIDIA H200",
+                   "--suggest"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "fastest setting that fits: no DeepSpeed, 1 GPU(s), micro batch 1 x 4096 tokens" in out
+    first = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    estimate = float(first.split("|")[3].replace(",", ""))
+    assert abs(estimate / 10_950 - 1) < 0.05, first  # benchmarks/results/family_speed_h100/call8_families_nods_h200
+    plan_cli.main(["--model", "Qwen/Qwen3-8B", "--gpus", "1", "--zero", "2", "--seq-len", "4096", "--gpu-memory",
+                   "79.18", "--global-batch", "32", "--suggest"])  # fmt: skip
+    out = capsys.readouterr().out  # ZeRO-2 fits nothing: `engine: auto`'s run without an engine, not "use LoRA"
+    assert "engine auto -> none (one GPU" in out and "with DeepSpeed nothing fitting" in out and "LoRA" not in out
+    assert "fastest setting that fits: no DeepSpeed" in out
+
+
 def test_one_process_reduces_gradients_in_one_bucket_no_larger_than_the_model():
     """ZeRO-1/2 on one process: `reduce_bucket_size: auto` is 5e8 elements, never more than the model's parameters
     (DeepSpeed allocates the whole bucket at each backward); several processes and ZeRO-3 keep hidden^2."""

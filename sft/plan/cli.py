@@ -288,6 +288,27 @@ def _optimizer_states(rank, bases: list[Setting], fp32: list) -> list:
     return eight if taken else fp32
 
 
+def _without_engine(args, rank, setting: Setting, fits: list) -> list:
+    """One GPU, bf16 weights, full fine-tuning, `--optim auto`: the settings without DeepSpeed (torchao's 8-bit AdamW
+    with stochastic rounding) where their fastest is estimated faster than `fits`' or nothing else fits, said in a
+    line, as `sft train`'s `engine: auto` decides (`sft.plan.preflight._without_engine`); else `fits`."""
+    cut = (args.gpus != 1, setting.zero_stage is None, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
+           not args.by_speed, args.offload != "none", args.engine != "deepspeed")  # fmt: skip
+    if any(cut):
+        return fits
+    moments = plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM)
+    bases = [dataclasses.replace(b, zero_stage=None, moment_bytes=moments).stepped_in_place()
+             for b in _bases(args, setting)]  # fmt: skip
+    alone = rank(bases)
+    if not alone or (fits and fits[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
+        return fits
+    against = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fitting"
+    print(f"engine auto -> none (one GPU, as `sft train`'s `engine: auto` takes it): bf16 weights with 8-bit AdamW "
+          f"and stochastic rounding estimate {alone[0].time.tokens_per_second:,.0f} tokens/s/GPU, with DeepSpeed "
+          f"{against}")  # fmt: skip
+    return alone
+
+
 def _fit_report(args, shape, setting: Setting, result, memory: float, host: float) -> int:
     """Whether the setting fits this GPU and host; with --suggest (or when it does not fit) the fastest setting that
     does, with --longest the longest row. Returns the exit code: 0 fits, 1 does not."""
@@ -312,6 +333,7 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         fits_ranked = rank(_bases(args, setting))
         if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
             fits_ranked = _optimizer_states(rank, _bases(args, setting), fits_ranked)
+        fits_ranked = _without_engine(args, rank, setting, fits_ranked)
         if not fits_ranked:
             print(nothing_fits(setting, shape, memory, args.headroom, host))
         else:

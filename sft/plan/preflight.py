@@ -118,7 +118,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
     if "engine" in training_args.auto_settings:
         training_args = _choose_engine(
-            training_args, model_args, arch, shape_of, target, micro_cap, resume, image_text
+            training_args, model_args, arch, shape_of, target, micro_cap, resume, image_text, model_config
         )
     dims, engine = training_args.parallel, training_args.run_engine
     check_resume_engine(engine.name, resume)
@@ -168,10 +168,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
         changes["deepspeed"] = config
     auto = training_args.auto_settings
     if auto:
-        logger.info(
-            "auto settings: %s",
-            ", ".join(f"{k} = {_shown(changes.get(k, getattr(training_args, k)))}" for k in sorted(auto)),
-        )
+        logger.info("auto settings: %s", _auto_line(training_args, changes, engine))
     planned = dataclasses.replace(training_args, **changes) if changes else training_args
     memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
     plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision)
@@ -304,19 +301,25 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
                        train_tower=bool(training_args.train_vision_tower), packing=packing)  # fmt: skip
 
 
-def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None, vision=False):
-    """`engine: auto`: FSDP2 in place of DeepSpeed's ZeRO-3 where the speed model estimates FSDP2's fastest setting
-    that fits faster than ZeRO-3's (each with its own kernels: FP8 under FSDP2, 8-bit Adam under DeepSpeed where
-    `optim: auto` takes it), else DeepSpeed; a resume keeps its checkpoint's engine. Only for what both engines can
-    run and what was measured: full fine-tuning on a GPU, no offload, sequence or expert parallelism. The choice and
-    its reason are logged; the training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`). QLoRA under
-    ZeRO-3 goes to FSDP2 by its measurement (`QLORA_MEASURED`), not the speed model's estimate."""
+def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None, vision=False,
+                   model_config=None):  # fmt: skip
+    """`engine: auto`: on one process, no engine where that is estimated fastest (`_without_engine`); FSDP2 in place
+    of DeepSpeed's ZeRO-3 where the speed model estimates FSDP2's fastest setting that fits faster than ZeRO-3's (each
+    with its own kernels: FP8 under FSDP2, 8-bit Adam under DeepSpeed where `optim: auto` takes it), else DeepSpeed;
+    a resume keeps its checkpoint's engine. Only for what both engines can run and what was measured: full
+    fine-tuning on a GPU, no offload, sequence or expert parallelism. The choice and its reason are logged; the
+    training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`). QLoRA under ZeRO-3 goes to FSDP2 by its
+    measurement (`QLORA_MEASURED`), not the speed model's estimate."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
 
     def deepspeed(reason: str):
         logger.info("engine: auto -> deepspeed (%s)", reason)
         return training_args
 
+    if resume is None and model_config is not None:
+        alone = _without_engine(training_args, model_args, model_config, arch, shape_of(), target, micro_cap)
+        if alone is not None:
+            return alone
     if resume is not None:
         written = checkpoint_engine(resume.checkpoint)
         if written != "fsdp2":
@@ -367,6 +370,64 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     return _rebuilt_for_fsdp2(training_args)
 
 
+# `engine: auto` without an engine on one process: what it was measured on (benchmarks/results/family_speed_h100)
+ALONE_MEASURED = ("measured without DeepSpeed on one GPU at 43.5-59.7% MFU: Qwen3-4B widths 17,102 tokens/s on an "
+                  "H100 (16,072 under ZeRO-2 on another); Qwen3-8B, Mistral-7B, Llama-3.1-8B and the Qwen2.5-VL "
+                  "benchmark on an H200 planned for 80 GB, where ZeRO-2 fits none of the 7-8B ones; its loss curve "
+                  "0.9% from fp32 master weights' on the 1B widths")  # fmt: skip
+
+
+def _auto_line(training_args, changes: dict, engine) -> str:
+    """The `auto` fields as the plan set them (`engine = none` where no engine shards: DeepSpeed's name, no ZeRO)."""
+    shown = {k: changes.get(k, getattr(training_args, k)) for k in training_args.auto_settings}
+    if "engine" in shown and engine.name == "deepspeed" and engine.sharding.stage is None:
+        shown["engine"] = "none"
+    return ", ".join(f"{k} = {_shown(v)}" for k, v in sorted(shown.items()))
+
+
+def _without_engine(training_args, model_args, model_config, arch, shape, target, micro_cap):
+    """`engine: auto` on one process: the training arguments without DeepSpeed (bf16 weights stepped in place by
+    torchao's 8-bit AdamW with stochastic rounding: `_precision`) where the speed model estimates that run's fastest
+    setting that fits faster than the DeepSpeed config's (or nothing fits with DeepSpeed); None to keep the engine.
+    Only where that path is what `_precision` takes (bf16 weights, `optim: auto`, torchao) and what was measured: full
+    fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
+    sharding, dims = training_args.run_engine.sharding, training_args.parallel
+    cut = (dims.world_size > 1, sharding.stage is None, sharding.offload_optimizer or sharding.offload_params,
+           dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings, dims.ep > 1, model_args.use_peft,
+           gpu_name() is None, not arch.kernel("speed").on, not training_args.max_length,
+           not _stepped_with_rounding(training_args, model_args, model_config))  # fmt: skip
+    if any(cut):
+        return None
+    limits = _memory_limits(training_args)
+    engine_bases = _engine_bases(training_args, model_args, arch, target, "deepspeed", sharding.stage)
+    engine = _ranked(training_args, shape, engine_bases, target, micro_cap, limits)[0]
+    if memplan.eight_bit_candidate(engine_bases[0]):
+        eight = _ranked(training_args, shape, memplan.with_eight_bit_moments(engine_bases), target, micro_cap, limits)
+        engine = eight[0] if memplan.eight_bit_wins(engine, eight[0]) else engine
+    moments = memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM)
+    bases = [dataclasses.replace(b, zero_stage=None, moment_bytes=moments).stepped_in_place()
+             for b in _engine_bases(training_args, model_args, arch, target, "deepspeed", None)]  # fmt: skip
+    alone = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
+
+    def said(fits) -> str:
+        if not fits:
+            return "nothing fits"
+        best, levers = fits[0], fits[0].estimate.setting.levers_and_micro()
+        return f"{best.time.tokens_per_second:,.0f} tokens/s/GPU estimated ({levers})"
+
+    if not alone or (engine and engine[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
+        logger.info("engine: auto keeps DeepSpeed on one process (ZeRO-%s: %s; without an engine: %s)",
+                    sharding.stage, said(engine), said(alone))  # fmt: skip
+        return None
+    logger.info("engine: auto -> none (one process: nothing to shard; bf16 weights stepped in place by torchao's "
+                "8-bit AdamW with stochastic rounding, no fp32 master copy: %s, against DeepSpeed ZeRO-%s: %s; %s; "
+                "`engine: deepspeed` keeps DeepSpeed)", said(alone), sharding.stage, said(engine),
+                ALONE_MEASURED)  # fmt: skip
+    rebuilt = dataclasses.replace(training_args, deepspeed=None)
+    rebuilt.auto_settings = set(training_args.auto_settings)
+    return rebuilt
+
+
 def _against(best: dict, first: str = "deepspeed") -> str:
     """Both engines' estimates, `first`'s first."""
     names = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}
@@ -388,11 +449,13 @@ def _rebuilt_for_fsdp2(training_args):
     return rebuilt
 
 
-def _engine_bases(training_args, model_args, arch, target, engine: str) -> list[memplan.Setting]:
-    """The settings `_plan_memory` would rank for this ZeRO-3 run under `engine` (DeepSpeed's, or FSDP2 in the same
-    layout): its kernels as `_decide_kernels` decides them (without logging), bf16 beside FP8 where `fp8: auto`
-    turned it on."""
-    fp8_on = _fp8_decision(training_args, model_args, arch, engine, stage=3).on
+def _engine_bases(
+    training_args, model_args, arch, target, engine: str, stage: int | None = 3
+) -> list[memplan.Setting]:
+    """The settings `_plan_memory` would rank for this run under `engine` (DeepSpeed's, or FSDP2 in ZeRO-3's layout)
+    and ZeRO `stage` (None: no engine): its kernels as `_decide_kernels` decides them (without logging), bf16 beside
+    FP8 where `fp8: auto` turned it on."""
+    fp8_on = _fp8_decision(training_args, model_args, arch, engine, stage=stage).on
     compiled = _compiled(training_args, arch, fp8_on)
     liger = _liger_on(training_args, arch)
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled),
@@ -817,12 +880,9 @@ def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
     engine = training_args.run_engine
     if engine.sharding.stage is not None or engine.name == "fsdp2" or model_args.use_peft:
         return True, {}
-    weights = str(model_args.dtype or "auto")
-    if weights == "auto":  # the checkpoint's own dtype
-        weights = str(getattr(model_config, "dtype", None) or "")
-    if "bfloat16" not in weights:
+    if not _bf16_weights(model_args, model_config):
         return True, {}
-    if "optim" in training_args.auto_settings and importlib.util.find_spec("torchao") is not None:
+    if _stepped_with_rounding(training_args, model_args, model_config):
         logger.info("Precision: bf16 weights without an fp32 master copy (no sharding engine): optim: auto -> %s with "
                     "%s (torchao: each update rounded up or down in proportion, so updates under half a bf16 ulp are "
                     "not lost; 6 bytes a weight with its 8-bit moments)", memplan.EIGHT_BIT_OPTIM,
@@ -833,6 +893,21 @@ def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
                        "update under half a bf16 ulp is rounded away. Set optim: auto (8-bit AdamW with stochastic "
                        "rounding), dtype: float32, or a DeepSpeed config.", _shown(training_args.optim))  # fmt: skip
     return False, {}
+
+
+def _bf16_weights(model_args, model_config) -> bool:
+    """Whether the model's weights are bf16 (`dtype`, or with `auto` the checkpoint's own)."""
+    weights = str(model_args.dtype or "auto")
+    if weights == "auto":
+        weights = str(getattr(model_config, "dtype", None) or "")
+    return "bfloat16" in weights
+
+
+def _stepped_with_rounding(training_args, model_args, model_config) -> bool:
+    """Whether bf16 weights without an engine would be stepped by torchao's 8-bit AdamW with stochastic rounding
+    (`optim: auto`, torchao installed)."""
+    return (_bf16_weights(model_args, model_config) and "optim" in training_args.auto_settings
+            and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
