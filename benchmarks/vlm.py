@@ -441,6 +441,7 @@ def main() -> None:
         return trl_worker(args)
     if args.plot:
         return plot(args.plot, json.loads((args.plot / "vlm.json").read_text())["runs"])
+    args.out.mkdir(parents=True, exist_ok=True)  # the plot and the results are written there (call 7 lost them)
     work = args.work or args.out / "work"
     model = make_model(work, args.layers, args.tiny)
     started = time.time()
