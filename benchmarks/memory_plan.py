@@ -68,10 +68,10 @@ def worker(args) -> None:
     from transformers import TrainerCallback
 
     from sft.config import parse_args
+    from sft.core import logs
     from sft.data.load import load_datasets
     from sft.model.build import load_model, load_tokenizer
     from sft.parallel.distributed import init_process_group
-    from sft.run import logs
     from sft.run.trainer import Trainer
 
     cuda = torch.cuda.is_available()  # on CPU (a smoke test of this script) every figure reads 0

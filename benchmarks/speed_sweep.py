@@ -54,12 +54,12 @@ from benchmarks.common import (
     torchrun,
 )
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, collect
+from sft.core.batch import micro_batches_for
 from sft.engines import bucket_elements
 from sft.model import architectures
 from sft.model.shapes import load_config, load_shape, shipped_config
 from sft.plan import memory as plan
 from sft.plan import speed
-from sft.plan.batch import micro_batches_for
 
 # other families at their public widths (the configs sft ships: `sft/model/model_configs.json`), for the per-family
 # sweep of issue #65 (`--shape qwen3-4b`)

@@ -19,7 +19,7 @@ import sys
 COMMANDS = {
     "train": ("sft.train", "fine-tune a model from a recipe (the same as sft/train.py)"),
     "plan": ("sft.plan.cli", "per-GPU memory of a setting, whether it fits, the fastest that does"),
-    "batch": ("sft.plan.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
+    "batch": ("sft.core.batch", "gradient accumulation steps for a global batch on a number of GPUs"),
     "merge": ("sft.tools.merge", "merge a LoRA adapter into its base model"),
     "eval": ("sft.tools.evaluation", "evaluate a model or adapter with lm-eval"),
     "report": ("sft.tools.report", "plots and an HTML page of one or more runs' curves"),

@@ -24,11 +24,11 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, T
 from trl.scripts.utils import DatasetConfig
 
 from sft import engines
+from sft.core import logs
+from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
 from sft.model import quantization
 from sft.model.fp8 import RECIPES as FP8_RECIPES
-from sft.parallel.dims import ParallelDims
-from sft.run import logs
 
 logger = logging.getLogger(__name__)
 # `optim: auto` until the plan decides: transformers' default, fused AdamW with fp32 moments
@@ -114,7 +114,7 @@ class TrainConfig(SFTConfig):
 
     Before transformers sets anything up, the DeepSpeed config file is checked (it exists and is JSON); right after,
     any non-`"auto"` DeepSpeed value that contradicts a training argument is reported with both values.
-    `sft.plan.preflight` then turns `global_batch_size`/`tokens_per_step` into accumulation steps (`sft.plan.batch`),
+    `sft.plan.preflight` then turns `global_batch_size`/`tokens_per_step` into accumulation steps (`sft.core.batch`),
     sizes the run with `sft.plan.memory` and resolves the `auto` values below.
 
     Parameters:
@@ -501,7 +501,7 @@ class TrainConfig(SFTConfig):
 
     @functools.cached_property
     def parallel(self) -> ParallelDims:
-        """The run's parallel dimensions (`sft.parallel.dims`), built once from the processes accelerate found."""
+        """The run's parallel dimensions (`sft.core.dims`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
 
     @functools.cached_property

@@ -19,9 +19,9 @@ logger = logging.getLogger("sft")
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config import parse_args
+    from sft.core import logs
     from sft.parallel import nodes
     from sft.parallel.distributed import init_process_group, timeout_seconds
-    from sft.run import logs
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)

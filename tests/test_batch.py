@@ -1,4 +1,4 @@
-"""Global-batch arithmetic (sft.plan.batch)."""
+"""Global-batch arithmetic (sft.core.batch)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from sft.core.batch import plan_batch
 from sft.errors import ConfigError
-from sft.plan.batch import plan_batch
 from tests.conftest import ROOT
 
 
@@ -60,12 +60,12 @@ def test_infeasible_targets_name_the_alternatives(kwargs, message):
 
 def test_cli():
     ok = subprocess.run(
-        [sys.executable, "-m", "sft.plan.batch", "--global-batch-size", "528", "--world-size", "8",
+        [sys.executable, "-m", "sft.core.batch", "--global-batch-size", "528", "--world-size", "8",
          "--per-device-batch-size", "2"], cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert ok.returncode == 0 and ok.stdout.splitlines()[0] == "gradient_accumulation_steps: 33"
     bad = subprocess.run(
-        [sys.executable, "-m", "sft.plan.batch", "--global-batch-size", "528", "--world-size", "8",
+        [sys.executable, "-m", "sft.core.batch", "--global-batch-size", "528", "--world-size", "8",
          "--per-device-batch-size", "4"], cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "Nearest reachable: 512 (accumulation 16), 544" in bad.stderr

@@ -107,11 +107,11 @@ def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
 
 
 def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplog):
-    """`sft.run.logs.setup` drops the messages named in `QUIET_MESSAGES` (torch's traceback for every Liger Triton
+    """`sft.core.logs.setup` drops the messages named in `QUIET_MESSAGES` (torch's traceback for every Liger Triton
     kernel it compiles: thousands of lines in a compiled FP8 run) and nothing else of those loggers."""
     import logging
 
-    from sft.run import logs
+    from sft.core import logs
     from tests.test_plan import demo_args
 
     _, _, args, _ = demo_args(tmp_path)
@@ -130,7 +130,7 @@ def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplo
 def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
     """TRL's SFTTrainer warns on every run with Liger on (issue #39: use the Hub kernels, which need the network), and
     torch's barrier in a one-process GPU run; each message as the library's source writes it is filtered after
-    `sft.run.logs.setup`, another warning of the same kind is not."""
+    `sft.core.logs.setup`, another warning of the same kind is not."""
     import inspect
     import re
     import warnings
@@ -138,13 +138,13 @@ def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
     import torch.distributed.distributed_c10d
     import trl.trainer.sft_trainer
 
-    from sft.run import logs
+    from sft.core import logs
     from tests.test_plan import demo_args
 
     trl_says = re.search(r'"(`use_liger_kernel=True` is deprecated[^"]*)"', inspect.getsource(trl.trainer.sft_trainer))
     c10d = inspect.getsource(torch.distributed.distributed_c10d)
     torch_says = re.search(r'"(barrier\(\): using the device[^"]*)"', c10d)  # the first of its two literals
-    assert trl_says and torch_says, "a library no longer says this: drop its filter in sft.run.logs.HARMLESS_WARNINGS"
+    assert trl_says and torch_says, "a library no longer says this: drop its filter in sft.core.logs.HARMLESS_WARNINGS"
     _, _, args, _ = demo_args(tmp_path)
     with warnings.catch_warnings(record=True) as shown:
         logs.setup(args)

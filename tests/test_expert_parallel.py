@@ -12,11 +12,11 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from sft.core.dims import ParallelDims
 from sft.engines import deepspeed as ds_engine
 from sft.engines.deepspeed import autoep as expert_parallel
 from sft.errors import ConfigError
 from sft.model import shapes
-from sft.parallel.dims import ParallelDims
 from sft.plan import memory as plan
 from tests.conftest import DEMO, ROOT, run_cli_in_process
 

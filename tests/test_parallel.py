@@ -1,4 +1,4 @@
-"""sft.parallel.dims (the one owner of the parallel sizes) and the components that read it: batch arithmetic and the
+"""sft.core.dims (the one owner of the parallel sizes) and the components that read it: batch arithmetic and the
 `sft` command."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from sft.core.batch import keep_global_batch
+from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
-from sft.parallel.dims import ParallelDims
-from sft.plan.batch import keep_global_batch
 from tests.conftest import ROOT
 
 

@@ -12,12 +12,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft.config import parse_args
+from sft.core import batch
+from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
 from sft.model import shapes
 from sft.model.attention import boundaries_from_positions, varlen_attention_forward
 from sft.parallel import sequence as seqpar
-from sft.parallel.dims import ParallelDims
-from sft.plan import batch
 from sft.plan import memory as plan
 from tests.conftest import DEMO, ROOT
 

@@ -137,8 +137,8 @@ def measure(dataset, tokenizer, training_args, name: str) -> Stats:
 
 def add_packing(stats: Stats, dataset, tokenizer, training_args, gpus: int, batch=None) -> Stats:
     """Packed rows and efficiency (as training packs), and optimizer steps per epoch on `gpus` processes (with a run's
-    `batch`, `sft.plan.batch.BatchPlan`: at its batch)."""
-    from sft.plan.batch import plan_batch
+    `batch`, `sft.core.batch.BatchPlan`: at its batch)."""
+    from sft.core.batch import plan_batch
 
     rows = len(stats.lengths)
     if training_args.packing and training_args.max_length:
@@ -224,9 +224,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.data.stats") 
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args, fields = parser.parse_known_args(argv)
     from sft.config import parse_args
+    from sft.core import logs
     from sft.data.load import load_datasets, mix, prepare_source
     from sft.model.build import load_tokenizer
-    from sft.run import logs
 
     logs.quiet_accelerator_detection()
     logging.basicConfig(format=logs.LOG_FORMAT, level=logging.WARNING)

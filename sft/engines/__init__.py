@@ -4,8 +4,10 @@
 this folder nothing imports deepspeed: the run's engine is built once (`build`, read through
 `TrainConfig.run_engine` and the run plan), and the few pieces of an engine's library that sft uses without a run (the
 tiled MLP, the memory equations, a model built outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint)
-are the functions below. This folder may import `sft.errors`, `sft.model.architectures` (which parameters are routed
-experts, for AutoEP) and the libraries it wraps, nothing else of sft.
+are the functions below.
+
+May import: `sft.errors`, and upward `sft.model.architectures` (which parameters are routed experts, for AutoEP), and
+the libraries it wraps; nothing else of sft.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ backends (`attention`), the shapes the plan reads (`shapes`) and FLOPs (`flops`)
 the model changes applied as converters in one declared order (`converters`: sft's experts, FP8, compiled layers,
 tiled MLP, kept attention outputs; QLoRA's weights in `quantization`).
 
-May import: `sft.errors`, `sft.config` (the argument classes), `sft.engines` (through the engine interface),
-`sft.plan.run` (the RunPlan type). Not the trainer or the data.
+May import: `sft.errors`, `sft.core` (the RunPlan type), `sft.config` (the argument classes), `sft.engines` (through
+the engine interface), and upward `sft.data.vision` (its forward hooks of a vision-language model, which issue #66
+moves here). Not the trainer.
 """

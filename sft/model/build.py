@@ -14,9 +14,9 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import set_seed as hf_set_seed
 
 from sft.config import ModelArguments, TrainConfig
+from sft.core.run import RunPlan
 from sft.errors import ConfigError
 from sft.model import architectures, converters, quantization
-from sft.plan.run import RunPlan
 
 logger = logging.getLogger(__name__)
 

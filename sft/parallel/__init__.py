@@ -1,7 +1,9 @@
-"""Processes and how a run is split over them: the parallel sizes (`dims`), the process group and leaving it
-(`distributed`), several nodes (`nodes`), starting worker processes (`launch`), sequence parallelism (`sequence`).
+"""Processes and how a run is split over them (the sizes themselves are `sft.core.dims`): the process group and
+leaving it (`distributed`), several nodes (`nodes`), starting worker processes (`launch`), sequence parallelism
+(`sequence`).
 
-May import: `sft.errors`, `sft.model` (attention boundaries, architectures, FP8's token multiple), `sft.plan.batch`
-(steps per epoch, for a sequence-parallel resume). `launch` and `nodes` import no torch at
-module level: the launcher's agent reads them without paying for torch's imports.
+May import: `sft.errors`, `sft.core` (steps per epoch, for a sequence-parallel resume), `sft.model` (attention
+boundaries, architectures, FP8's token multiple), and upward `sft.run.failsafe` (the launcher reads the out-of-memory
+retry it relaunches with). `launch` and `nodes` import no torch at module level: the launcher's agent reads them
+without paying for torch's imports.
 """

@@ -106,7 +106,7 @@ def timeout_seconds() -> int:
     return int(raw)
 
 
-PER_RANK_FIELDS = {"local_rank", "logging_dir", "disable_tqdm"}  # disable_tqdm: sft.run.logs, by terminal
+PER_RANK_FIELDS = {"local_rank", "logging_dir", "disable_tqdm"}  # disable_tqdm: sft.core.logs, by terminal
 
 
 @contextlib.contextmanager

@@ -249,7 +249,7 @@ class TrainerSteps:
         """The engine's sequence-parallel loader; on a resume it skips this epoch's trained micro-batches itself
         (transformers' skip, accelerate's `skip_first_batches`, cannot go through the adapter) and tells
         transformers not to skip again."""
-        from sft.plan.batch import steps_per_epoch
+        from sft.core.batch import steps_per_epoch
 
         loader = self.plan.engine.sequence_parallel_loader(train_dataloader)
         args, step = trainer.args, trainer.state.global_step

@@ -1,6 +1,9 @@
-"""Deciding a run before any expensive work: the batch arithmetic (`batch`), the memory plan (`memory`, and its
-command `cli`), the decision itself (`preflight`) and what it returns, the frozen `RunPlan` (`run`).
+"""Deciding a run before any expensive work: the memory plan (`memory`, and its command `cli`), the speed model
+(`speed`), the decision itself (`preflight`), which returns the frozen `sft.core.run.RunPlan` (the batch arithmetic is
+`sft.core.batch`).
 
-May import: `sft.errors`, `sft.config`, `sft.model` (what a model is), `sft.parallel.dims`, `sft.engines` (through
-the engine interface), `sft.run.failsafe` (the retry it plans for). Nothing here builds a model or trains.
+May import: `sft.errors`, `sft.core`, `sft.model` (what a model is), `sft.engines` (through the engine interface),
+`sft.data.vision` (an image+text run's packing), `sft.parallel.sequence` (Ulysses' checks and sizes), and upward
+`sft.run.checkpoint` (a resume's checkpoint) and `sft.run.failsafe` (the retry it plans for). Nothing here builds a
+model or trains.
 """

@@ -11,12 +11,13 @@ import functools
 import logging
 import sys
 
+from sft.core import logs
+from sft.core.batch import micro_batches_for
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape
 from sft.plan import memory as plan
 from sft.plan import speed
-from sft.plan.batch import micro_batches_for
 from sft.plan.memory import (
     Estimate,
     GiB,
@@ -32,7 +33,6 @@ from sft.plan.memory import (
     sp_sizes,
     suggest,
 )
-from sft.run import logs
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory levers (`activation_checkpointing`,
 `keep_attention_outputs`, `offload_checkpoints`, `tiled_mlp`, and ZeRO's offload where the DeepSpeed config's device
 is `"auto"`) from `sft.plan.memory` (the largest micro batch that fits, each lever only if needed, in the plan's
-order), turns the global-batch target into `gradient_accumulation_steps` with `sft.plan.batch` (on a resume the target
+order), turns the global-batch target into `gradient_accumulation_steps` with `sft.core.batch` (on a resume the target
 is the checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
 process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
 (unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
+from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
+from sft.core.dims import ParallelDims
+from sft.core.run import MemoryDecision, RunPlan
 from sft.errors import ConfigError
 from sft.model import architectures, experts, fp8, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
-from sft.parallel.dims import ParallelDims
 from sft.plan import memory as memplan
 from sft.plan import speed
-from sft.plan.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
-from sft.plan.run import MemoryDecision, RunPlan
 from sft.run import checkpoint as ckpt
 from sft.run import failsafe
 

@@ -14,7 +14,7 @@ the batches already trained. What none of them does, and this module does:
 - writing: `save_complete` wraps transformers' checkpoint save with the state file, the marker and the rotation, and
   `PreemptionCallback` turns SIGTERM/SIGUSR1 on any rank into one complete checkpoint and a stop.
 
-A different number of processes is `sft.plan.preflight`'s (the global batch, by `sft.plan.batch`) and the DeepSpeed
+A different number of processes is `sft.plan.preflight`'s (the global batch, by `sft.core.batch`) and the DeepSpeed
 engine's (`ds_to_universal`). Every file written here is JSON.
 """
 
@@ -221,7 +221,7 @@ def read_state(checkpoint: str | Path) -> dict | None:
 
 def fingerprint(script_args, data_args, plan, model_args, tokenizer, n_train: int) -> dict:
     """What must match (or, for the batch geometry, be reconciled) for a resume to continue the same run (`plan`:
-    the run's `sft.plan.run.RunPlan`)."""
+    the run's `sft.core.run.RunPlan`)."""
     import torch
     import transformers
     import trl

@@ -5,7 +5,7 @@
 - `Throughput`: the clock and FLOP counter behind `tokens_per_step`, `tokens_per_second_per_gpu`, `tflops_per_gpu`,
   `mfu`, `num_flops`, `peak_memory_gib`, `peak_reserved_gib`, `alloc_retries` (the caching allocator's
   `num_alloc_retries` so far: each freed its cache and waited) in every training log; time in evaluation and
-  checkpoint saves is left out (`paused`). Per-GPU figures divide by the number of processes (`sft.parallel.dims`),
+  checkpoint saves is left out (`paused`). Per-GPU figures divide by the number of processes (`sft.core.dims`),
   each of which is one GPU.
 - `DataTrace`: with `trace_data`, one line per micro-batch and rank (step, tokens, SHA-1, per-sample digests);
   `samples_per_step` reads it back.

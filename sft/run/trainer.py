@@ -22,12 +22,12 @@ from pathlib import Path
 
 from trl import SFTTrainer
 
+from sft.core.batch import steps_per_epoch
+from sft.core.run import RunPlan
 from sft.errors import ConfigError
 from sft.model import converters, fp8, quantization
 from sft.model.attention import check_batch
 from sft.parallel import sequence as seqpar
-from sft.plan.batch import steps_per_epoch
-from sft.plan.run import RunPlan
 from sft.run import checkpoint as ckpt
 from sft.run import failsafe, metrics
 
@@ -130,7 +130,7 @@ class Trainer(SFTTrainer):
         if self.is_deepspeed_enabled:
             logger.info(
                 "Starting the DeepSpeed engine (ZeRO-%d), then training (torch's FutureWarning that the collectives "
-                "DeepSpeed calls are deprecated is not shown: harmless, sft.run.logs)",
+                "DeepSpeed calls are deprecated is not shown: harmless, sft.core.logs)",
                 self.plan.engine.sharding.stage,
             )
         elif self.is_fsdp_enabled:

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from sft.core import logs
 from sft.errors import ConfigError, SFTError
-from sft.run import logs
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (sft/tools/evaluation.py)
 

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from sft import engines
+from sft.core import logs
 from sft.errors import ConfigError, SFTError
-from sft.run import logs
 
 logger = logging.getLogger("sft.tools.merge")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")

@@ -45,9 +45,9 @@ def test_every_cpu_command_of_the_readme_runs_as_written(readme_walk):
         assert "Traceback" not in result.stderr and "Setting accelerator to CPU" not in result.stdout + result.stderr
         if step.expected is not None:
             assert result.stdout.strip() == step.expected, f"{what}\nprinted: {result.stdout!r}"
-        if "sft.plan.batch --global-batch-size 528" in what:
+        if "sft.core.batch --global-batch-size 528" in what:
             assert result.stdout.splitlines()[0] == "gradient_accumulation_steps: 33"
-        if "-m sft.plan " in what:  # the memory plan (not `sft.plan.batch`)
+        if "-m sft.plan " in what:  # the memory plan (not `sft.core.batch`)
             assert "peak per GPU" in result.stdout
     assert len(readme_walk.steps) == len(to_run) >= 10
     print("\n".join(f"{s.seconds:6.1f} s  {s.what.splitlines()[0][:100]}" for s in readme_walk.steps))

@@ -65,7 +65,7 @@ def zero_runs(tmp_path_factory, init_model):
 
 
 # What a 40-step 2-process demo run may print (stdout + stderr, torchrun's banner included). Measured after
-# sft.run.logs: 26 lines (8 of them training/eval logs); before it a 60-step ZeRO-3 demo printed 8,329 lines.
+# sft.core.logs: 26 lines (8 of them training/eval logs); before it a 60-step ZeRO-3 demo printed 8,329 lines.
 CONSOLE_LINES_BOUND = 40
 
 

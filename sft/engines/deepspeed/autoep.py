@@ -4,7 +4,7 @@
 keeps count/N experts and its tokens travel to the experts they are routed to by all-to-all, inside DeepSpeed's
 `AutoEPMoELayer` (DeepSpeed 0.19's AutoEP, which replaces the Hugging Face MoE block at `deepspeed.initialize` for the
 families it has a preset for: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...). The expert ranks are also data-parallel
-ranks (each reads its own data), so the batch arithmetic is unchanged (`sft.parallel.dims.ParallelDims.ep` divides
+ranks (each reads its own data), so the batch arithmetic is unchanged (`sft.core.dims.ParallelDims.ep` divides
 `dp`); the experts' weights, gradients and (ZeRO-1/2) optimizer states are split N ways (`sft.plan.memory`).
 
 What sft adds around DeepSpeed's AutoEP, and why:
@@ -55,7 +55,7 @@ def deepspeed_section(ep: int) -> dict:
 
 def check(ep: int, sp: int, zero_stage: int | None, offload: bool, family: str, is_moe: bool, lora: bool) -> None:
     """Refuse, before the model loads, an expert-parallel setting AutoEP cannot run (or sft cannot save); that `ep`
-    divides the data-parallel size is `sft.parallel.dims`'s check."""
+    divides the data-parallel size is `sft.core.dims`'s check."""
     if ep == 1:
         return
     field = f"`expert_parallel_size: {ep}`"

@@ -5,7 +5,7 @@ Every process of a run is one GPU (or one CPU process). sft spreads work two way
 `sft.parallel.sequence`); world size = dp x sp. A mixture-of-experts model's experts may also be split over `ep` data-
 parallel ranks (`sft.engines.deepspeed.autoep`, DeepSpeed AutoEP): those ranks still read their own data, so `ep`
 divides `dp` and changes no batch arithmetic, only where the experts live. Tensor parallelism may follow. Everything
-that needs one of these sizes — the batch arithmetic (`sft.plan.batch`: global batch = data-parallel size x micro batch
+that needs one of these sizes — the batch arithmetic (`sft.core.batch`: global batch = data-parallel size x micro batch
 x accumulation), the memory planner, the checkpoint fingerprint and the resume on another process count, tokens/s and
 MFU per GPU — reads it from `ParallelDims`, so that a new dimension is a change here plus its consumers' use of it, not
 a search for every `world_size` in the package. Like torchtitan's `ParallelDims`, the product of the dimensions must

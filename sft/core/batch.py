@@ -1,10 +1,10 @@
 """Global-batch arithmetic: a target global batch (samples, or tokens per step with packing) -> accumulation steps.
 
-    python -m sft.plan.batch --global-batch-size 528 --world-size 8 --per-device-batch-size 2
-    python -m sft.plan.batch --tokens-per-step 1048576 --max-length 4096 --world-size 16 --per-device-batch-size 4
+    python -m sft.core.batch --global-batch-size 528 --world-size 8 --per-device-batch-size 2
+    python -m sft.core.batch --tokens-per-step 1048576 --max-length 4096 --world-size 16 --per-device-batch-size 4
 
 global batch = data-parallel size x per-device micro batch x gradient accumulation steps (the data-parallel size
-comes from `sft.parallel.dims`: the world size / the sequence-parallel size, whose ranks share each row). With packing
+comes from `sft.core.dims`: the world size / the sequence-parallel size, whose ranks share each row). With packing
 every row holds `max_length` tokens, so tokens per step = global batch x max_length. A target that the
 data-parallel size and micro batch cannot reach exactly is an error that lists the nearest reachable targets and the
 settings that reach the target. transformers and DeepSpeed take accumulation steps, not a global batch; this is the
@@ -19,8 +19,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
-from sft.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def keep_global_batch(global_batch: int, dp_size: int, per_device_batch_size: in
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan.batch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog or "python -m sft.core.batch", description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--global-batch-size", type=int, help="Samples (packed rows) per optimizer step")
     target.add_argument("--tokens-per-step", type=int, help="Tokens per optimizer step (packing; needs --max-length)")
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             dims.dp, args.per_device_batch_size, args.global_batch_size, args.tokens_per_step, args.max_length
         )
     except ConfigError as e:
-        print(f"sft.plan.batch: {e}", file=sys.stderr)
+        print(f"sft.core.batch: {e}", file=sys.stderr)
         return 2
     print(f"gradient_accumulation_steps: {plan.gradient_accumulation_steps}")
     print(f"parallel sizes: {dims.describe()}")

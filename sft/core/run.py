@@ -24,14 +24,14 @@ class MemoryDecision:
 @dataclass(frozen=True)
 class RunPlan:
     """One run, decided: its resolved training arguments (what transformers and TRL are given), the model's config
-    and Architecture, the parallel sizes, the batch (with the steps of an epoch, `sft.plan.batch`), the memory
+    and Architecture, the parallel sizes, the batch (with the steps of an epoch, `sft.core.batch`), the memory
     decision, the attention backend, each kernel decision with its reason, the engine with its resolved configuration,
     and the checkpoint it resumes."""
 
     training_args: Any  # sft.config.TrainConfig, resolved
     model_config: Any  # transformers' PretrainedConfig, loaded once
     arch: Any  # sft.model.architectures.Architecture
-    batch: Any  # sft.plan.batch.BatchPlan
+    batch: Any  # sft.core.batch.BatchPlan
     memory: MemoryDecision
     attn_implementation: str | None
     kernels: dict = field(default_factory=dict)  # name -> sft.model.architectures.Kernel(on, reason)
@@ -41,7 +41,7 @@ class RunPlan:
 
     @property
     def dims(self):
-        """The parallel sizes (`sft.parallel.dims.ParallelDims`) of the resolved arguments."""
+        """The parallel sizes (`sft.core.dims.ParallelDims`) of the resolved arguments."""
         return self.training_args.parallel
 
     @property

@@ -1,0 +1,6 @@
+"""The bottom layer: what every other folder reads and nothing here decides. The parallel sizes (`dims`:
+`ParallelDims`, the one owner of world, data-parallel, sequence- and expert-parallel sizes), the batch arithmetic
+(`batch`: global batch, accumulation, steps per epoch) and the decided run (`run`: `RunPlan`, `MemoryDecision`).
+
+May import: `sft.errors` only.
+"""
