@@ -81,11 +81,13 @@ def _plan(training_args, model_args, data_args):
     from sft.plan import memory as memplan
     from sft.plan.preflight import Resume, preflight
     from sft.run import checkpoint as ckpt
+    from sft.run import failsafe
 
     resume_from = ckpt.resolve_resume(training_args)
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
     plan = preflight(training_args, model_args, resume, data_args.datasets)
+    failsafe.remember(plan)  # the batch an out-of-memory message names
     cap = plan.training_args.max_gpu_memory_gib
     if memplan.cap_gpu_memory(cap):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", cap)
@@ -161,6 +163,7 @@ def _save(trainer, training_args) -> None:
 def cli(argv: list[str] | None = None) -> int:
     import torch
 
+    from sft.core import retry
     from sft.run import failsafe
 
     try:
@@ -169,7 +172,7 @@ def cli(argv: list[str] | None = None) -> int:
         from sft.parallel.launch import report_error
 
         report_error(str(e))
-        return failsafe.NONFINITE_EXIT_CODE
+        return retry.NONFINITE_EXIT_CODE
     except SFTError as e:
         from sft.parallel.launch import report_error
 
@@ -179,7 +182,7 @@ def cli(argv: list[str] | None = None) -> int:
         from sft.parallel.launch import ERROR_FILE_ENV, report_error
 
         code, message = failsafe.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))
-        if code == failsafe.OOM_EXIT_CODE:
+        if code == retry.OOM_EXIT_CODE:
             logger.warning("%s", message)
         else:
             report_error(message, every_rank=True)

@@ -118,9 +118,7 @@ LAYERS = ("core", "engines", "model", "parallel", "data", "plan", "run", "tools"
 UPWARD = {
     ("sft.engines.deepspeed.autoep", "sft.model.architectures"),  # which parameters are routed experts
     ("sft.model.converters", "sft.data.vision"),  # a vision-language model's forward hooks
-    ("sft.parallel.launch", "sft.run.failsafe"),  # the out-of-memory retry the launcher relaunches with
     ("sft.plan.preflight", "sft.run.checkpoint"),  # a resume's checkpoint
-    ("sft.plan.preflight", "sft.run.failsafe"),  # the retry the plan plans for
 }
 
 

@@ -3,7 +3,6 @@ leaving it (`distributed`), several nodes (`nodes`), starting worker processes (
 (`sequence`).
 
 May import: `sft.errors`, `sft.core` (steps per epoch, for a sequence-parallel resume), `sft.model` (attention
-boundaries, architectures, FP8's token multiple), and upward `sft.run.failsafe` (the launcher reads the out-of-memory
-retry it relaunches with). `launch` and `nodes` import no torch at module level: the launcher's agent reads them
-without paying for torch's imports.
+boundaries, architectures, FP8's token multiple). `launch` and `nodes` import no torch at module level: the
+launcher's agent reads them without paying for torch's imports.
 """

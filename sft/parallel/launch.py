@@ -5,7 +5,7 @@ environment and restarts as `torchrun --standalone --nproc_per_node N -m sft tra
 `torchrun sft/train.py`). What this adds is the end of a failed run:
 
 - a configuration error (exit code 2 in the workers) is printed once, as the last line, and the command exits 2
-  (3 for a step that was not finite, `sft.run.failsafe`)
+  (3 for a step that was not finite, `sft.core.retry`)
   instead of torchrun's 1 after its ~40-line ChildFailedError report: the workers write their one-paragraph error
   into the folder in `ERROR_FILE_ENV` (one file per rank: the agent stops the other workers as soon as one exits,
   so the first to fail must be the one that wrote) instead of printing it;
@@ -79,8 +79,8 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from sft.core import retry as retry_protocol
     from sft.errors import PREEMPTED_EXIT_CODE
-    from sft.run import failsafe
 
     rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
     args, several_nodes, endpoint = _agent_args(launcher_args, train_args, rdzv_timeout)
@@ -102,10 +102,10 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
                     elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
                     return 0
                 except ChildFailedError:
-                    retry = None if several_nodes else failsafe.retry_after_oom(tmp)
+                    retry = None if several_nodes else retry_protocol.retry_after_oom(tmp)
                     if retry is None:
                         raise
-                    os.environ[failsafe.RETRY_ENV] = f"{retry.micro_cap} {retry.global_batch}"
+                    os.environ[retry_protocol.RETRY_ENV] = f"{retry.micro_cap} {retry.global_batch}"
                     print(f"sft: out of GPU memory with sft's micro batch; running again with micro batch "
                           f"{retry.micro_cap} and the global batch of {retry.global_batch} rows kept (from the newest "
                           "complete checkpoint, if any)", file=sys.stderr, flush=True)  # fmt: skip
@@ -115,7 +115,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
             codes = {failure.exitcode for failure in e.failures.values()}
             if message:
                 print(f"sft: error: {message}", file=sys.stderr, flush=True)
-                return failsafe.NONFINITE_EXIT_CODE if failsafe.NONFINITE_EXIT_CODE in codes else 2
+                return retry_protocol.NONFINITE_EXIT_CODE if retry_protocol.NONFINITE_EXIT_CODE in codes else 2
             if codes == {PREEMPTED_EXIT_CODE}:
                 print("sft: stopped on a signal with a complete checkpoint; run the same command to continue.",
                       file=sys.stderr, flush=True)  # fmt: skip
@@ -136,7 +136,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
             return 128 + int(e.sigval)
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
-            os.environ.pop(failsafe.RETRY_ENV, None)
+            os.environ.pop(retry_protocol.RETRY_ENV, None)
 
 
 def _agent_args(launcher_args: list[str], train_args: list[str], rdzv_timeout: int):

@@ -4,6 +4,5 @@
 
 May import: `sft.errors`, `sft.core`, `sft.model` (what a model is), `sft.engines` (through the engine interface),
 `sft.data.vision` (an image+text run's packing), `sft.parallel.sequence` (Ulysses' checks and sizes), and upward
-`sft.run.checkpoint` (a resume's checkpoint) and `sft.run.failsafe` (the retry it plans for). Nothing here builds a
-model or trains.
+`sft.run.checkpoint` (a resume's checkpoint). Nothing here builds a model or trains.
 """

@@ -24,6 +24,7 @@ import torch
 
 from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.core.dims import ParallelDims
+from sft.core.retry import Retry
 from sft.core.run import MemoryDecision, RunPlan
 from sft.errors import ConfigError
 from sft.model import architectures, experts, fp8, quantization, shapes
@@ -32,7 +33,6 @@ from sft.parallel import sequence as seqpar
 from sft.plan import memory as memplan
 from sft.plan import speed
 from sft.run import checkpoint as ckpt
-from sft.run import failsafe
 
 # The training arguments of the plan's memory levers: {argument: `sft.plan.memory.Tools` field} (ZeRO's offload levers
 # are the engine's, `Engine.offload_auto`)
@@ -108,7 +108,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     arguments are rebuilt once if anything changed. `model_args` is not changed. `sources`: the recipe's `datasets`,
     whose records holding images make a run of a multimodal config that trains on text too an image+text run."""
     seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
-    retry = failsafe.Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
+    retry = Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
     target, micro_cap = _target(training_args, resume, retry), retry.micro_cap if retry else None
     remote = bool(getattr(model_args, "trust_remote_code", False))
     model_config = shapes.load_config(model_args.model_name_or_path, remote)
@@ -172,7 +172,6 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     planned = dataclasses.replace(training_args, **changes) if changes else training_args
     memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
     plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision)
-    failsafe.remember(plan)
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
         logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), dims.world_size,
                     "es" * (dims.world_size > 1))  # fmt: skip

@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 
+from sft.core.retry import OOM_EXIT_CODE, Retry
 from sft.errors import SFTError
 
 logger = logging.getLogger(__name__)
-
-NONFINITE_EXIT_CODE = 3  # not 2 (a configuration error): the run started, then went wrong
 
 
 class NonFiniteStep(SFTError):
@@ -143,37 +142,12 @@ def _newest_checkpoint(output_dir: str) -> str:
     return f"The newest complete checkpoint, {Path(complete[-1]).name}, is from before it and intact."
 
 
-OOM_EXIT_CODE = 76  # a worker that ran out of memory with sft's micro batch, and left its note for the retry
-RETRY_ENV = "SFT_OOM_RETRY"  # from `sft train` after an out-of-memory: "<micro batch cap> <global batch>"
 OOM_TEST_ENV = "SFT_TEST_OOM_ABOVE_MICRO_BATCH"  # tests: a CUDA out-of-memory error for micro batches above N, step>=2
 LEVERS = (
     "activation_checkpointing: true, offload_checkpoints: true or tiled_mlp: true for activations; ZeRO-3 "
     "(ds_configs/zero3.json) or its CPU offload (ds_configs/zero3_offload.json) for the model states; a shorter "
     "max_length; LoRA; more GPUs"
 )
-
-
-@dataclass(frozen=True)
-class Retry:
-    """What `sft train` passes to the run after an out-of-memory: the largest micro batch it may use, and the global
-    batch to keep."""
-
-    micro_cap: int
-    global_batch: int
-
-    @classmethod
-    def from_env(cls) -> Retry | None:
-        value = os.environ.get(RETRY_ENV)
-        if not value:
-            return None
-        cap, global_batch = (int(v) for v in value.split())
-        return cls(cap, global_batch)
-
-    def describe(self) -> str:
-        return (
-            f"the run before it ran out of memory, so sft train runs it with a micro batch of at most "
-            f"{self.micro_cap} and its global batch of {self.global_batch} rows"
-        )
 
 
 @dataclass
@@ -193,7 +167,7 @@ _batch: Batch | None = None
 
 
 def remember(plan) -> None:
-    """Called once the run is planned (`sft.plan.preflight`), with its RunPlan."""
+    """Called once the run is planned (`sft.train`, with the RunPlan `sft.plan.preflight` returned)."""
     global _batch
     batch, memory = plan.batch, plan.memory
     _batch = Batch(batch.per_device_batch_size, batch.gradient_accumulation_steps, batch.global_batch_size,
@@ -262,14 +236,3 @@ def _out_of_memory(batch: Batch, where: str, first: str, error_dir: str | None, 
         f"batch by itself; under this launcher run the same command again with --per_device_train_batch_size {half} "
         f"--global_batch_size {batch.global_batch} (it resumes from the newest complete checkpoint), or: {LEVERS}."
     )
-
-
-def retry_after_oom(error_dir: str) -> Retry | None:
-    """The retry the workers' notes ask for (the smallest micro batch any rank asked for), or None."""
-    files = list(Path(error_dir).glob("oom-rank*.json"))
-    notes = [json.loads(p.read_text()) for p in files]
-    for p in files:
-        p.unlink()
-    if not notes:
-        return None
-    return Retry(min(n["retry_micro"] for n in notes), notes[0]["global_batch"])

@@ -13,8 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from sft.core.retry import NONFINITE_EXIT_CODE
 from sft.run.checkpoint import MARKER, RUN_MANIFEST
-from sft.run.failsafe import NONFINITE_EXIT_CODE, OOM_TEST_ENV
+from sft.run.failsafe import OOM_TEST_ENV
 from sft.run.metrics import samples_per_step
 from sft.tools import report
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
