@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
 def _plan(training_args, model_args, data_args):
     """(the RunPlan, the checkpoint it resumes or None, that checkpoint's fingerprint or None); the GPU capped where
     `max_gpu_memory_gib` asks."""
+    from sft.core.run import Resume
     from sft.plan import memory as memplan
-    from sft.plan.preflight import Resume, preflight
+    from sft.plan.preflight import preflight
     from sft.run import checkpoint as ckpt
     from sft.run import failsafe
 

@@ -156,6 +156,7 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     import logging
 
     from sft.config import parse_args
+    from sft.core.run import Resume
     from sft.plan import preflight as pre
     from tests.conftest import ROOT
 
@@ -200,7 +201,7 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     for folder, engine in (("pytorch_model_fsdp_0", "fsdp2"), ("global_step4", "deepspeed")):
         checkpoint = tmp_path / engine / "checkpoint-4"
         (checkpoint / folder).mkdir(parents=True)
-        resume = pre.Resume(str(checkpoint), 2, 2, 1, 4)
+        resume = Resume(str(checkpoint), 2, 2, 1, 4)
         plan, log = planned(*zero3, resume=resume)
         assert plan.engine.name == engine and f"was written by {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}" in log
 

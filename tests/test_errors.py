@@ -354,7 +354,8 @@ def test_a_checkpoint_of_the_other_engine_is_refused_before_the_model(tmp_path):
     started, then died in the load with a traceback. Refused before the model is built, naming the checkpoint, the
     engine that wrote it and the choices; exit 2, nothing in the output directory changed. FSDP2's checkpoint under
     DeepSpeed likewise; `engine: auto` follows the checkpoint."""
-    from sft.plan.preflight import Resume, check_resume_engine
+    from sft.core.run import Resume
+    from sft.plan.preflight import check_resume_engine
     from tests.test_checkpoint import make
 
     out = tmp_path / "out"

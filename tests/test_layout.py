@@ -118,7 +118,6 @@ LAYERS = ("core", "engines", "model", "parallel", "data", "plan", "run", "tools"
 UPWARD = {
     ("sft.engines.deepspeed.autoep", "sft.model.architectures"),  # which parameters are routed experts
     ("sft.model.converters", "sft.data.vision"),  # a vision-language model's forward hooks
-    ("sft.plan.preflight", "sft.run.checkpoint"),  # a resume's checkpoint
 }
 
 

@@ -20,12 +20,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from benchmarks.common import LLAMA_SHAPES
 from sft.config import parse_args
+from sft.core.run import Resume
 from sft.errors import ConfigError
 from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from sft.plan import speed
-from sft.plan.preflight import Resume, preflight
+from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
 SHAPES = {name: LLAMA_SHAPES[name] for name in ("llama-1b", "llama-8b", "llama-70b")}

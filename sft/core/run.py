@@ -7,6 +7,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The batch geometry of a checkpoint's fingerprint (whole numbers in a checkpoint sft resumes: `sft.run.checkpoint`
+# checks them; `Resume` reads them; the plan keeps the global batch by recomputing accumulation)
+GEOMETRY_FIELDS = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run resumes and the geometry it was written with (from its fingerprint)."""
+
+    checkpoint: str
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch: int
+    ep: int = 1  # expert-parallel size (fingerprints before it: 1)
+    autoep: bool = False  # the MoE layers were AutoEP's (`sft.engines.deepspeed.autoep`)
+    optim: str | None = None  # the optimizer it was trained with (fingerprints before it: None)
+
+    @classmethod
+    def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
+        parallel = fingerprint.get("parallel", {})
+        ep = parallel.get("ep", 1)
+        geometry = (fingerprint[k] for k in GEOMETRY_FIELDS)  # present: sft.run.checkpoint.damage checked them
+        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1), fingerprint.get("optim"))
+
+    def describe(self) -> str:
+        return (
+            f"{self.checkpoint} was trained with a global batch of {self.global_batch} ({self.world_size} processes x "
+            f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} accumulation)"
+        )
+
 
 @dataclass(frozen=True)
 class MemoryDecision:
@@ -35,7 +66,7 @@ class RunPlan:
     memory: MemoryDecision
     attn_implementation: str | None
     kernels: dict = field(default_factory=dict)  # name -> sft.model.architectures.Kernel(on, reason)
-    resume: Any = None  # sft.plan.preflight.Resume
+    resume: Resume | None = None
     lora: bool = False  # PEFT's adapters on the base weights (use_peft)
     vision: Any = None  # sft.data.vision.Plan: image+text chats packed by sft (a vision-language family), or None
 

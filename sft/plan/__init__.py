@@ -3,6 +3,6 @@
 `sft.core.batch`).
 
 May import: `sft.errors`, `sft.core`, `sft.model` (what a model is), `sft.engines` (through the engine interface),
-`sft.data.vision` (an image+text run's packing), `sft.parallel.sequence` (Ulysses' checks and sizes), and upward
-`sft.run.checkpoint` (a resume's checkpoint). Nothing here builds a model or trains.
+`sft.data.vision` (an image+text run's packing), `sft.parallel.sequence` (Ulysses' checks and sizes). Nothing here
+builds a model or trains.
 """

@@ -25,14 +25,13 @@ import torch
 from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.core.dims import ParallelDims
 from sft.core.retry import Retry
-from sft.core.run import MemoryDecision, RunPlan
+from sft.core.run import MemoryDecision, Resume, RunPlan
 from sft.errors import ConfigError
 from sft.model import architectures, experts, fp8, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
 from sft.plan import memory as memplan
 from sft.plan import speed
-from sft.run import checkpoint as ckpt
 
 # The training arguments of the plan's memory levers: {argument: `sft.plan.memory.Tools` field} (ZeRO's offload levers
 # are the engine's, `Engine.offload_auto`)
@@ -40,33 +39,6 @@ TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints
                "keep_attention_outputs": "keep_attention"}  # fmt: skip
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Resume:
-    """The checkpoint a run resumes and the geometry it was written with (from its fingerprint)."""
-
-    checkpoint: str
-    world_size: int
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    global_batch: int
-    ep: int = 1  # expert-parallel size (fingerprints before it: 1)
-    autoep: bool = False  # the MoE layers were AutoEP's (`sft.engines.deepspeed.autoep`)
-    optim: str | None = None  # the optimizer it was trained with (fingerprints before it: None)
-
-    @classmethod
-    def of(cls, checkpoint: str, fingerprint: dict) -> Resume:
-        parallel = fingerprint.get("parallel", {})
-        ep = parallel.get("ep", 1)
-        geometry = (fingerprint[k] for k in ckpt.GEOMETRY_FIELDS)  # present: sft.run.checkpoint.damage checked them
-        return cls(checkpoint, *geometry, ep, parallel.get("autoep", ep > 1), fingerprint.get("optim"))
-
-    def describe(self) -> str:
-        return (
-            f"{self.checkpoint} was trained with a global batch of {self.global_batch} ({self.world_size} processes x "
-            f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps} accumulation)"
-        )
 
 
 def base_setting(

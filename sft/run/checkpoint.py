@@ -34,6 +34,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from sft.core.run import GEOMETRY_FIELDS
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,7 @@ SFT_ARTIFACTS = {
     "wandb_run.json", "eval", "merged", "report", "data_stats.json",
 }  # fmt: skip
 # Fingerprint keys reconciled on a resume (`sft.plan.preflight`: the global batch is kept by recomputing accumulation):
-# the batch geometry (sft.plan.preflight.Resume reads it; whole numbers in a checkpoint sft resumes) and the parallel
-# sizes
-GEOMETRY_FIELDS = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
+# the batch geometry (`sft.core.run.GEOMETRY_FIELDS`) and the parallel sizes
 GEOMETRY_KEYS = {*GEOMETRY_FIELDS, "parallel"}
 VERSION_KEY = "versions"
 # Test hook: the main process SIGKILLs itself in the save of this step, after every file but the marker is written.
