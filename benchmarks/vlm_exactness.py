@@ -68,13 +68,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     from sft.data import vision
-    from sft.model import attention
+    from sft.model import attention, vision_hooks
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build(args.tiny).to(device)
     rows = samples(args.tiny)
     batch = {k: v.to(device) for k, v in vision.MRopePacker(model)(rows).items()}
-    hook = vision.join_positions(model)
+    hook = vision_hooks.join_positions(model)
 
     def alone(impl: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         model.to(dtype).set_attn_implementation(impl)
@@ -93,7 +93,7 @@ def main() -> None:
         hook.remove()  # alone: the model's own positions
         fp32, fp32_encoded = alone("eager", torch.float32)
         bf16, bf16_encoded = alone("sdpa", torch.bfloat16)
-        hook = vision.join_positions(model)
+        hook = vision_hooks.join_positions(model)
         attention.register_varlen()
         model.set_attn_implementation(attention.VARLEN)
         assert attention.vision_encoder_on_varlen(model)

@@ -152,6 +152,7 @@ def samples(model, tiny: bool):
 
 def gemma3(args, device) -> dict:
     from sft.data import vision
+    from sft.model import vision_hooks
 
     model = build(args.tiny).to(device)
     rows = samples(model, args.tiny)
@@ -173,7 +174,7 @@ def gemma3(args, device) -> dict:
         bf16 = alone("sdpa", torch.bfloat16)
         packed_in = batch | {"pixel_values": batch["pixel_values"].to(torch.bfloat16)}
         theirs = model(**packed_in, use_cache=False).logits[0].float()  # transformers' masks on the packed row
-        hook = vision.block_masks(model)
+        hook = vision_hooks.block_masks(model)
         packed = model(**packed_in, use_cache=False).logits[0].float()
         hook.remove()
     return {

@@ -117,7 +117,6 @@ LAYERS = ("core", "engines", "model", "parallel", "data", "plan", "run", "tools"
 # The imports that still run back up, each with its folder's docstring saying why (issue #66 removes them)
 UPWARD = {
     ("sft.engines.deepspeed.autoep", "sft.model.architectures"),  # which parameters are routed experts
-    ("sft.model.converters", "sft.data.vision"),  # a vision-language model's forward hooks
 }
 
 

@@ -9,6 +9,7 @@ import torch
 
 from sft.data import vision
 from sft.errors import ConfigError
+from sft.model import vision_hooks
 from tests.conftest import ROOT
 
 IMAGE, VIDEO, START, END = 290, 291, 292, 293
@@ -72,7 +73,7 @@ def packed_and_alone(request):
                sample(gen, 9, (1, 2, 2), 4, dim)]  # fmt: skip
     packer = vision.MRopePacker(model)
     batch = packer(samples)
-    vision.join_positions(model)  # as a run's plan puts it on the model
+    vision_hooks.join_positions(model)  # as a run's plan puts it on the model
     with torch.no_grad():
         packed = model(**batch, use_cache=False)
         alone = []
@@ -213,7 +214,7 @@ def test_the_demo_records_encode_and_pack_into_exact_rows(demo_vlm):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config).eval().float()
-    vision.join_positions(model)
+    vision_hooks.join_positions(model)
     row = [samples[i] for i in packed_rows[0]]
     assert len(row) >= 3
     with torch.no_grad():
@@ -287,7 +288,7 @@ def test_sft_varlen_runs_the_packed_row_and_the_encoder_exactly(packed_and_alone
     assert model.config.get_text_config()._attn_implementation == attention.VARLEN
     calls = []
     hook = model.model.visual.blocks[0].attn.register_forward_hook(lambda *a: calls.append(1))
-    vision.join_positions(model)
+    vision_hooks.join_positions(model)
     with torch.no_grad():
         out = model(**batch, use_cache=False)
     hook.remove()
@@ -359,7 +360,7 @@ def test_gemma3_packs_exactly_with_sfts_own_masks():
         for s in samples:
             inputs = {"input_ids": s.input_ids[None], "token_type_ids": (s.input_ids == IMAGE).long()[None]}
             alone.append(model(**inputs, pixel_values=s.pixel_values, use_cache=False).logits[0])
-        hook = vision.block_masks(model)  # sft's masks, built from the row's positions and token types
+        hook = vision_hooks.block_masks(model)  # sft's masks, built from the row's positions and token types
         for backend in ("eager", "sdpa"):
             model.set_attn_implementation(backend)
             batch = vision.BlockMaskPacker(model)(samples)

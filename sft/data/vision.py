@@ -12,8 +12,8 @@ A vision-language model packs exactly only where three things hold, and they are
   each sample) as the sample boundaries (the packed-sequence mask of eager/sdpa; the varlen kernels' `cu_seqlens`).
   Without that row the samples attend to each other (`tests/test_vision_packing.py` measures the leak). A packed
   batch carries that row as `position_ids` ([1, tokens], what TRL and sft count tokens and samples by) and the three
-  M-RoPE rows as `mrope_position_ids`; `join_positions` (a forward pre-hook the run plan puts on the model) stacks
-  them into the [4, 1, tokens] positions the model reads.
+  M-RoPE rows as `mrope_position_ids`; `sft.model.vision_hooks.join_positions` (a forward pre-hook the run plan
+  puts on the model) stacks them into the [4, 1, tokens] positions the model reads.
 
 Each sample's first label is masked (-100): the token before it is the previous sample's last.
 
@@ -23,12 +23,12 @@ image goes, `{"type": "text", "text": ...}`), and an `images` list in the order 
 images. `check_record` names what is wrong with a record (a missing or unreadable image, a count of image parts that
 does not match the images) before any training, as `sft.data.load` does for text.
 
-Gemma 3 packs exactly by masks instead (`BlockMaskPacker`, `block_masks`): its positions are 1-D and restart at each
-sample, its images are encoded one by one (all one size), but its image tokens attend to each other both ways
-(`token_type_ids`), and transformers' own Gemma 3 masks let a packed row's samples see each other (measured: a packed
-row with each sample's positions restarting, through eager and sdpa, logits up to 0.39 off its samples alone from
-the second sample on; transformers 5.24). sft builds the masks each sample has alone, per layer type (sliding window
-or full), on the model's device at every forward, and the run takes sdpa (or eager), which read them. Gemma 3's
+Gemma 3 packs exactly by masks instead (`BlockMaskPacker`, `sft.model.vision_hooks.block_masks`): its positions are 1-D
+and restart at each sample, its images are encoded one by one (all one size), but its image tokens attend to each other
+both ways (`token_type_ids`), and transformers' own Gemma 3 masks let a packed row's samples see each other (measured:
+a packed row with each sample's positions restarting, through eager and sdpa, logits up to 0.39 off its samples alone
+from the second sample on; transformers 5.24). sft builds the masks each sample has alone, per layer type (sliding
+window or full), on the model's device at every forward, and the run takes sdpa (or eager), which read them. Gemma 3's
 checkpoints train on text too: a run of a `gemma3` config is image+text where its data's records hold images
 (`sources_have_images`), a text run otherwise.
 
@@ -419,7 +419,7 @@ def _row(samples: list[Sample]) -> dict:
 class BlockMaskPacker:
     """Packs Gemma 3 samples into one row: the `_row` (positions restart at each sample: 1-D RoPE; each image is
     encoded on its own by the vision tower) with `token_type_ids` (1 on image tokens). Its attention masks are built
-    on the model's device by `block_masks`, from the row's positions and token types."""
+    on the model's device by `sft.model.vision_hooks.block_masks`, from the row's positions and token types."""
 
     def __init__(self, model: torch.nn.Module):
         self.image_token_id = model.config.image_token_id
@@ -428,51 +428,6 @@ class BlockMaskPacker:
         batch = _row(samples)
         batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
         return batch
-
-
-def masks(position_ids: torch.Tensor, token_type_ids: torch.Tensor, window: int, layer_types, eager_dtype=None):
-    """sft's attention masks of a packed row of one batch, per layer type ([1, 1, tokens, tokens]), what transformers
-    gives each sample alone (its own Gemma 3 masks let a packed row's samples see each other: measured in the module's
-    docstring): a token sees the tokens of its own sample (`position_ids` restart at 0) only, causally, and the tokens
-    of its own image both ways (a run of `token_type_ids` 1); in the sliding-window layers only those less than
-    `window` before it. Boolean for sdpa; additive (0 or the minimum of `eager_dtype`) for eager."""
-    positions, image = position_ids[0], token_type_ids[0].bool()
-    sample = torch.cumsum((positions == 0).long(), 0)
-    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:-1]
-    block = torch.where(image, torch.cumsum(starts.long(), 0), -1)  # each image's tokens one block id
-    index = torch.arange(len(positions), device=positions.device)
-    q, kv = index[:, None], index[None, :]
-    same_image = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
-    seen = (sample[:, None] == sample[None, :]) & ((kv <= q) | same_image)
-    allowed = {"full_attention": seen, "sliding_attention": seen & (kv > q - window)}
-    out = {}
-    for kind in set(layer_types):
-        mask = allowed[kind][None, None]
-        if eager_dtype is not None:
-            mask = torch.zeros(mask.shape, dtype=eager_dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(eager_dtype).min)  # fmt: skip
-        out[kind] = mask
-    return out
-
-
-def block_masks(model: torch.nn.Module):
-    """A forward pre-hook on `model` that gives a packed Gemma 3 row (`BlockMaskPacker`: `position_ids` and
-    `token_type_ids`, no attention mask) sft's masks (`masks`), which the model then reads in place of its own; returns
-    the hook's handle. Built on the row's device at every forward: nothing of [tokens, tokens] crosses the data
-    loader."""
-    text = model.config.get_text_config()
-
-    def attach(module, args, kwargs):
-        positions, types = kwargs.get("position_ids"), kwargs.get("token_type_ids")
-        if positions is None or types is None or kwargs.get("attention_mask") is not None:
-            return args, kwargs
-        eager = text._attn_implementation == "eager"
-        dtype = next(module.parameters()).dtype if eager else None
-        kwargs["attention_mask"] = masks(positions, types.to(positions.device), text.sliding_window,
-                                         text.layer_types, dtype)  # fmt: skip
-        return args, kwargs
-
-    return model.register_forward_pre_hook(attach, with_kwargs=True)
 
 
 class TiledPacker:
@@ -500,21 +455,6 @@ def packing(config) -> str:
     """How an image+text family's rows keep samples apart (`Plan.packing`)."""
     family = config.model_type
     return "masks" if family in MASKED else "positions" if family in TILED else "mrope"
-
-
-def join_positions(model: torch.nn.Module):
-    """A forward pre-hook on `model` that stacks a packed batch's boundary row (`position_ids`) over its M-RoPE rows
-    (`mrope_position_ids`) into the [4, batch, tokens] positions transformers' M-RoPE models read; returns the
-    hook's handle."""
-
-    def stack(module, args, kwargs):
-        rows = kwargs.pop("mrope_position_ids", None)
-        if rows is not None:
-            text = kwargs["position_ids"]
-            kwargs["position_ids"] = torch.cat([text[None], rows.to(text.device)])
-        return args, kwargs
-
-    return model.register_forward_pre_hook(stack, with_kwargs=True)
 
 
 class Collator:

@@ -4,6 +4,5 @@ the model changes applied as converters in one declared order (`converters`: sft
 tiled MLP, kept attention outputs; QLoRA's weights in `quantization`).
 
 May import: `sft.errors`, `sft.core` (the RunPlan type), `sft.config` (the argument classes), `sft.engines` (through
-the engine interface), and upward `sft.data.vision` (its forward hooks of a vision-language model, which issue #66
-moves here). Not the trainer.
+the engine interface). Not the data or the trainer.
 """

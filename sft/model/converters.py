@@ -117,15 +117,15 @@ def _compiled_hooks(model, plan) -> None:
 
 
 def _vision_positions(model, plan) -> None:
-    from sft.data import vision
+    from sft.model import vision_hooks
 
-    vision.join_positions(model)
+    vision_hooks.join_positions(model)
 
 
 def _vision_masks(model, plan) -> None:
-    from sft.data import vision
+    from sft.model import vision_hooks
 
-    vision.block_masks(model)
+    vision_hooks.block_masks(model)
 
 
 def _vision_varlen(model, plan) -> None:
