@@ -96,3 +96,9 @@ class ParallelDims:
         text = f"{self.world_size} process{'es' * (self.world_size > 1)}: data-parallel {self.dp}"
         text += f" x sequence-parallel {self.sp}" if self.sp > 1 else ""
         return text + (f", experts split over {self.ep} of the data-parallel ranks" if self.ep > 1 else "")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter `name` is a routed expert's weight: a parameter of an MoE block's `experts` module
+    (transformers' fused experts; shared experts are apart). What expert parallelism splits and the plan counts."""
+    return name.rsplit(".", 2)[-2:-1] == ["experts"]

@@ -6,8 +6,8 @@ this folder nothing imports deepspeed: the run's engine is built once (`build`, 
 tiled MLP, the memory equations, a model built outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint)
 are the functions below.
 
-May import: `sft.errors`, and upward `sft.model.architectures` (which parameters are routed experts, for AutoEP), and
-the libraries it wraps; nothing else of sft.
+May import: `sft.errors`, `sft.core` (which parameters are routed experts, for AutoEP), and the libraries it wraps;
+nothing else of sft.
 """
 
 from __future__ import annotations

@@ -429,12 +429,6 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def is_routed_expert(name: str) -> bool:
-    """Whether parameter `name` is a routed expert's weight: a parameter of an MoE block's `experts` module
-    (transformers' fused experts; shared experts are apart). What expert parallelism splits and the plan counts."""
-    return name.rsplit(".", 2)[-2:-1] == ["experts"]
-
-
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The decoder layers of a causal LM (transformers' `get_decoder().layers`), or None if it has none."""
     model = base_model(model)

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from sft.core.dims import is_routed_expert
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def load_shape(
     linear = sum(
         m.weight.numel() for layer in decoder_layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )
-    routed = sum(p.numel() for name, p in built.named_parameters() if architectures.is_routed_expert(name))
+    routed = sum(p.numel() for name, p in built.named_parameters() if is_routed_expert(name))
     layer_modules = decoder_layers[0].named_modules() if decoder_layers else ()
     return ModelShape(
         model_type=arch.family,

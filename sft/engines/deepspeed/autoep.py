@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from sft.core.dims import is_routed_expert
 from sft.errors import ConfigError
-from sft.model.architectures import is_routed_expert
 
 
 def preset_for(family: str) -> str | None:
