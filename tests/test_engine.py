@@ -210,25 +210,33 @@ def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(t
     """`engine: auto` on one process with bf16 weights and `optim: auto`: no engine (torchao's 8-bit AdamW with
     stochastic rounding steps the bf16 weights in place) where the speed model estimates it faster than the DeepSpeed
     config's setting, both estimates and what it was measured on logged, the `auto` fields still chosen by the plan;
-    DeepSpeed kept where the optimizer is named (no rounding to rely on), with `engine: deepspeed`, without a GPU."""
+    DeepSpeed kept where the optimizer is named (no rounding to rely on), with `engine: deepspeed`, without a GPU. A
+    checkpoint one process wrote without an engine (transformers' own files) is resumed without one, not by DeepSpeed
+    (which could not read it), with or without a GPU."""
     import logging
 
     from sft.config import parse_args
+    from sft.core.run import Resume
     from sft.plan import preflight as pre
     from tests.conftest import ROOT
 
-    def planned(*extra):
+    def planned(*extra, resume=None):
         _, _, args, model_args = parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir",
                                              str(tmp_path / "o"), "--per_device_train_batch_size", "auto",
                                              "--plan_gpu_memory_gib", "79.18", "--bf16", "true", "--dtype",
                                              "bfloat16", *extra])  # fmt: skip
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
-            plan = pre.preflight(args, model_args)
+            plan = pre.preflight(args, model_args, resume)
         return plan, caplog.text
 
     plan, log = planned()
     assert plan.training_args.deepspeed is not None and "engine: auto -> none" not in log  # no GPU: not measured
+    checkpoint = tmp_path / "alone" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)  # no DeepSpeed or FSDP2 folder, transformers' optimizer.pt: without an engine
+    (checkpoint / "optimizer.pt").write_bytes(b"")
+    plan, log = planned(resume=Resume(str(checkpoint), 1, 2, 1, 2))
+    assert plan.training_args.deepspeed is None and "was written by one process without an engine" in log
     monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
     plan, log = planned()
     assert plan.training_args.deepspeed is None and plan.engine.sharding.stage is None

@@ -293,8 +293,12 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
             return alone
     if resume is not None:
         written = checkpoint_engine(resume.checkpoint)
+        alone = written is None and (Path(resume.checkpoint) / "optimizer.pt").is_file()  # transformers' own save
+        if alone and resume.world_size == dims.world_size == 1 and sharding.stage is not None:
+            logger.info("engine: auto -> none (%s was written by one process without an engine)", resume.checkpoint)
+            return _without_deepspeed(training_args)
         if written != "fsdp2":
-            by = ENGINE_NAMES[written] if written else "one process without a sharding engine"
+            by = ENGINE_NAMES[written] if written else "processes without a sharding engine"
             return deepspeed(f"{resume.checkpoint} was written by {by}")
         logger.info("engine: auto -> fsdp2 (%s was written by FSDP2)", resume.checkpoint)
         return _rebuilt_for_fsdp2(training_args)
@@ -394,6 +398,11 @@ def _without_engine(training_args, model_args, model_config, arch, shape, target
                 "8-bit AdamW with stochastic rounding, no fp32 master copy: %s, against DeepSpeed ZeRO-%s: %s; %s; "
                 "`engine: deepspeed` keeps DeepSpeed)", said(alone), sharding.stage, said(engine),
                 ALONE_MEASURED)  # fmt: skip
+    return _without_deepspeed(training_args)
+
+
+def _without_deepspeed(training_args):
+    """The training arguments without DeepSpeed (`deepspeed: none`), every field left `auto` still `auto`."""
     rebuilt = dataclasses.replace(training_args, deepspeed=None)
     rebuilt.auto_settings = set(training_args.auto_settings)
     return rebuilt
