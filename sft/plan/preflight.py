@@ -288,7 +288,7 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
         return training_args
 
     if resume is None and model_config is not None:
-        alone = _without_engine(training_args, model_args, model_config, arch, shape_of(), target, micro_cap)
+        alone = _without_engine(training_args, model_args, model_config, arch, shape_of, target, micro_cap)
         if alone is not None:
             return alone
     if resume is not None:
@@ -360,7 +360,7 @@ def _auto_line(training_args, changes: dict, engine) -> str:
     return ", ".join(f"{k} = {_shown(v)}" for k, v in sorted(shown.items()))
 
 
-def _without_engine(training_args, model_args, model_config, arch, shape, target, micro_cap):
+def _without_engine(training_args, model_args, model_config, arch, shape_of, target, micro_cap):
     """`engine: auto` on one process: the training arguments without DeepSpeed (bf16 weights stepped in place by
     torchao's 8-bit AdamW with stochastic rounding: `_precision`) where the speed model estimates that run's fastest
     setting that fits faster than the DeepSpeed config's (or nothing fits with DeepSpeed); None to keep the engine.
@@ -373,7 +373,7 @@ def _without_engine(training_args, model_args, model_config, arch, shape, target
            not _stepped_with_rounding(training_args, model_args, model_config))  # fmt: skip
     if any(cut):
         return None
-    limits = _memory_limits(training_args)
+    shape, limits = shape_of(), _memory_limits(training_args)
     engine_bases = _engine_bases(training_args, model_args, arch, target, "deepspeed", sharding.stage)
     engine = _ranked(training_args, shape, engine_bases, target, micro_cap, limits)[0]
     if memplan.eight_bit_candidate(engine_bases[0]):
