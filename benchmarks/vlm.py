@@ -375,13 +375,15 @@ def summarise(args, runs: dict) -> dict:
     if all("tokens_per_second_per_gpu" in runs.get(k, {}) for k in ("sft", "trl")):
         sft, trl = (runs[k]["tokens_per_second_per_gpu"] for k in ("sft", "trl"))
         ratios["sft / trl tokens/s"] = sft / trl
-    losses = [[s.get("loss") for s in runs.get(k, {}).get("steps", [])] for k in ("sft", "sft-master")]
-    n = min(map(len, losses))
-    if n and None not in losses[0][:n] + losses[1][:n]:  # sft's default against fp32 master weights, last half
-        default, master = (np.array(x[:n])[n // 2 :] for x in losses)
-        ratios["sft / sft-master mean |loss difference|, last half of the steps, relative"] = float(
-            np.abs(default - master).mean() / master.mean()
-        )
+    from benchmarks.precision_curves import compare
+
+    curves = {arm: {"loss": [s["loss"] for s in runs.get(k, {}).get("steps", []) if "loss" in s]}
+              for arm, k in (("default", "sft"), ("fp32_master", "sft-master"))}  # fmt: skip
+    against = compare(curves).get("default")  # sft's default against fp32 master weights, last half of the steps
+    if against:
+        ratios["sft / sft-master mean |loss difference|, last half of the steps, relative"] = against[
+            "relative_to_master"
+        ]
     return ratios
 
 

@@ -296,10 +296,7 @@ def _without_engine(args, rank, setting: Setting, fits: list) -> list:
            not args.by_speed, args.offload != "none", args.engine != "deepspeed")  # fmt: skip
     if any(cut):
         return fits
-    moments = plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM)
-    bases = [dataclasses.replace(b, zero_stage=None, moment_bytes=moments).stepped_in_place()
-             for b in _bases(args, setting)]  # fmt: skip
-    alone = rank(bases)
+    alone = rank(plan.without_engine(_bases(args, setting)))
     if not alone or (fits and fits[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
         return fits
     against = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fitting"

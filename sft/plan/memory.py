@@ -621,6 +621,13 @@ def with_liger_candidates(bases: list[Setting]) -> list[Setting]:
     return flipped + bases if flipped[0].liger else bases + flipped
 
 
+def without_engine(bases: list[Setting]) -> list[Setting]:
+    """`bases` as one process runs them without DeepSpeed under `optim: auto` (`engine: auto`'s other candidate): bf16
+    weights stepped in place by torchao's 8-bit AdamW with stochastic rounding, no fp32 master copy."""
+    moments = moment_bytes_of(EIGHT_BIT_OPTIM)
+    return [dataclasses.replace(b, zero_stage=None, moment_bytes=moments).stepped_in_place() for b in bases]
+
+
 def with_eight_bit_moments(bases: list[Setting]) -> list[Setting]:
     """`bases` with torchao's 8-bit Adam moments (`optim: auto`'s other candidates)."""
     return [dataclasses.replace(b, moment_bytes=moment_bytes_of(EIGHT_BIT_OPTIM)) for b in bases]

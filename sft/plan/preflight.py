@@ -331,11 +331,7 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
     best = {}
     for name in ("deepspeed", "fsdp2"):
         bases = _engine_bases(training_args, model_args, arch, target, name)
-        fits = _ranked(training_args, shape_of(), bases, target, micro_cap, limits)[0]
-        if "optim" in training_args.auto_settings and memplan.eight_bit_candidate(bases[0]):  # DeepSpeed's only
-            eight = _ranked(training_args, shape_of(), memplan.with_eight_bit_moments(bases), target, micro_cap,
-                            limits)[0]  # fmt: skip
-            fits = eight if memplan.eight_bit_wins(fits, eight) else fits
+        fits = _fits_with_optim(training_args, shape_of(), bases, target, micro_cap, limits)
         best[name] = fits[0] if fits else None
     if best["fsdp2"] is None or (best["deepspeed"] and best["deepspeed"].time.tokens_per_second
                                  >= best["fsdp2"].time.tokens_per_second):  # fmt: skip
@@ -375,13 +371,8 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
         return None
     shape, limits = shape_of(), _memory_limits(training_args)
     engine_bases = _engine_bases(training_args, model_args, arch, target, "deepspeed", sharding.stage)
-    engine = _ranked(training_args, shape, engine_bases, target, micro_cap, limits)[0]
-    if memplan.eight_bit_candidate(engine_bases[0]):
-        eight = _ranked(training_args, shape, memplan.with_eight_bit_moments(engine_bases), target, micro_cap, limits)
-        engine = eight[0] if memplan.eight_bit_wins(engine, eight[0]) else engine
-    moments = memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM)
-    bases = [dataclasses.replace(b, zero_stage=None, moment_bytes=moments).stepped_in_place()
-             for b in _engine_bases(training_args, model_args, arch, target, "deepspeed", None)]  # fmt: skip
+    engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
+    bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, "deepspeed", None))
     alone = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
 
     def said(fits) -> str:
@@ -399,6 +390,16 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
                 "`engine: deepspeed` keeps DeepSpeed)", said(alone), sharding.stage, said(engine),
                 ALONE_MEASURED)  # fmt: skip
     return _without_deepspeed(training_args)
+
+
+def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> list:
+    """The settings of `bases` that fit, fastest first, with the moments `optim: auto` would take: 8-bit where they
+    win (`sft.plan.memory.eight_bit_wins`; DeepSpeed's only), else the bases' own."""
+    fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
+    if "optim" not in training_args.auto_settings or not memplan.eight_bit_candidate(bases[0]):
+        return fits
+    eight = _ranked(training_args, shape, memplan.with_eight_bit_moments(bases), target, micro_cap, limits)[0]
+    return eight if memplan.eight_bit_wins(fits, eight) else fits
 
 
 def _without_deepspeed(training_args):
