@@ -274,7 +274,7 @@ class TrainConfig(SFTConfig):
             "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded), "
             "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it), or `auto`: DeepSpeed, "
             "except FSDP2 in place of ZeRO-3 where the plan estimates it faster on a GPU.",
-            "choices": [*engines.ENGINES, "auto"],
+            "choices": [*engines.NAMES, "auto"],
         },  # fmt: skip
     )
     optim: str = field(
@@ -349,31 +349,16 @@ class TrainConfig(SFTConfig):
         launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
         self._prepare_engine(launch)
         super().__post_init__()
-        if self.engine == "deepspeed":
-            engines.check_agrees(self)
+        engines.spec(self.engine).check_agrees(self)
 
     def _prepare_engine(self, launch: ParallelDims) -> None:
-        """The `engine` checked and its configuration written: DeepSpeed's config resolved, or FSDP2's `fsdp` and
-        `fsdp_config` (`sft.engines.fsdp2`)."""
+        """The `engine` checked and its configuration written by the engine's spec (`sft.engines.SPECS`): DeepSpeed's
+        config resolved, or FSDP2's `fsdp` and `fsdp_config`."""
         self.engine = str(self.engine).strip().lower()
-        if self.engine not in (*engines.ENGINES, "auto"):
-            raise ConfigError(f"`engine` must be one of {', '.join(engines.ENGINES)} or auto, got {self.engine!r}.")
-        if self.engine == "auto":  # DeepSpeed's until the plan decides (`sft.plan.preflight`)
+        if self.engine == "auto":  # the registry's first engine until the plan decides (`sft.plan.preflight`)
             self.auto_settings.add("engine")
-            self.engine = "deepspeed"
-        if self.engine == "fsdp2":
-            self.fsdp, self.fsdp_config = engines.prepare_fsdp2(self.deepspeed, self.fsdp_config, launch.sp, launch.ep)
-            self.deepspeed, self.resolved_ds_settings = None, {}
-            return
-        if self.fsdp or self.fsdp_config:
-            raise ConfigError(
-                "`fsdp` / `fsdp_config` are FSDP's settings, which sft drives as its second engine: set `engine: "
-                "fsdp2` (sft writes fsdp and fsdp_config; `fsdp_config` may keep reshard_after_forward and "
-                "cpu_offload), or drop them for DeepSpeed."
-            )
-        self.deepspeed, self.resolved_ds_settings = engines.prepare_config(
-            self.deepspeed, launch.world_size, launch.sp, launch.ep
-        )
+            self.engine = engines.NAMES[0]
+        engines.spec(self.engine).prepare(self, launch)
 
     def _parse_sizes(self) -> None:
         """The micro batch and the parallel sizes: whole numbers, or `auto` (a placeholder until the plan chooses)."""
@@ -498,6 +483,15 @@ class TrainConfig(SFTConfig):
     def padding_free_batches(self) -> bool:
         """Batches are one flattened row whose samples are told apart by position_ids (TRL's padding-free path)."""
         return bool(self.padding_free or (self.packing and self.packing_strategy in {"bfd", "bfd_split"}))
+
+    def with_values(self, keep_auto: bool = True, **values) -> TrainConfig:
+        """These arguments with `values` set, parsed again (the engine's configuration written for them): how the plan
+        emits the training arguments transformers reads. `keep_auto`: every field left `auto` stays `auto` (a choice
+        made before the others, `engine: auto`'s), else the fields are what they now hold."""
+        emitted = dataclasses.replace(self, **values)
+        if keep_auto:
+            emitted.auto_settings = set(self.auto_settings)
+        return emitted
 
     @functools.cached_property
     def parallel(self) -> ParallelDims:

@@ -54,8 +54,9 @@ def test_only_the_engines_import_deepspeed():
 
 
 def test_the_engines_import_only_what_their_folder_allows():
-    """sft/engines/ wraps its libraries and may import of sft only the errors and which parameters are experts."""
-    allowed = {"sft.errors", "sft.core.dims"}
+    """sft/engines/ wraps its libraries and may import of sft only the errors, which parameters are experts and the
+    engines' declared traits and sharding (`sft.core.engine`)."""
+    allowed = {"sft.errors", "sft.core.dims", "sft.core.engine"}
     offending = [
         f"{MODULES[name].relative_to(ROOT)}:{line} imports {module}"
         for name, tree in TREES.items()

@@ -1,7 +1,8 @@
 """The bottom layer: what every other folder reads and nothing here decides. The parallel sizes (`dims`:
 `ParallelDims`, the one owner of world, data-parallel, sequence- and expert-parallel sizes, and which parameters
 expert parallelism splits), the batch arithmetic (`batch`: global batch, accumulation, steps per epoch), the decided
-run (`run`: `RunPlan`, `MemoryDecision`, `Resume`), the out-of-memory retry's protocol and the exit codes (`retry`)
+run (`run`: `RunPlan`, `MemoryDecision`, `Resume`), what an engine declares about itself and how it splits the training
+state (`engine`: `Traits`, `Sharding`), the out-of-memory retry's protocol and the exit codes (`retry`)
 and what the console shows (`logs`).
 
 May import: `sft.errors` only.

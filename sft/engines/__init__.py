@@ -1,61 +1,50 @@
 """Training engines: what sft needs from the library that shards and steps the model.
 
-`base.py` is the interface (`Engine`, `Sharding`); `deepspeed/` is the first engine, `fsdp2/` the second. Outside
-this folder nothing imports deepspeed: the run's engine is built once (`build`, read through
-`TrainConfig.run_engine` and the run plan), and the few pieces of an engine's library that sft uses without a run (the
+`base.py` is the interface (`Spec`: an engine's declared `Traits` and how it enters a run; `Engine`: one run's engine);
+each engine folder exports its `SPEC` (`deepspeed/` the first engine, `fsdp2/` the second) and this module is the
+registry (`SPECS`, `spec`, `written_by`): outside this folder nothing branches on an engine's name; it reads traits.
+Nothing else imports deepspeed: the run's engine is built once (`build`, read through `TrainConfig.run_engine` and the
+run plan), and the few pieces of an engine's library that sft uses without a run (the
 tiled MLP, the memory equations, a model built outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint)
 are the functions below.
 
-May import: `sft.errors`, `sft.core` (which parameters are routed experts, for AutoEP), and the libraries it wraps;
-nothing else of sft.
+May import: `sft.errors`, `sft.core` (an engine's declared traits and sharding; which parameters are routed experts,
+for AutoEP), and the libraries it wraps; nothing else of sft.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
-from sft.engines.base import Engine, Sharding
+from sft.engines import deepspeed, fsdp2
+from sft.engines.base import Engine, Sharding, Spec, Traits
+from sft.errors import ConfigError
 
-__all__ = ["Engine", "Sharding", "ENGINES", "prepare_config", "prepare_fsdp2", "check_agrees", "build", "tiled_mlp",
+__all__ = ["Engine", "Sharding", "Spec", "Traits", "SPECS", "NAMES", "spec", "written_by", "build", "tiled_mlp",
            "model_states", "bucket_elements", "outside_sharded_init", "lora_state"]  # fmt: skip
 
-
-def prepare_config(config, processes: int, sp: int = 1, ep: int = 1) -> tuple[str | dict | None, dict]:
-    """The engine's configuration argument checked and its `"auto"` values resolved for a run of `processes`
-    processes (at parse time, `TrainConfig.__post_init__`); returns (the value for transformers, {setting: value}).
-    """
-    from sft.engines.deepspeed.config import prepare_config as prepare
-
-    return prepare(config, processes, sp, ep)
+# The registry: every engine sft can run, by the `engine` field's value; the first is the default
+SPECS: dict[str, Spec] = {s.name: s for s in (deepspeed.SPEC, fsdp2.SPEC)}
+NAMES = tuple(SPECS)
 
 
-def check_agrees(training_args) -> None:
-    """After transformers resolved its own values: one that contradicts a training argument is an error."""
-    from sft.engines.deepspeed.config import check_agrees as check
-
-    check(training_args)
-
-
-ENGINES = ("deepspeed", "fsdp2")
+def spec(name: str) -> Spec:
+    """The registered engine called `name` (the `engine` field's value), else a ConfigError naming the choices."""
+    if name not in SPECS:
+        raise ConfigError(f"`engine` must be one of {', '.join(NAMES)} or auto, got {name!r}.")
+    return SPECS[name]
 
 
-def prepare_fsdp2(deepspeed, fsdp_config, sp: int = 1, ep: int = 1) -> tuple[bool, dict]:
-    """`engine: fsdp2`: transformers' `fsdp` and `fsdp_config` as sft writes them (`sft.engines.fsdp2.prepare`)."""
-    from sft.engines.fsdp2 import prepare
-
-    return prepare(deepspeed, fsdp_config, sp, ep)
+def written_by(checkpoint) -> Spec | None:
+    """The engine whose state a checkpoint folder holds, else None (transformers' own files: one process without a
+    sharding engine)."""
+    return next((s for s in SPECS.values() if s.wrote(Path(checkpoint))), None)
 
 
 def build(training_args) -> Engine:
-    """The run's engine, from its resolved training arguments: FSDP2 where `engine: fsdp2`, else DeepSpeed (on or
-    off)."""
-    if training_args.engine == "fsdp2":
-        from sft.engines.fsdp2 import FSDP2
-
-        return FSDP2(training_args)
-    from sft.engines.deepspeed import DeepSpeed
-
-    return DeepSpeed(training_args)
+    """The run's engine, from its resolved training arguments (`engine`'s spec)."""
+    return spec(training_args.engine).build(training_args)
 
 
 def tiled_mlp():

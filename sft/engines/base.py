@@ -9,26 +9,63 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from sft.core.engine import Sharding, Traits
+
+__all__ = ["Engine", "Sharding", "Spec", "Traits"]
+
 
 @dataclass(frozen=True)
-class Sharding:
-    """How an engine splits the training state: the ZeRO stage (None: not sharded, one replica per process) and what
-    is offloaded to the CPU."""
+class Spec:
+    """An engine as the registry holds it (`sft.engines.SPECS`): its declared traits and how it enters a run, without
+    building it. Each engine folder exports one (`SPEC`); adding an engine is a folder and its line in the registry."""
 
-    stage: int | None = None
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    offload_ratio: float = 1.0  # optimizer offload: the share of the states on the CPU
+    traits: Traits
+    # at parse time: the training arguments' engine fields checked and written for a launch of `dims`
+    # (`prepare(training_args, dims)`: DeepSpeed's config resolved, FSDP2's `fsdp` and `fsdp_config` written)
+    prepare: Callable
+    # after transformers resolved its own values: a value of the engine's configuration that contradicts a training
+    # argument refused (`check_agrees(training_args)`)
+    check_agrees: Callable
+    build: Callable  # `build(training_args) -> Engine`, once per run, from the resolved arguments
+    wrote: Callable  # `wrote(checkpoint: Path) -> bool`: whether that checkpoint folder holds this engine's state
+    # the training-argument values that select this engine with its own default configuration (`engine: auto`'s
+    # choice), and those that run it without sharding anything (None: it always shards)
+    selected: dict = field(default_factory=dict)
+    unsharded: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
 
 
 class Engine(abc.ABC):
     """One run's engine, built once from its resolved configuration (`sft.engines.build`)."""
 
-    name: str
+    traits: Traits  # the engine's declared traits (its spec's)
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def drops_nonfinite_steps(self) -> bool:
+        """Whether this run's optimizer skips a step whose gradients are not finite by itself (the step guard then
+        leaves the gradients alone)."""
+        return self.traits.drops_nonfinite_steps and self.config is not None
+
+    @property
+    def on(self) -> bool:
+        """Whether the engine runs at all (DeepSpeed without a config is off: plain data parallelism, one process)."""
+        return self.config is not None
+
+    def starting(self) -> str | None:
+        """The line the trainer logs as the engine starts (None: nothing to say)."""
+        return None
 
     # --- its configuration, resolved once ---
     @property
@@ -119,6 +156,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def gradient_divisor(self) -> int:
         """What the engine divides the sum of all ranks' gradients by (sequence parallelism scales the loss by it)."""
+
+    def sequence_parallel_config(self, dims, attn_implementation: str):
+        """accelerate's `ParallelismConfig` for sequence parallelism over `dims` (the trainer sets it on the training
+        arguments before it is built); refused by an engine without sequence parallelism (`Traits.sequence_parallel`).
+        """
+        from sft.errors import ConfigError
+
+        raise ConfigError(f"sequence parallelism is not {self.traits.label}'s: set `engine: deepspeed` (Ulysses).")
 
     @abc.abstractmethod
     def sequence_parallel_loader(self, loader):

@@ -44,11 +44,13 @@ def _fp8(model, plan) -> None:
     from sft.model import fp8
 
     recipe = plan.training_args.fp8_recipe
-    fsdp2 = plan.engine.name == "fsdp2"
+    traits = plan.engine.traits
     mixed = bool(plan.training_args.bf16 or plan.training_args.fp16)  # FSDP2 then keeps fp32 master weights
-    converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available(), fsdp2=fsdp2,
-                            fp32_master=fsdp2 and mixed)  # fmt: skip
-    gathered = ", all-gathered by FSDP2 in float8" if fsdp2 and fp8.all_gathers_float8(recipe) else ""
+    converted = fp8.convert(model, recipe, size_filter=torch.cuda.is_available(), fsdp2=traits.layer_units,
+                            fp32_master=traits.layer_units and mixed)  # fmt: skip
+    gathered = ""
+    if traits.float8_all_gather and fp8.all_gathers_float8(recipe):
+        gathered = f", all-gathered by {traits.label} in float8"
     logger.info("FP8: %d decoder linear layers in torchao float8 (%s scaling%s)", converted, recipe, gathered)
 
 

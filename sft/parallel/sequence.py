@@ -1,6 +1,7 @@
 """Sequence parallelism: the tokens of one packed row split over `sp` ranks (Ulysses, DeepSpeed ALST).
 
-The engine is DeepSpeed's and accelerate's: `ParallelismConfig(sp_backend="deepspeed")` makes transformers' Trainer
+The engine is DeepSpeed's and accelerate's (the engine's `sequence_parallel_config`, `sft.engines.deepspeed.ulysses`:
+`ParallelismConfig(sp_backend="deepspeed")`), which makes transformers' Trainer
 register `UlyssesSPAttentionHF` (an all-to-all before and after attention, so each rank attends over the whole row
 with `heads / sp` heads), pass DeepSpeed the sequence-parallel groups, and wrap the training data loader in
 `UlyssesSPDataLoaderAdapter` (the sp ranks of a replica take turns: each rank's batch is cut into `sp` contiguous
@@ -65,7 +66,8 @@ def check(dims, training_args, padding_free: bool) -> None:
     """Refuse a sequence-parallel setting that cannot run, before data or model are loaded."""
     if dims.sp == 1:
         return
-    if not training_args.deepspeed:
+    engine = training_args.run_engine
+    if not (engine.on and engine.traits.sequence_parallel):
         raise ConfigError(
             f"`sequence_parallel_size: {dims.sp}` runs on DeepSpeed (Ulysses / ALST): add `--deepspeed "
             "ds_configs/zero2.json` (or zero3), or set sequence_parallel_size: 1."
@@ -130,20 +132,6 @@ def check_model(config, sp: int, attn_implementation: str | None, arch=None) -> 
             f"multiple of its {kv_heads} key/value heads. Use one of "
             f"{[d for d in range(1, heads + 1) if splits_heads(heads, kv_heads, d)]}."
         )
-
-
-def parallelism_config(dims, attn_implementation: str):
-    """accelerate's ParallelismConfig for `dims` (None without SP): Ulysses on DeepSpeed, variable row lengths."""
-    if dims.sp == 1:
-        return None
-    from accelerate import ParallelismConfig
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True)
-    # accelerate validates the backend against a fixed list (flash_attention_2/3, sdpa) that misses transformers'
-    # registered backends; DeepSpeed itself checks the name against transformers' registry when it wraps it.
-    handler.sp_attn_implementation = attn_implementation
-    return ParallelismConfig(sp_backend="deepspeed", sp_size=dims.sp, dp_replicate_size=dims.dp, sp_handler=handler)
 
 
 class ShardableCollator:
@@ -230,7 +218,8 @@ class TrainerSteps:
 
     def configure(self, training_args) -> None:
         """Before the trainer is built: accelerate's Ulysses configuration on the training arguments."""
-        training_args.parallelism_config = parallelism_config(self.dims, self.plan.attn_implementation)
+        engine = self.plan.engine
+        training_args.parallelism_config = engine.sequence_parallel_config(self.dims, self.plan.attn_implementation)
 
     def attach(self, trainer) -> None:
         """After the trainer is built: batches that can be sliced over the sp ranks, and a loss scaled for the whole

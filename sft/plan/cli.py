@@ -11,6 +11,7 @@ import functools
 import logging
 import sys
 
+from sft import engines
 from sft.core import logs
 from sft.core.batch import micro_batches_for
 from sft.errors import ConfigError
@@ -116,7 +117,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
     parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
     parser.add_argument("--zero", default="2", choices=["none", "0", "1", "2", "3"], help="DeepSpeed ZeRO stage")
-    parser.add_argument("--engine", default="deepspeed", choices=["deepspeed", "fsdp2"],
+    parser.add_argument("--engine", default=engines.NAMES[0], choices=engines.NAMES,
                         help="fsdp2: PyTorch's FSDP2 in ZeRO-3's layout (--zero 3; its memory planned as ZeRO-3's, "
                              "its speed without ZeRO-3's per-layer hooks)")  # fmt: skip
     parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
@@ -174,7 +175,8 @@ def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, b
     arch = architectures.of(model_config)
     liger = arch.kernel("liger").on if args.liger == "auto" else args.liger == "on"
     if args.fp8 == "auto":
-        fp8_on = (arch.kernel("fp8").on and not args.lora_r and (args.zero != "3" or args.engine == "fsdp2")
+        hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks  # FP8 off under ZeRO-3's hooks
+        fp8_on = (arch.kernel("fp8").on and not args.lora_r and not hooks
                   and shape.hidden >= fp8.AUTO_MIN_HIDDEN)  # fmt: skip
     else:
         fp8_on = args.fp8 == "on"
@@ -229,7 +231,7 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
     for i, r in enumerate(fits, 1):
         s = r.estimate.setting
         zero = "no DeepSpeed" if s.zero_stage is None else f"ZeRO-{s.zero_stage}"
-        zero = f"FSDP2 ({zero}'s layout)" if s.engine == "fsdp2" else zero
+        zero = f"{s.traits.label} ({zero}'s layout)" if s.traits.shards_weights_always else zero
         sp = f", sp {s.sp}" if s.sp > 1 else ""
         speed_cells = (f"{r.time.tokens_per_second:,.0f} | {r.time.mfu:.1%} | {r.time.seconds:.2f}" if by_speed
                        else "- | - | -")  # no estimate where the constants were not fitted  # fmt: skip
@@ -293,7 +295,7 @@ def _without_engine(args, rank, setting: Setting, fits: list) -> list:
     with stochastic rounding) where their fastest is estimated faster than `fits`' or nothing else fits, said in a
     line, as `sft train`'s `engine: auto` decides (`sft.plan.preflight._without_engine`); else `fits`."""
     cut = (args.gpus != 1, setting.zero_stage is None, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
-           not args.by_speed, args.offload != "none", args.engine != "deepspeed")  # fmt: skip
+           not args.by_speed, args.offload != "none", engines.spec(args.engine).unsharded is None)  # fmt: skip
     if any(cut):
         return fits
     alone = rank(plan.without_engine(_bases(args, setting)))

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sft import engines
 from sft.errors import ConfigError
 from sft.model.shapes import ModelShape
 from sft.plan import speed
@@ -160,9 +161,10 @@ class Setting:
     # Adam's two moments per trained parameter: fp32 (8 bytes), or 8-bit blocks (`optim: adamw_torch_8bit`, torchao's
     # AdamW8bit: a byte each plus a fp32 scale per 256; `moment_bytes_of`)
     moment_bytes: float = 8.0
-    # the engine that shards (`sft.engines`): "fsdp2" has none of ZeRO-3's per-layer host hooks (the speed model's
-    # `zero3_host_s_per_layer_pass`); its memory is planned with DeepSpeed's terms for the same layout
-    engine: str = "deepspeed"
+    # the engine that shards, by its name in `sft.engines.SPECS` (read through `traits`: FSDP2 has none of ZeRO-3's
+    # per-layer host hooks, the speed model's `zero3_host_s_per_layer_pass`); memory is planned with ZeRO's terms for
+    # the engine's layout
+    engine: str = engines.NAMES[0]
     # an fp32 master copy of the trained weights: kept by every engine that shards (ZeRO, FSDP2's fp32 parameters);
     # without one, bf16 weights are stepped in place (`sft.plan.preflight._precision`: stochastic rounding)
     master_weights: bool = True
@@ -185,11 +187,16 @@ class Setting:
         """Tokens one GPU holds activations for: its slice of each row."""
         return self.micro_batch * -(-self.seq_len // self.sp)
 
+    @property
+    def traits(self) -> engines.Traits:
+        """The declared traits of the engine this setting runs under (`sft.engines.SPECS`)."""
+        return engines.spec(self.engine).traits
+
     def describe(self) -> str:
         zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
-        if self.engine == "fsdp2":  # planned with ZeRO's terms for the same layout
+        if self.traits.shards_weights_always:  # planned with ZeRO's terms for the same layout
             layout = "resharded" if self.zero_stage == 3 else "kept gathered"
-            zero = f"FSDP2 ({layout}: ZeRO-{self.zero_stage}'s layout)"
+            zero = f"{self.traits.label} ({layout}: ZeRO-{self.zero_stage}'s layout)"
         if self.offload_optimizer or self.offload_params:
             optimizer = "optimizer" + (f" ({self.ratio:.0%})" if self.ratio < 1 else "")
             zero += " + offload " + "+".join(
@@ -465,8 +472,6 @@ def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
 def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]:
     """The engine's equations for `p` trainable parameters (DeepSpeed's for ZeRO-2/3, `sft.engines.model_states`),
     plus LoRA's frozen base."""
-    from sft import engines
-
     per_node = s.gpus_per_node or s.gpus
     nodes = max(s.gpus // per_node, 1)
     frozen = frozen_weight_bytes(shape, s)
@@ -610,7 +615,7 @@ def eight_bit_candidate(s: Setting) -> bool:
     under FSDP2: it steps each parameter apart, and its memory with 8-bit Adam was not measured."""
     import importlib.util
 
-    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer and s.engine == "deepspeed"
+    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer and s.traits.eight_bit_moments
             and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 

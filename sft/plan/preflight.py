@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sft import engines
 from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.core.dims import ParallelDims
 from sft.core.retry import Retry
@@ -111,7 +112,7 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     _resolve_fp8_changes(training_args, kernels["FP8"].on, sp, changes)
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
-        changes["deepspeed"] = engine.unresolved(training_args)  # resolved again for this sp
+        changes[engine.traits.config_field] = engine.unresolved(training_args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
         seqpar.check(dims, training_args, padding_free)
     seqpar.check_model(model_config, sp, attn, arch)
@@ -121,7 +122,8 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
         optim = getattr(training_args.optim, "value", training_args.optim)
         logger.warning("optim %s: the optimizer is offloaded to the CPU, where DeepSpeed's CPU Adam steps it with "
                        "fp32 moments instead (the plan counts those)", optim)  # fmt: skip
-    config, lines = engine.written(changes.get("deepspeed", training_args.deepspeed), offload=offload)
+    field = engine.traits.config_field
+    config, lines = engine.written(changes.get(field, getattr(training_args, field)), offload=offload)
     for line in lines:
         logger.info("%s", line)
     params = None
@@ -136,12 +138,12 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     _lever_changes(training_args, micro, tools, batch, changes)
     if resume is not None:
         config = _plan_resume(training_args, engine, resume, dims, batch, micro, config)
-    if config is not training_args.deepspeed and config != training_args.deepspeed:
-        changes["deepspeed"] = config
+    if config is not getattr(training_args, field) and config != getattr(training_args, field):
+        changes[field] = config
     auto = training_args.auto_settings
     if auto:
         logger.info("auto settings: %s", _auto_line(training_args, changes, engine))
-    planned = dataclasses.replace(training_args, **changes) if changes else training_args
+    planned = training_args.with_values(keep_auto=False, **changes) if changes else training_args
     memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
     plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision)
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
@@ -170,29 +172,18 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def checkpoint_engine(checkpoint: str) -> str | None:
-    """The engine that wrote a checkpoint: FSDP2 (its torch.distributed.checkpoint folder), DeepSpeed (its
-    `global_step*` shards), else None (transformers' own files: one process without a sharding engine)."""
-    path = Path(checkpoint)
-    if (path / "pytorch_model_fsdp_0").is_dir():
-        return "fsdp2"
-    return "deepspeed" if any(p.is_dir() for p in path.glob("global_step*")) else None
-
-
-ENGINE_NAMES = {"deepspeed": "DeepSpeed", "fsdp2": "FSDP2"}
-
-
 def check_resume_engine(engine: str, resume: Resume | None) -> None:
-    """A resume under the engine that wrote the checkpoint: DeepSpeed cannot read FSDP2's sharded state nor FSDP2
-    DeepSpeed's (it would start, then fail deep inside a load). Refused before the model is built, naming both."""
-    written = checkpoint_engine(resume.checkpoint) if resume is not None else None
-    if written is None or written == engine:
+    """A resume under the engine that wrote the checkpoint (`sft.engines.written_by`): one engine cannot read another's
+    sharded state (DeepSpeed FSDP2's, FSDP2 DeepSpeed's: it would start, then fail deep inside a load). Refused before
+    the model is built, naming both."""
+    written = engines.written_by(resume.checkpoint) if resume is not None else None
+    if written is None or written.name == engine:
         return
-    flag = "--engine fsdp2 --deepspeed none" if written == "fsdp2" else "--engine deepspeed --deepspeed <its config>"
+    label, ours = written.traits.label, engines.spec(engine).traits.label
     raise ConfigError(
-        f"{resume.checkpoint} was written by {ENGINE_NAMES[written]} and this run's engine is {ENGINE_NAMES[engine]}, "
-        f"which cannot read it. Resume with {ENGINE_NAMES[written]} ({flag}, or `engine: auto`, which follows the "
-        "checkpoint), or start a new run in another --output_dir."
+        f"{resume.checkpoint} was written by {label} and this run's engine is {ours}, which cannot read it. Resume "
+        f"with {label} ({written.traits.resume_flags}, or `engine: auto`, which follows the checkpoint), or start a "
+        "new run in another --output_dir."
     )
 
 
@@ -274,17 +265,19 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
 
 def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None, vision=False,
                    model_config=None):  # fmt: skip
-    """`engine: auto`: on one process, no engine where that is estimated fastest (`_without_engine`); FSDP2 in place
-    of DeepSpeed's ZeRO-3 where the speed model estimates FSDP2's fastest setting that fits faster than ZeRO-3's (each
-    with its own kernels: FP8 under FSDP2, 8-bit Adam under DeepSpeed where `optim: auto` takes it), else DeepSpeed;
-    a resume keeps its checkpoint's engine. Only for what both engines can run and what was measured: full
-    fine-tuning on a GPU, no offload, sequence or expert parallelism. The choice and its reason are logged; the
-    training arguments are rebuilt for FSDP2 (the `auto` fields kept `auto`). QLoRA under ZeRO-3 goes to FSDP2 by its
-    measurement (`QLORA_MEASURED`), not the speed model's estimate."""
+    """`engine: auto`: on one process, no engine where that is estimated fastest (`_without_engine`); an engine
+    declared to stand in for the config's layout (`Traits.in_place_of`: FSDP2 in place of DeepSpeed's ZeRO-3) where
+    the speed model estimates its fastest setting that fits faster (each with its own kernels: FP8 under FSDP2, 8-bit
+    Adam under DeepSpeed where `optim: auto` takes it), else the registry's first engine (DeepSpeed); a resume keeps
+    its checkpoint's engine. Only for what both engines can run and what was measured: full fine-tuning on a GPU, no
+    offload, sequence or expert parallelism. The choice and its reason are logged; the training arguments are emitted
+    for the chosen engine (the `auto` fields kept `auto`). QLoRA under ZeRO-3 goes to FSDP2 by its measurement
+    (`QLORA_MEASURED`), not the speed model's estimate."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
+    current = engines.spec(training_args.engine)
 
-    def deepspeed(reason: str):
-        logger.info("engine: auto -> deepspeed (%s)", reason)
+    def keep(reason: str):
+        logger.info("engine: auto -> %s (%s)", current.name, reason)
         return training_args
 
     if resume is None and model_config is not None:
@@ -292,53 +285,72 @@ def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap,
         if alone is not None:
             return alone
     if resume is not None:
-        written = checkpoint_engine(resume.checkpoint)
-        alone = written is None and (Path(resume.checkpoint) / "optimizer.pt").is_file()  # transformers' own save
-        if alone and resume.world_size == dims.world_size == 1 and sharding.stage is not None:
-            logger.info("engine: auto -> none (%s was written by one process without an engine)", resume.checkpoint)
-            return _without_deepspeed(training_args)
-        if written != "fsdp2":
-            by = ENGINE_NAMES[written] if written else "processes without a sharding engine"
-            return deepspeed(f"{resume.checkpoint} was written by {by}")
-        logger.info("engine: auto -> fsdp2 (%s was written by FSDP2)", resume.checkpoint)
-        return _rebuilt_for_fsdp2(training_args)
-    stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
-    excluded = (
-        (sharding.stage != 3, f"{stage}: FSDP2 is chosen only in place of ZeRO-3, where the states are sharded"),
-        (sharding.offload_optimizer or sharding.offload_params, "offloading to the CPU or NVMe is DeepSpeed's here"),
-        (dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings,
-         "sequence parallelism is DeepSpeed's (Ulysses)"),
-        (dims.ep > 1, "expert parallelism is DeepSpeed's (AutoEP)"),
-        (model_args.use_peft and not model_args.load_in_4bit, "LoRA on 16-bit weights under FSDP2 is not measured on "
-         "GPUs"),
-        (gpu_name() is None, "no GPU: the engines' speeds were measured on GPUs"),
-        (vision, f"image+text training: {VISION_FSDP2}"),
-    )  # fmt: skip
-    reason = next((why for cut, why in excluded if cut), None)
+        return _resumed_engine(training_args, resume, current, keep)
+    rival = next((s for s in engines.SPECS.values() if s.traits.in_place_of is not None and s is not current), None)
+    if rival is None:
+        return keep("no other engine is registered to stand in for it")
+    reason = _engine_excluded(training_args, model_args, sharding, dims, current, rival, vision)
     if reason:
-        return deepspeed(reason)
+        return keep(reason)
     if model_args.use_peft and model_args.load_in_4bit:
-        logger.info("engine: auto -> fsdp2 (QLoRA: PyTorch's FSDP2 in place of ZeRO-3; %s; `engine: deepspeed` keeps "
-                    "DeepSpeed)", QLORA_MEASURED)  # fmt: skip
-        return _rebuilt_for_fsdp2(training_args)
+        logger.info("engine: auto -> %s (QLoRA: PyTorch's FSDP2 in place of ZeRO-3; %s; `engine: deepspeed` keeps "
+                    "DeepSpeed)", rival.name, QLORA_MEASURED)  # fmt: skip
+        return training_args.with_values(**rival.selected)
     reason = next((why for cut, why in (
         (not arch.kernel("speed").on, f"the speed model does not rank {arch.family}"),
         (not training_args.max_length, "no max_length to plan for"),
     ) if cut), None)  # fmt: skip
     if reason:
-        return deepspeed(reason)
-    limits = _memory_limits(training_args)
-    best = {}
-    for name in ("deepspeed", "fsdp2"):
+        return keep(reason)
+    limits, best = _memory_limits(training_args), {}
+    names = {current.name: f"{current.traits.label} ZeRO-{sharding.stage}", rival.name: rival.traits.label}
+    for name in names:
         bases = _engine_bases(training_args, model_args, arch, target, name)
         fits = _fits_with_optim(training_args, shape_of(), bases, target, micro_cap, limits)
         best[name] = fits[0] if fits else None
-    if best["fsdp2"] is None or (best["deepspeed"] and best["deepspeed"].time.tokens_per_second
-                                 >= best["fsdp2"].time.tokens_per_second):  # fmt: skip
-        return deepspeed("ZeRO-3's fastest setting that fits estimated as fast or faster: " + _against(best))
-    logger.info("engine: auto -> fsdp2 (PyTorch's FSDP2 in place of ZeRO-3: %s; %s; `engine: deepspeed` keeps "
-                "DeepSpeed)", _against(best, first="fsdp2"), FSDP2_MEASURED)  # fmt: skip
-    return _rebuilt_for_fsdp2(training_args)
+    if best[rival.name] is None or (best[current.name] and best[current.name].time.tokens_per_second
+                                    >= best[rival.name].time.tokens_per_second):  # fmt: skip
+        return keep(f"ZeRO-{sharding.stage}'s fastest setting that fits estimated as fast or faster: "
+                    + _against(best, names))  # fmt: skip
+    logger.info("engine: auto -> %s (PyTorch's FSDP2 in place of ZeRO-3: %s; %s; `engine: deepspeed` keeps "
+                "DeepSpeed)", rival.name, _against(best, names, first=rival.name), FSDP2_MEASURED)  # fmt: skip
+    return training_args.with_values(**rival.selected)
+
+
+def _resumed_engine(training_args, resume: Resume, current, keep):
+    """`engine: auto` on a resume: the engine that wrote the checkpoint (`sft.engines.written_by`); one process's
+    checkpoint without an engine's state (transformers' `optimizer.pt`) resumed without one."""
+    written, dims = engines.written_by(resume.checkpoint), training_args.parallel
+    alone = written is None and (Path(resume.checkpoint) / "optimizer.pt").is_file()  # transformers' own save
+    if alone and resume.world_size == dims.world_size == 1 and training_args.run_engine.on and current.unsharded:
+        logger.info("engine: auto -> none (%s was written by one process without an engine)", resume.checkpoint)
+        return training_args.with_values(**current.unsharded)
+    if written is None or written is current:
+        by = written.traits.label if written else "processes without a sharding engine"
+        return keep(f"{resume.checkpoint} was written by {by}")
+    logger.info("engine: auto -> %s (%s was written by %s)", written.name, resume.checkpoint, written.traits.label)
+    return training_args.with_values(**written.selected)
+
+
+def _engine_excluded(training_args, model_args, sharding, dims, current, rival, vision: bool) -> str | None:
+    """Why `engine: auto` does not weigh `rival` against the config's engine here, else None."""
+    stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
+    label, theirs = current.traits.label, rival.traits
+    excluded = (
+        (sharding.stage != theirs.in_place_of,
+         f"{stage}: {theirs.label} is chosen only in place of ZeRO-{theirs.in_place_of}, where the states are "
+         "sharded"),
+        ((sharding.offload_optimizer or sharding.offload_params) and not theirs.offload,
+         f"offloading to the CPU or NVMe is {label}'s here"),
+        ((dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings) and not theirs.sequence_parallel,
+         f"sequence parallelism is {label}'s (Ulysses)"),
+        (dims.ep > 1 and not theirs.expert_parallel, f"expert parallelism is {label}'s (AutoEP)"),
+        (model_args.use_peft and not model_args.load_in_4bit, f"LoRA on 16-bit weights under {theirs.label} is not "
+         "measured on GPUs"),
+        (gpu_name() is None, "no GPU: the engines' speeds were measured on GPUs"),
+        (vision, f"image+text training: {VISION_FSDP2}"),
+    )  # fmt: skip
+    return next((why for cut, why in excluded if cut), None)
 
 
 # `engine: auto` without an engine on one process: what it was measured on (benchmarks/results/family_speed_h100)
@@ -351,7 +363,7 @@ ALONE_MEASURED = ("measured without DeepSpeed on one GPU at 43.5-59.7% MFU: Qwen
 def _auto_line(training_args, changes: dict, engine) -> str:
     """The `auto` fields as the plan set them (`engine = none` where no engine shards: DeepSpeed's name, no ZeRO)."""
     shown = {k: changes.get(k, getattr(training_args, k)) for k in training_args.auto_settings}
-    if "engine" in shown and engine.name == "deepspeed" and engine.sharding.stage is None:
+    if "engine" in shown and not engine.on:
         shown["engine"] = "none"
     return ", ".join(f"{k} = {_shown(v)}" for k, v in sorted(shown.items()))
 
@@ -363,16 +375,18 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
     Only where that path is what `_precision` takes (bf16 weights, `optim: auto`, torchao) and what was measured: full
     fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
-    cut = (dims.world_size > 1, sharding.stage is None, sharding.offload_optimizer or sharding.offload_params,
+    current = engines.spec(training_args.engine)
+    cut = (dims.world_size > 1, not training_args.run_engine.on, current.unsharded is None,
+           sharding.offload_optimizer or sharding.offload_params,
            dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings, dims.ep > 1, model_args.use_peft,
            gpu_name() is None, not arch.kernel("speed").on, not training_args.max_length,
            not _stepped_with_rounding(training_args, model_args, model_config))  # fmt: skip
     if any(cut):
         return None
     shape, limits = shape_of(), _memory_limits(training_args)
-    engine_bases = _engine_bases(training_args, model_args, arch, target, "deepspeed", sharding.stage)
+    engine_bases = _engine_bases(training_args, model_args, arch, target, current.name, sharding.stage)
     engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
-    bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, "deepspeed", None))
+    bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, current.name, None))
     alone = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
 
     def said(fits) -> str:
@@ -382,14 +396,14 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
         return f"{best.time.tokens_per_second:,.0f} tokens/s/GPU estimated ({levers})"
 
     if not alone or (engine and engine[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
-        logger.info("engine: auto keeps DeepSpeed on one process (ZeRO-%s: %s; without an engine: %s)",
-                    sharding.stage, said(engine), said(alone))  # fmt: skip
+        logger.info("engine: auto keeps %s on one process (ZeRO-%s: %s; without an engine: %s)",
+                    current.traits.label, sharding.stage, said(engine), said(alone))  # fmt: skip
         return None
     logger.info("engine: auto -> none (one process: nothing to shard; bf16 weights stepped in place by torchao's "
                 "8-bit AdamW with stochastic rounding, no fp32 master copy: %s, against DeepSpeed ZeRO-%s: %s; %s; "
                 "`engine: deepspeed` keeps DeepSpeed)", said(alone), sharding.stage, said(engine),
                 ALONE_MEASURED)  # fmt: skip
-    return _without_deepspeed(training_args)
+    return training_args.with_values(**current.unsharded)
 
 
 def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> list:
@@ -402,16 +416,8 @@ def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> 
     return eight if memplan.eight_bit_wins(fits, eight) else fits
 
 
-def _without_deepspeed(training_args):
-    """The training arguments without DeepSpeed (`deepspeed: none`), every field left `auto` still `auto`."""
-    rebuilt = dataclasses.replace(training_args, deepspeed=None)
-    rebuilt.auto_settings = set(training_args.auto_settings)
-    return rebuilt
-
-
-def _against(best: dict, first: str = "deepspeed") -> str:
-    """Both engines' estimates, `first`'s first."""
-    names = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}
+def _against(best: dict, names: dict, first: str | None = None) -> str:
+    """Both engines' estimates ({name: fastest fit}), `first`'s first (else `names`' order)."""
 
     def said(name: str) -> str:
         fit = best[name]
@@ -420,21 +426,15 @@ def _against(best: dict, first: str = "deepspeed") -> str:
         speed_ = f"{fit.time.tokens_per_second:,.0f}"
         return f"{names[name]} {speed_} tokens/s/GPU estimated ({fit.estimate.setting.levers_and_micro()})"
 
+    first = first or next(iter(names))
     return ", against ".join(said(n) for n in (first, *(n for n in names if n != first)))
-
-
-def _rebuilt_for_fsdp2(training_args):
-    """The training arguments with FSDP2 instead of DeepSpeed, every field left `auto` still `auto`."""
-    rebuilt = dataclasses.replace(training_args, engine="fsdp2", deepspeed=None, fsdp="", fsdp_config=None)
-    rebuilt.auto_settings = set(training_args.auto_settings)
-    return rebuilt
 
 
 def _engine_bases(
     training_args, model_args, arch, target, engine: str, stage: int | None = 3
 ) -> list[memplan.Setting]:
-    """The settings `_plan_memory` would rank for this run under `engine` (DeepSpeed's, or FSDP2 in ZeRO-3's layout)
-    and ZeRO `stage` (None: no engine): its kernels as `_decide_kernels` decides them (without logging), bf16 beside
+    """The settings `_plan_memory` would rank for this run under the engine called `engine` (in its own layout of ZeRO
+    `stage`; None: no engine): its kernels as `_decide_kernels` decides them (without logging), bf16 beside
     FP8 where `fp8: auto` turned it on."""
     fp8_on = _fp8_decision(training_args, model_args, arch, engine, stage=stage).on
     compiled = _compiled(training_args, arch, fp8_on)
@@ -611,7 +611,7 @@ def _plan_resume(training_args, engine, resume: Resume, dims, batch: BatchPlan, 
         logger.info("The checkpoint's experts are in AutoEP's layers: AutoEP stays on, every expert on each GPU")
     if (resume.world_size, resume.ep) == (dims.world_size, dims.ep):
         return config
-    universal = bool(training_args.deepspeed)
+    universal = engine.on and not engine.traits.reshards_checkpoints  # DeepSpeed's: converted, loaded as universal
     if universal:
         config, _ = engine.written(config, universal=True)
     logger.warning(
@@ -749,9 +749,9 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
 def _fp8_decision(training_args, model_args, arch, engine: str, stage: int | None) -> fp8.Decision:
     """`fp8` resolved by `sft.model.fp8` for this engine and ZeRO stage (`true` refused where it cannot run); `auto`
     also needs the family measured good."""
-    auto, fsdp2 = "fp8" in training_args.auto_settings, engine == "fsdp2"
+    auto, traits = "fp8" in training_args.auto_settings, engines.spec(engine).traits
     decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft),
-                           stage == 3 and not fsdp2, fsdp2)  # fmt: skip
+                           stage == 3 and traits.host_hooks, traits.layer_units)  # fmt: skip
     if auto and decision.on and not arch.kernel("fp8").on:
         return fp8.Decision(False, arch.kernel("fp8").reason)
     return decision
@@ -764,7 +764,7 @@ def _resolve_fp8(training_args, model_args, engine, arch: architectures.Architec
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
-        if engine.sharding.stage == 3 and engine.name != "fsdp2":
+        if engine.sharding.gathers_weights_per_layer and engine.traits.host_hooks:
             logger.warning(fp8.ZERO3_SLOWER)
     else:
         logger.info("FP8: off (%s)", decision.reason)
@@ -859,7 +859,7 @@ def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
     none`) have none, so `optim: auto` takes torchao's 8-bit AdamW with stochastic rounding (logged) and any other
     optimizer is stepped in pure bf16, said in a warning. LoRA's adapters train in fp32 (PEFT's default)."""
     engine = training_args.run_engine
-    if engine.sharding.stage is not None or engine.name == "fsdp2" or model_args.use_peft:
+    if engine.on or model_args.use_peft:
         return True, {}
     if not _bf16_weights(model_args, model_config):
         return True, {}

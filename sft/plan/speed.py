@@ -208,7 +208,7 @@ def step_time(
         c.host_s_per_layer.get(KEPT_ATTENTION, 0.0) if s.keep_attention else 0
     )
     host = shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket)
-    if s.zero_stage == 3 and s.engine != "fsdp2":  # ZeRO-3's hooks fetch and release each layer's weights each pass
+    if s.zero_stage == 3 and s.traits.host_hooks:  # ZeRO-3's hooks fetch and release each layer's weights each pass
         host += shape.layers * _passes(s) * c.zero3_host_s_per_layer_pass
     host = max(host - compute - recompute, 0.0)
     per_micro = host + _gradient_work(shape, s, c)
@@ -258,7 +258,7 @@ def gradient_key(s) -> str:
 def _gradient_work(shape: ModelShape, s, c: Card) -> float:
     """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
     gradient into their buckets; ZeRO-3 its partition of each); on several processes what the overlap leaves."""
-    if s.zero_stage is None or s.engine == "fsdp2":  # FSDP2 reduce-scatters each layer's gradients in the backward
+    if s.zero_stage is None or s.traits.layer_units:  # FSDP2 reduce-scatters each layer's gradients in the backward
         return 0.0  # (measured: its micro-batch-2 x 8 steps are compute + communication within 3%, fsdp2_h200x4)
     rates = c.gradient_s_per_gparam
     rate = rates.get(gradient_key(s), rates.get("2+", rates["2"]) if s.gpus > 1 else rates["2"])
@@ -288,7 +288,7 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
     share = (world - 1) / world
     # FSDP2 all-gathers FP8's linear weights in float8 (`sft.model.fp8`, tensorwise scaling, the default recipe): a
     # byte a weight (the embeddings count so too)
-    weights = (1 if s.fp8 and s.engine == "fsdp2" else s.dtype_bytes) * shape.n_params
+    weights = (1 if s.fp8 and s.traits.float8_all_gather else s.dtype_bytes) * shape.n_params
     grads = s.dtype_bytes * _trainable(shape, s)
     moved = 0.0
     if s.zero_stage == 3 and not s.lora_r:

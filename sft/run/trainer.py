@@ -127,16 +127,9 @@ class Trainer(SFTTrainer):
         failsafe.retried(self.args, step)  # after an out-of-memory error, `sft train` runs this again
         self.trace.keep_until(step)
         self.preemption.install()
-        if self.is_deepspeed_enabled:
-            logger.info(
-                "Starting the DeepSpeed engine (ZeRO-%d), then training (torch's FutureWarning that the collectives "
-                "DeepSpeed calls are deprecated is not shown: harmless, sft.core.logs)",
-                self.plan.engine.sharding.stage,
-            )
-        elif self.is_fsdp_enabled:
-            resharded = self.plan.engine.config.get("reshard_after_forward", True)
-            logger.info("Starting FSDP2 (PyTorch's fully_shard, each decoder layer a unit, weights %s after the "
-                        "forward), then training", "resharded" if resharded else "kept gathered")  # fmt: skip
+        starting = self.plan.engine.starting()
+        if starting:
+            logger.info("%s", starting)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -234,7 +227,10 @@ class Trainer(SFTTrainer):
         applied (`sft.run.failsafe`): its gradients are dropped here (DeepSpeed has skipped it already)."""
         grad_norm = super()._get_grad_norm(model, grad_norm)
         reduce = lambda t: self.accelerator.reduce(t, "sum")  # noqa: E731
-        if self.guard.check(self.state.global_step + 1, grad_norm, reduce) and not self.is_deepspeed_enabled:
+        if (
+            self.guard.check(self.state.global_step + 1, grad_norm, reduce)
+            and not self.plan.engine.drops_nonfinite_steps
+        ):
             model.zero_grad(set_to_none=True)  # torch's optimizers step no parameter without a gradient
         return grad_norm
 

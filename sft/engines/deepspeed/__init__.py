@@ -18,8 +18,9 @@ import contextlib
 import importlib.metadata
 import json
 import logging
+from pathlib import Path
 
-from sft.engines.base import Engine, Sharding
+from sft.engines.base import Engine, Sharding, Spec, Traits
 from sft.engines.deepspeed.checkpoints import (  # noqa: F401 (the engine's checkpoint functions, named here)
     base_optimizer,
     convert_for_resume,
@@ -47,6 +48,7 @@ from sft.engines.deepspeed.config import (  # noqa: F401 (the engine's configura
     zero_setup,
 )
 from sft.engines.deepspeed.zero import gradient_divisor, hooks_outside_compile, prepare_model_build
+from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,47 @@ def sharding_of(config: dict | None) -> Sharding:
     return Sharding(int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param"), ratio)
 
 
+TRAITS = Traits(
+    name="deepspeed",
+    label="DeepSpeed",
+    resume_flags="--engine deepspeed --deepspeed <its config>",
+    config_field="deepspeed",
+    reshards_checkpoints=False,
+    layer_units=False,
+    host_hooks=True,
+    shards_weights_always=False,
+    float8_all_gather=False,
+    sequence_parallel=True,
+    expert_parallel=True,
+    offload=True,
+    eight_bit_moments=True,
+    drops_nonfinite_steps=True,
+)
+
+
+def prepare(training_args, dims) -> None:
+    """`engine: deepspeed` at parse time: FSDP's fields refused (sft drives FSDP as its own engine), the `deepspeed`
+    config checked and its `"auto"` values resolved for the launch (`prepare_config`)."""
+    if training_args.fsdp or training_args.fsdp_config:
+        raise ConfigError(
+            "`fsdp` / `fsdp_config` are FSDP's settings, which sft drives as its second engine: set `engine: "
+            "fsdp2` (sft writes fsdp and fsdp_config; `fsdp_config` may keep reshard_after_forward and "
+            "cpu_offload), or drop them for DeepSpeed."
+        )
+    training_args.deepspeed, training_args.resolved_ds_settings = prepare_config(
+        training_args.deepspeed, dims.world_size, dims.sp, dims.ep
+    )
+
+
+def wrote(checkpoint: Path) -> bool:
+    """A checkpoint DeepSpeed wrote holds its `global_step*` shard folders."""
+    return any(p.is_dir() for p in Path(checkpoint).glob("global_step*"))
+
+
 class DeepSpeed(Engine):
     """The run's DeepSpeed engine, read from the configuration transformers resolved (`hf_deepspeed_config`) once."""
 
-    name = "deepspeed"
+    traits = TRAITS
 
     def __init__(self, training_args):
         hf = getattr(training_args, "hf_deepspeed_config", None) if training_args.deepspeed else None
@@ -99,6 +138,14 @@ class DeepSpeed(Engine):
 
     def offload_auto(self) -> tuple[bool, bool]:
         return offload_auto(self._source)
+
+    def starting(self) -> str | None:
+        if self._config is None:
+            return None
+        return (
+            f"Starting the DeepSpeed engine (ZeRO-{self._sharding.stage}), then training (torch's FutureWarning "
+            "that the collectives DeepSpeed calls are deprecated is not shown: harmless, sft.core.logs)"
+        )
 
     def written(self, config, *, offload=None, hidden=None, processes=2, params=None, universal=False,
                 keep_experts=False):  # fmt: skip
@@ -168,6 +215,11 @@ class DeepSpeed(Engine):
     def gradient_divisor(self) -> int:
         return gradient_divisor(self._config, self._sharding.stage, self._dims)
 
+    def sequence_parallel_config(self, dims, attn_implementation: str):
+        from sft.engines.deepspeed.ulysses import parallelism_config
+
+        return parallelism_config(dims, attn_implementation)
+
     def sequence_parallel_loader(self, loader):
         from sft.engines.deepspeed.ulysses import uneven_rows_adapter
 
@@ -185,3 +237,7 @@ class DeepSpeed(Engine):
         if moved:
             logger.info("Placed %d optimizer-state tensors as %s expects them", moved, type(optimizer).__name__)
         return moved
+
+
+SPEC = Spec(TRAITS, prepare, check_agrees, DeepSpeed, wrote, selected={"engine": "deepspeed"},
+            unsharded={"engine": "deepspeed", "deepspeed": None})  # fmt: skip

@@ -1,5 +1,6 @@
-"""DeepSpeed's ALST pieces that sft runs: Ulysses' data-loader adapter (each sequence-parallel rank gets its slice
-of every row), made to gather rows of different lengths on any backend, and the tiled MLP's autograd function."""
+"""DeepSpeed's ALST pieces that sft runs: accelerate's Ulysses configuration (`parallelism_config`), Ulysses'
+data-loader adapter (each sequence-parallel rank gets its slice of every row), made to gather rows of different
+lengths on any backend, and the tiled MLP's autograd function."""
 
 from __future__ import annotations
 
@@ -74,3 +75,17 @@ def uneven_rows_adapter(adapter):
                 self.micro_batches.append({k: v[:, part].cpu() if torch.is_tensor(v) else v for k, v in row.items()})
 
     return UnevenRowsAdapter(adapter.dl, adapter.sp_rank, adapter.sp_group, adapter.sp_world_size, adapter.device)
+
+
+def parallelism_config(dims, attn_implementation: str):
+    """accelerate's ParallelismConfig for `dims` (None without SP): Ulysses on DeepSpeed, variable row lengths."""
+    if dims.sp == 1:
+        return None
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True)
+    # accelerate validates the backend against a fixed list (flash_attention_2/3, sdpa) that misses transformers'
+    # registered backends; DeepSpeed itself checks the name against transformers' registry when it wraps it.
+    handler.sp_attn_implementation = attn_implementation
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=dims.sp, dp_replicate_size=dims.dp, sp_handler=handler)

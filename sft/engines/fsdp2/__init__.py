@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+from pathlib import Path
 
 import torch
 
-from sft.engines.base import Engine, Sharding
+from sft.engines.base import Engine, Sharding, Spec, Traits
 from sft.errors import ConfigError
 
-NAME = "fsdp2"
+TRAITS = Traits(
+    name="fsdp2",
+    label="FSDP2",
+    resume_flags="--engine fsdp2 --deepspeed none",
+    config_field="fsdp_config",
+    reshards_checkpoints=True,
+    layer_units=True,
+    host_hooks=False,
+    shards_weights_always=True,
+    float8_all_gather=True,
+    sequence_parallel=False,
+    expert_parallel=False,
+    offload=False,
+    eight_bit_moments=False,
+    drops_nonfinite_steps=False,
+    in_place_of=3,
+)
 # The fsdp_config sft writes; a recipe's `fsdp_config` may set `reshard_after_forward: false` (ZeRO-2's layout: the
 # gathered weights kept from the forward to the backward) and `cpu_offload: true` (FSDP2's CPUOffloadPolicy: weights,
 # gradients and optimizer states on the host, the step on the CPU)
@@ -31,7 +48,19 @@ ALLOWED = {*DEFAULTS, "cpu_offload", "transformer_layer_cls_to_wrap"}
 NORMALISED = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
 
 
-def prepare(deepspeed, fsdp_config, sp: int, ep: int) -> tuple[bool, dict]:
+def prepare_training_args(training_args, dims) -> None:
+    """`engine: fsdp2` at parse time: transformers' `fsdp` and `fsdp_config` written (`prepare`), DeepSpeed's off."""
+    training_args.fsdp, training_args.fsdp_config = prepare(training_args.deepspeed, training_args.fsdp_config,
+                                                            dims.sp, dims.ep)  # fmt: skip
+    training_args.deepspeed, training_args.resolved_ds_settings = None, {}
+
+
+def wrote(checkpoint: Path) -> bool:
+    """A checkpoint FSDP2 wrote holds its torch.distributed.checkpoint folder."""
+    return (Path(checkpoint) / "pytorch_model_fsdp_0").is_dir()
+
+
+def prepare(deepspeed, fsdp_config, sp: int = 1, ep: int = 1) -> tuple[bool, dict]:
     """The training arguments `fsdp` and `fsdp_config` for `engine: fsdp2`, the recipe's own `fsdp_config` keys kept
     where FSDP2 honours them; a recipe that asks for what FSDP2 cannot do is refused, naming the field."""
     if deepspeed not in (None, "", "none", "null"):
@@ -68,14 +97,14 @@ def prepare(deepspeed, fsdp_config, sp: int, ep: int) -> tuple[bool, dict]:
 class FSDP2(Engine):
     """The run's FSDP2 engine, read from the `fsdp_config` that `prepare` wrote and transformers resolved."""
 
-    name = NAME
+    traits = TRAITS
 
     def __init__(self, training_args):
         self._config = dict(training_args.fsdp_config or {})
         offload = bool(self._config.get("cpu_offload", False))
         # FSDP2's layout is ZeRO-3's (reshard after forward) or, without resharding, ZeRO-2's memory for the weights
         stage = 3 if self._config.get("reshard_after_forward", True) else 2
-        self._sharding = Sharding(stage, offload, offload)
+        self._sharding = Sharding(stage, offload, offload, weights_always=True)
         self._dims = training_args.parallel
 
     @property
@@ -92,12 +121,19 @@ class FSDP2(Engine):
     def offload_auto(self) -> tuple[bool, bool]:
         return False, False
 
+    def starting(self) -> str | None:
+        kept = "resharded" if self._config.get("reshard_after_forward", True) else "kept gathered"
+        return (
+            f"Starting FSDP2 (PyTorch's fully_shard, each decoder layer a unit, weights {kept} after the forward), "
+            "then training"
+        )
+
     def written(self, config, *, offload=None, hidden=None, processes=2, params=None, universal=False,
                 keep_experts=False):  # fmt: skip
         return config, []  # nothing of the plan goes into FSDP2's configuration
 
     def unresolved(self, training_args):
-        return training_args.deepspeed
+        return training_args.fsdp_config  # nothing in it is resolved from `auto`
 
     def check_experts(self, ep, sp, family, is_moe, lora, resume=None) -> None:
         if ep > 1 or (resume is not None and resume.ep > 1):
@@ -178,3 +214,7 @@ def head_with_the_decoders_norm() -> None:
 
     find_with_the_decoder.sft_decoder_norm = True
     fsdp_utils._find_final_norm = find_with_the_decoder
+
+
+SPEC = Spec(TRAITS, prepare_training_args, lambda training_args: None, FSDP2, wrote,
+            selected={"engine": "fsdp2", "deepspeed": None, "fsdp": "", "fsdp_config": None})  # fmt: skip
