@@ -741,3 +741,26 @@ def test_plan_without_an_engine_holds_the_measured_peaks_of_the_vlm_benchmark(tm
                                moment_bytes=plan.moment_bytes_of("adamw_torch_8bit")).stepped_in_place()  # fmt: skip
         planned = plan.estimate(shape, setting).peak / plan.GiB
         assert measured <= planned <= 1.1 * measured, (micro, planned, measured)
+
+
+def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_path):
+    """One owner turns a recipe's levers into the memory plan's setting (`sft.plan.memory.setting_of`): `sft train`'s
+    training arguments and `sft plan`'s flags for the same run give equal settings; a lever changed on one side only
+    makes them differ (the comparison can fail)."""
+    from sft.plan import cli
+    from sft.plan.preflight import base_setting
+
+    recipe = ["--from_scratch", "false", "--per_device_train_batch_size", "3", "--max_length", "512",
+              "--activation_checkpointing", "true",
+              "--tiled_mlp", "true", "--use_peft", "--lora_r", "8", "--lora_dropout", "0.05",
+              "--optim", "adamw_torch_8bit", "--use_liger_kernel", "false"]  # fmt: skip
+    _, _, training_args, model_args = demo_args(tmp_path, *recipe)
+    flags = ["--model", str(ROOT / "recipes" / "demo" / "model"), "--micro-batch", "3", "--seq-len", "512",
+             "--activation-checkpointing", "--tiled-mlp", "--lora-r", "8", "--lora-dropout", "0.05",
+             "--optim", "adamw_torch_8bit", "--zero", "2", "--dtype", "float32"]  # the demo: fp32, ZeRO-2  # fmt: skip
+    from_train = base_setting(training_args, model_args)
+    from_plan = cli._setting(cli._parser("sft plan").parse_args(flags), (False, False, False))
+    assert from_train.zero_stage == 2 and from_train.lora_r == 8 and from_train.tiled_mlp
+    assert dataclasses.replace(from_plan, gpus_per_node=from_train.gpus_per_node) == from_train
+    other = cli._setting(cli._parser("sft plan").parse_args([*flags, "--keep-attention"]), (False, False, False))
+    assert dataclasses.replace(other, gpus_per_node=from_train.gpus_per_node) != from_train

@@ -14,6 +14,7 @@ import sys
 from sft import engines
 from sft.core import logs
 from sft.core.batch import micro_batches_for
+from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape
@@ -242,30 +243,27 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
 def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting:
     """The setting the command line describes (with the kernel flags of `_kernels`)."""
     liger, fp8_on, compiled = kernels[:3]
-    setting = Setting(
-        gpus=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        zero_stage=None if args.zero == "none" else int(args.zero),
-        offload_optimizer=args.offload != "none",
-        offload_params=args.offload == "optimizer+params",
-        micro_batch=args.micro_batch,
-        seq_len=args.seq_len,
-        activation_checkpointing=args.activation_checkpointing,
-        offload_checkpoints=args.offload_checkpoints,
-        tiled_mlp=args.tiled_mlp,
-        keep_attention=args.keep_attention,
-        liger=liger,
-        lora_r=args.lora_r,
-        lora_dropout=args.lora_dropout,
-        qlora=args.qlora,
-        qlora_nested=args.qlora_nested,
-        dtype_bytes=4 if args.dtype == "float32" else 2,
-        sp=args.sp or 1,
-        fp8=fp8_on,
-        compiled=compiled,
-        moment_bytes=plan.moment_bytes_of(args.optim),
-        engine=args.engine,
-    )
+    fields = {
+        "per_device_train_batch_size": args.micro_batch,
+        "max_length": args.seq_len,
+        "activation_checkpointing": args.activation_checkpointing,
+        "offload_checkpoints": args.offload_checkpoints,
+        "tiled_mlp": args.tiled_mlp,
+        "keep_attention_outputs": args.keep_attention,
+        "use_liger_kernel": liger,
+        "use_peft": bool(args.lora_r or args.qlora),
+        "lora_r": args.lora_r,
+        "lora_dropout": args.lora_dropout,
+        "load_in_4bit": args.qlora,
+        "use_bnb_nested_quant": args.qlora_nested,
+        "bf16": args.dtype != "float32",
+        "fp8": fp8_on,
+        "compile_decoder_layers": compiled,
+        "optim": args.optim,
+    }
+    layout = Sharding(None if args.zero == "none" else int(args.zero), args.offload != "none",
+                      args.offload == "optimizer+params")  # fmt: skip
+    setting = plan.setting_of(fields, layout, args.engine, args.gpus, args.gpus_per_node, args.sp or 1)
     if args.zero == "none" and args.dtype == "bfloat16" and not args.lora_r:  # bf16 weights stepped in place, as
         # `sft train` does (`sft.plan.preflight._precision`): 8-bit moments with stochastic rounding under `--optim
         # auto`, else the optimizer's moments in bf16

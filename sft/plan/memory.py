@@ -594,6 +594,66 @@ EIGHT_BIT_MOMENTS = {"adamw_torch_8bit": 2 + 8 / 256}
 EIGHT_BIT_STEP_BYTES = 8 + 8 / 256
 
 
+# The recipe fields (`TrainConfig`'s and `ModelArguments`' names) a `Setting` is made of (`setting_of`)
+SETTING_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "activation_checkpointing",
+    "offload_checkpoints",
+    "tiled_mlp",
+    "keep_attention_outputs",
+    "use_liger_kernel",
+    "use_peft",
+    "lora_r",
+    "lora_dropout",
+    "load_in_4bit",
+    "use_bnb_nested_quant",
+    "bf16",
+    "fp16",
+    "fp8",
+    "compile_decoder_layers",
+    "optim",
+)
+
+
+def setting_of(fields, layout, engine: str, gpus: int, gpus_per_node: int | None = None, sp: int = 1,
+               ep: int = 1) -> Setting:  # fmt: skip
+    """The setting a run asks for: `fields` {recipe field: value} (`SETTING_FIELDS`: `sft train` hands its training
+    and model arguments, `sft plan` its flags under the same names), under `engine` in its `layout`
+    (`sft.core.engine.Sharding`) on `gpus` processes. The one place a recipe's lever becomes the plan's: a new lever is
+    a field here and a flag of `sft plan`."""
+    peft = bool(fields.get("use_peft"))
+    four_bit = peft and bool(fields.get("load_in_4bit"))
+    return Setting(
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        zero_stage=layout.stage,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+        offload_ratio=layout.offload_ratio,
+        micro_batch=fields["per_device_train_batch_size"],
+        accumulation=fields.get("gradient_accumulation_steps") or 1,
+        seq_len=fields.get("max_length") or 0,
+        activation_checkpointing=bool(fields.get("activation_checkpointing")),
+        offload_checkpoints=bool(fields.get("offload_checkpoints")),
+        tiled_mlp=bool(fields.get("tiled_mlp")),
+        keep_attention=bool(fields.get("keep_attention_outputs")),
+        liger=bool(fields.get("use_liger_kernel")),
+        lora_r=fields.get("lora_r") or 0 if peft else 0,
+        lora_dropout=fields.get("lora_dropout") or 0.0 if peft else 0.0,
+        qlora=four_bit,
+        qlora_nested=four_bit and bool(fields.get("use_bnb_nested_quant")),
+        dtype_bytes=2 if (fields.get("bf16") or fields.get("fp16")) else 4,
+        sp=sp,
+        ep=ep,
+        fp8=bool(fields.get("fp8")),
+        compiled=bool(fields.get("compile_decoder_layers")),
+        moment_bytes=moment_bytes_of(fields.get("optim")),
+        engine=engine,
+    )
+
+
 def moment_bytes_of(optim) -> float:
     """Bytes of Adam's two moments per parameter for the optimizer `optim` (transformers' `optim` name or enum)."""
     return EIGHT_BIT_MOMENTS.get(str(getattr(optim, "value", optim) or "").lower(), 8.0)

@@ -45,34 +45,14 @@ logger = logging.getLogger(__name__)
 def base_setting(
     training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
 ) -> memplan.Setting:
-    zero = training_args.run_engine.sharding
-    dims = training_args.parallel
-    return memplan.Setting(
-        gpus=dims.world_size,
-        gpus_per_node=dims.gpus_per_node,
-        zero_stage=zero.stage,
-        offload_optimizer=zero.offload_optimizer,
-        offload_params=zero.offload_params,
-        offload_ratio=zero.offload_ratio,
-        micro_batch=training_args.per_device_train_batch_size,
-        accumulation=training_args.gradient_accumulation_steps,
-        seq_len=training_args.max_length or 0,
-        activation_checkpointing=bool(training_args.activation_checkpointing),
-        offload_checkpoints=bool(training_args.offload_checkpoints),
-        tiled_mlp=bool(training_args.tiled_mlp),
-        keep_attention=bool(training_args.keep_attention_outputs),
-        liger=bool(training_args.use_liger_kernel if liger_on is None else liger_on),
-        lora_r=model_args.lora_r if model_args.use_peft else 0,
-        lora_dropout=model_args.lora_dropout if model_args.use_peft else 0.0,
-        qlora=bool(model_args.use_peft and model_args.load_in_4bit),
-        qlora_nested=bool(model_args.use_peft and model_args.load_in_4bit and model_args.use_bnb_nested_quant),
-        dtype_bytes=2 if (training_args.bf16 or training_args.fp16) else 4,
-        sp=dims.sp,
-        ep=dims.ep,
-        fp8=bool(training_args.fp8 if fp8_on is None else fp8_on),
-        moment_bytes=memplan.moment_bytes_of(training_args.optim),
-        engine=training_args.run_engine.name,
-    )
+    """The setting the training arguments ask for (`sft.plan.memory.setting_of`), with the kernels as decided where
+    given; compiled layers are set by the caller."""
+    fields = {k: getattr(training_args, k, getattr(model_args, k, None)) for k in memplan.SETTING_FIELDS}
+    fields.update(compile_decoder_layers=False, use_liger_kernel=training_args.use_liger_kernel if liger_on is None
+                  else liger_on, fp8=training_args.fp8 if fp8_on is None else fp8_on)  # fmt: skip
+    engine, dims = training_args.run_engine, training_args.parallel
+    return memplan.setting_of(fields, engine.sharding, engine.name, dims.world_size, dims.gpus_per_node, dims.sp,
+                              dims.ep)  # fmt: skip
 
 
 def preflight(training_args, model_args, resume: Resume | None = None, sources=None) -> RunPlan:
