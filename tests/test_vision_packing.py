@@ -10,6 +10,7 @@ import torch
 from sft.data import vision
 from sft.errors import ConfigError
 from sft.model import vision_hooks
+from sft.model.architectures import VISION
 from tests.conftest import ROOT
 
 IMAGE, VIDEO, START, END = 290, 291, 292, 293
@@ -63,7 +64,7 @@ def sample(gen: torch.Generator, before: int, grid: tuple[int, int, int] | None,
     return vision.Sample(ids, labels, torch.randn(t * h * w, patch_dim, generator=gen), torch.tensor([grid]))
 
 
-@pytest.fixture(scope="module", params=sorted(vision.MROPE))
+@pytest.fixture(scope="module", params=sorted(f for f, v in VISION.items() if v.packing == "mrope"))
 def packed_and_alone(request):
     model = tiny(request.param)
     patch = model.config.vision_config.patch_size

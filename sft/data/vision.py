@@ -51,14 +51,10 @@ from typing import NamedTuple
 import torch
 
 from sft.errors import ConfigError, DataError
-from sft.model.architectures import IMAGE_DATA_FAMILIES, VISION_FAMILIES
+from sft.model.architectures import VISION
 
 logger = logging.getLogger(__name__)
 
-MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # packed by per-sample M-RoPE rows and a boundary row (`MRopePacker`)
-TILED = {"smolvlm", "idefics3"}  # 1-D positions restarting at each sample (`TiledPacker`); images cut into tiles
-MASKED = IMAGE_DATA_FAMILIES  # packed by sft's own attention masks (`BlockMaskPacker`, `block_masks`): Gemma 3
-assert MROPE | TILED == VISION_FAMILIES
 IGNORE = -100
 
 
@@ -75,12 +71,12 @@ def check(config) -> None:
     """Refuse, before any work, a vision-language family sft does not pack exactly (sft builds no padded batches of
     images: `preflight` refuses `packing: false` for these models)."""
     family = config.model_type
-    if family in VISION_FAMILIES or family in MASKED:
+    if family in VISION:
         return
     raise ConfigError(
         f"Image+text training of `{family}`: sft trains vision-language models on packed rows only, and not a "
         "vision-language family sft packs. "
-        f"Families sft trains: {', '.join(sorted(VISION_FAMILIES | MASKED))}. For this one, use TRL's SFTTrainer on "
+        f"Families sft trains: {', '.join(sorted(VISION))}. For this one, use TRL's SFTTrainer on "
         "padded batches."
     )
 
@@ -239,8 +235,9 @@ class Images:
     def __init__(self, config, tokenizer, image_processor):
         self.processor, self.tokenizer = image_processor, tokenizer
         self.family = config.model_type
+        self.vision = VISION[self.family]
         self.text = None
-        if self.family in MASKED:
+        if self.vision.text_expansion:
             if getattr(image_processor, "do_pan_and_scan", None):
                 raise ConfigError(f"`do_pan_and_scan: true` in the image processor of `{self.family}`: sft builds one "
                                   "image per image part, not pan-and-scan crops. Set it false in "
@@ -252,13 +249,13 @@ class Images:
             self.text = boi, f"\n\n{boi}{image * config.mm_tokens_per_image}{eoi}\n\n"  # placeholder, its expansion
         else:
             self.placeholder = config.image_token_id
-        if self.family in TILED:
+        if self.vision.tiles:
             encoder = config.vision_config
             self.seq_len = (encoder.image_size // encoder.patch_size) ** 2 // config.scale_factor**2
 
     def tokens(self, width: int, height: int) -> list[int]:
         """The tokens the model reads for an image of this size (Gemma 3's: from its text, `_expanded_template`)."""
-        if self.family in TILED:
+        if self.vision.tiles:
             from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
             _, rows, cols = self.processor.get_number_of_image_patches(height, width, {})
@@ -271,7 +268,7 @@ class Images:
     def process(self, images: list) -> tuple[dict, list[list[int]]]:
         """The processor's pixels of these (RGB) images as `Sample` fields (Qwen-VL: with their grids; SmolVLM and
         Idefics3: every image's tiles, with their pixel mask), and each image's tokens."""
-        if self.family in TILED:
+        if self.vision.tiles:
             processed = [self.processor(images=[[image]], return_tensors="pt") for image in images]
             fields = {key: torch.cat([p[key][0] for p in processed])
                       for key in ("pixel_values", "pixel_attention_mask")}  # fmt: skip
@@ -444,17 +441,19 @@ class TiledPacker:
         return batch
 
 
+# The packer of each way rows keep samples apart (`sft.model.architectures.Vision.packing`)
+PACKERS = {"mrope": MRopePacker, "masks": BlockMaskPacker, "positions": lambda model: TiledPacker()}
+
+
 def packer(model: torch.nn.Module):
     """The packer of an image+text model's family: by its masks (Gemma 3), its M-RoPE positions (Qwen-VL) or its 1-D
     positions (SmolVLM, Idefics3)."""
-    family = model.config.model_type
-    return BlockMaskPacker(model) if family in MASKED else TiledPacker() if family in TILED else MRopePacker(model)
+    return PACKERS[VISION[model.config.model_type].packing](model)
 
 
 def packing(config) -> str:
     """How an image+text family's rows keep samples apart (`Plan.packing`)."""
-    family = config.model_type
-    return "masks" if family in MASKED else "positions" if family in TILED else "mrope"
+    return VISION[config.model_type].packing
 
 
 class Collator:

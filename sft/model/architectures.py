@@ -362,12 +362,32 @@ def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_los
 # --- the module structure of a built model ---
 
 
-# Vision-language families sft trains on image+text chats (`sft.data.vision` packs them exactly): built with
-# transformers' image-text-to-text class, every run image+text.
-VISION_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm", "idefics3"}
-# Multimodal configs whose checkpoints are fine-tuned on text alone as often: image+text where the data has images
-# (`images` in its records), a text run otherwise. Gemma 3's 4B-27B checkpoints are `gemma3` (image+text) configs.
-IMAGE_DATA_FAMILIES = {"gemma3"}
+@dataclass(frozen=True)
+class Vision:
+    """An image+text family as sft trains it (`VISION`, its one table): how its packed rows keep samples apart
+    (`sft.data.vision`'s packer of that name) and how its images become tokens."""
+
+    # "mrope": per-sample M-RoPE rows and a boundary row (Qwen-VL); "positions": 1-D positions restarting at each
+    # sample; "masks": sft's own attention masks, each sample causal and its images both ways (Gemma 3)
+    packing: str
+    # every run image+text (built with transformers' image-text-to-text class); else a multimodal config fine-tuned on
+    # text alone as often: image+text where the data has images (`images` in its records), a text run otherwise
+    always: bool
+    tiles: bool = False  # images cut into tiles, each image's prompt from its rows and columns (SmolVLM, Idefics3)
+    text_expansion: bool = False  # its image tokens written into the rendered text (begin/end of image: Gemma 3)
+
+
+VISION = {
+    "qwen2_vl": Vision("mrope", always=True),
+    "qwen2_5_vl": Vision("mrope", always=True),
+    "qwen3_vl": Vision("mrope", always=True),
+    "smolvlm": Vision("positions", always=True, tiles=True),
+    "idefics3": Vision("positions", always=True, tiles=True),
+    "gemma3": Vision("masks", always=False, text_expansion=True),  # Gemma 3's 4B-27B checkpoints are `gemma3` configs
+}
+# read from the table: the families every run of which is image+text, and those image+text where the data has images
+VISION_FAMILIES = {family for family, v in VISION.items() if v.always}
+IMAGE_DATA_FAMILIES = {family for family, v in VISION.items() if not v.always}
 # the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`, SmolVLM's and Idefics3's `vision_model`
 _ENCODERS = ("visual", "vision_tower", "vision_model")
 _PROJECTORS = ("merger", "multi_modal_projector", "connector")  # what maps its features into the language model
