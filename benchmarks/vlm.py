@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.common import ROOT, environment, stop, write_results
+from benchmarks.common import ROOT, environment, stop, torchrun, write_results
 
 DEMO = ROOT / "recipes" / "demo-vlm" / "model"
 MAX_PIXELS = 1280 * 28 * 28
@@ -129,6 +129,19 @@ def timed_run(cmd: list[str], log: Path, timeout: float):
 # loss curve that sft's default without an engine (bf16 weights, 8-bit AdamW with stochastic rounding) is checked
 # against (issue #65); `sft-m<N>`: sft's default at micro batch N (the memory plan checked at a second point)
 MASTER = {"deepspeed": str(ROOT / "ds_configs" / "zero2.json"), "engine": "deepspeed", "optim": "adamw_torch_fused"}
+# `sft-<engine>x<N>`: sft's defaults under one engine on N processes (`sft-z3x2`, `sft-fsdp2x2`): the engines measured
+# side by side for image+text models (issue #65: `engine: auto` weighs FSDP2 only where it was measured)
+ENGINE_ARMS = {"z2": {"engine": "deepspeed", "deepspeed": str(ROOT / "ds_configs" / "zero2.json")},
+               "z3": {"engine": "deepspeed", "deepspeed": str(ROOT / "ds_configs" / "zero3.json")},
+               "fsdp2": {"engine": "fsdp2", "deepspeed": "none"}}  # fmt: skip
+
+
+def engine_arm(arm: str) -> tuple[dict, int]:
+    """The recipe changes and process count of an `sft-<engine>x<N>` arm; ({}, 1) for any other."""
+    head, _, count = arm.removeprefix("sft-").rpartition("x")
+    if head in ENGINE_ARMS and count.isdigit():
+        return ENGINE_ARMS[head], int(count)
+    return {}, 1
 
 
 def run_sft(args, work: Path, model: Path, data: Path, arm: str = "sft") -> dict:
@@ -145,6 +158,8 @@ def run_sft(args, work: Path, model: Path, data: Path, arm: str = "sft") -> dict
         recipe.update(plan_gpu_memory_gib=args.gpu_memory, max_gpu_memory_gib=args.gpu_memory)
     if arm.startswith("sft-m") and arm[5:].isdigit():  # `sft-m1`: the default at a micro batch set by hand
         recipe["per_device_train_batch_size"] = int(arm[5:])
+    engine, nproc = engine_arm(arm)
+    recipe.update(engine)
     (work / f"{arm}.yaml").write_text(yaml.safe_dump(recipe))
     log = work / "logs" / f"{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +167,8 @@ def run_sft(args, work: Path, model: Path, data: Path, arm: str = "sft") -> dict
     if args.reuse_sft and log.exists():  # a run of an earlier call on this machine
         rc, start = 0, time.time() - args.reuse_sft
     else:
-        rc = timed_run([sys.executable, "sft/train.py", "--config", str(work / f"{arm}.yaml")], log, args.run_timeout)
+        launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
+        rc = timed_run([*launcher, "sft/train.py", "--config", str(work / f"{arm}.yaml")], log, args.run_timeout)
     metrics = work / arm / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in steps if "loss" in r and "tokens_per_second_per_gpu" in r]
