@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sft.core.dims import ParallelDims
+
 # The batch geometry of a checkpoint's fingerprint (whole numbers in a checkpoint sft resumes: `sft.run.checkpoint`
 # checks them; `Resume` reads them; the plan keeps the global batch by recomputing accumulation)
 GEOMETRY_FIELDS = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "global_batch")
@@ -69,16 +71,8 @@ class RunPlan:
     resume: Resume | None = None
     lora: bool = False  # PEFT's adapters on the base weights (use_peft)
     vision: Any = None  # sft.data.vision.Plan: image+text chats packed by sft (a vision-language family), or None
-
-    @property
-    def dims(self):
-        """The parallel sizes (`sft.core.dims.ParallelDims`) of the resolved arguments."""
-        return self.training_args.parallel
-
-    @property
-    def engine(self):
-        """The run's engine (`sft.engines.Engine`), built once from the resolved configuration."""
-        return self.training_args.run_engine
+    dims: ParallelDims | None = None  # the parallel sizes of the resolved arguments (the plan always sets them)
+    engine: Any = None  # the run's engine (`sft.engines.Engine`), built once from the resolved configuration
 
     def kernel_on(self, name: str) -> bool:
         kernel = self.kernels.get(name)

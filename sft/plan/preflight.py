@@ -125,7 +125,8 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
         logger.info("auto settings: %s", _auto_line(training_args, changes, engine))
     planned = training_args.with_values(keep_auto=False, **changes) if changes else training_args
     memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
-    plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision)
+    plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision,
+                   dims=planned.parallel, engine=planned.run_engine)  # fmt: skip
     for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
         logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), dims.world_size,
                     "es" * (dims.world_size > 1))  # fmt: skip
