@@ -126,10 +126,10 @@ def test_fsdp2_is_written_by_sft_and_what_it_cannot_honour_is_refused(tmp_path):
     args = parsed("--engine", "fsdp2", "--deepspeed", "none")
     assert args.fsdp is True and args.deepspeed is None and args.fsdp_plugin_args["fsdp_version"] == 2
     assert {k: args.fsdp_config[k] for k in engines.fsdp2.DEFAULTS} == engines.fsdp2.DEFAULTS
-    assert args.run_engine.name == "fsdp2" and args.run_engine.sharding == engines.Sharding(3, weights_always=True)
+    assert args.run_engine.name == "fsdp2" and args.run_engine.sharding == engines.Sharding(3)
     kept = engines.fsdp2.prepare(None, {"reshard_after_forward": False, "cpu_offload": True})[1]
     built = engines.fsdp2.FSDP2(type("A", (), {"fsdp_config": kept, "parallel": None})())
-    assert built.sharding == engines.Sharding(2, True, True, weights_always=True)
+    assert built.sharding == engines.Sharding(2, True, True)
     refusals = {
         ("--engine", "fsdp2"): "`engine: fsdp2` with `deepspeed: ds_configs/zero2.json`",
         ("--engine", "fsdp3"): "argument --engine: invalid choice: 'fsdp3'",

@@ -41,18 +41,8 @@ class Sharding:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_ratio: float = 1.0  # optimizer offload: the share of the states on the CPU
-    weights_always: bool = False  # the weights sharded at rest in every layout (`Traits.shards_weights_always`)
-
-    @property
-    def shards_weights(self) -> bool:
-        """Whether the weights are split over the processes (where a model loaded whole must be partitioned)."""
-        return self.stage == 3 or self.weights_always
 
     @property
     def gathers_weights_per_layer(self) -> bool:
         """Whether each pass gathers each layer's weights and frees them after (ZeRO-3's layout, FSDP2 resharded)."""
         return self.stage == 3
-
-    def describe(self, label: str) -> str:
-        """`label` with its layout (`DeepSpeed ZeRO-3`, `no sharding`)."""
-        return "no sharding" if self.stage is None else f"{label} ZeRO-{self.stage}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sft.core.engine import Sharding, Traits
+from sft.errors import ConfigError
 
 __all__ = ["Engine", "Sharding", "Spec", "Traits"]
 
@@ -56,12 +57,18 @@ class Engine(abc.ABC):
     def drops_nonfinite_steps(self) -> bool:
         """Whether this run's optimizer skips a step whose gradients are not finite by itself (the step guard then
         leaves the gradients alone)."""
-        return self.traits.drops_nonfinite_steps and self.config is not None
+        return self.traits.drops_nonfinite_steps and self.on
 
     @property
     def on(self) -> bool:
         """Whether the engine runs at all (DeepSpeed without a config is off: plain data parallelism, one process)."""
         return self.config is not None
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether the weights are split over the processes (where a model loaded whole must be partitioned): ZeRO-3's
+        layout, or an engine that shards them in every layout (`Traits.shards_weights_always`)."""
+        return self.sharding.stage == 3 or self.traits.shards_weights_always
 
     def starting(self) -> str | None:
         """The line the trainer logs as the engine starts (None: nothing to say)."""
@@ -161,8 +168,6 @@ class Engine(abc.ABC):
         """accelerate's `ParallelismConfig` for sequence parallelism over `dims` (the trainer sets it on the training
         arguments before it is built); refused by an engine without sequence parallelism (`Traits.sequence_parallel`).
         """
-        from sft.errors import ConfigError
-
         raise ConfigError(f"sequence parallelism is not {self.traits.label}'s: set `engine: deepspeed` (Ulysses).")
 
     @abc.abstractmethod

@@ -47,7 +47,7 @@ def zero3_storage(training_args) -> str:
 
 def packed(engine) -> bool:
     """Whether the engine shards the 4-bit weights, which must then be packed in a floating dtype: ZeRO-3, FSDP2."""
-    return engine.sharding.shards_weights
+    return engine.shards_weights
 
 
 def check(model_args, training_args, engine) -> None:
@@ -64,7 +64,7 @@ def check(model_args, training_args, engine) -> None:
         raise ConfigError(f"`{flag}: true` needs bitsandbytes: pip install bitsandbytes (or remove `{flag}`).")
     if not packed(engine):
         return
-    under = engine.traits.label if engine.sharding.weights_always else "ZeRO-3"
+    under = engine.traits.label if engine.traits.shards_weights_always else "ZeRO-3"
     if model_args.load_in_8bit:
         raise ConfigError(
             f"`load_in_8bit: true` under {under}: 8-bit (LLM.int8) weights cannot be partitioned. Use `load_in_4bit: "

@@ -340,7 +340,7 @@ ALONE_MEASURED = ("measured without DeepSpeed on one GPU at 43.5-59.7% MFU: Qwen
 
 
 def _auto_line(training_args, changes: dict, engine) -> str:
-    """The `auto` fields as the plan set them (`engine = none` where no engine shards: DeepSpeed's name, no ZeRO)."""
+    """The `auto` fields as the plan set them (`engine = none` where the engine is off: DeepSpeed without a config)."""
     shown = {k: changes.get(k, getattr(training_args, k)) for k in training_args.auto_settings}
     if "engine" in shown and not engine.on:
         shown["engine"] = "none"

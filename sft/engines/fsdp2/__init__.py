@@ -104,7 +104,7 @@ class FSDP2(Engine):
         offload = bool(self._config.get("cpu_offload", False))
         # FSDP2's layout is ZeRO-3's (reshard after forward) or, without resharding, ZeRO-2's memory for the weights
         stage = 3 if self._config.get("reshard_after_forward", True) else 2
-        self._sharding = Sharding(stage, offload, offload, weights_always=True)
+        self._sharding = Sharding(stage, offload, offload)
         self._dims = training_args.parallel
 
     @property
