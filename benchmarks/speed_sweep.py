@@ -64,7 +64,9 @@ from sft.plan import speed
 # other families at their public widths (the configs sft ships: `sft/model/model_configs.json`), for the per-family
 # sweep of issue #65 (`--shape qwen3-4b`)
 FAMILY_SHAPES = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "mistral-7b": "mistralai/Mistral-7B-v0.3",
-                 "gemma2-9b": "google/gemma-2-9b", "qwen2.5-7b": "Qwen/Qwen2.5-7B"}  # fmt: skip
+                 "gemma2-9b": "google/gemma-2-9b", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+                 "gemma3-4b": "google/gemma-3-4b", "olmo2-7b": "allenai/OLMo-2-1124-7B",
+                 "phi3-mini": "microsoft/Phi-3-mini-4k-instruct"}  # fmt: skip
 SHAPES = {
     "1b": LLAMA_SHAPES["llama-1b"],
     "3b": LLAMA_SHAPES["llama-3b"],

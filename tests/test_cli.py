@@ -70,6 +70,7 @@ PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.2-1B": 1.24, "meta-llama/Llama-3.2-3B": 3.21, "meta-llama/Llama-3.1-8B": 8.03,
     "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-72B": 72.7, "Qwen/Qwen3-8B": 8.2,
     "Qwen/Qwen3-32B": 32.8, "mistralai/Mistral-7B-v0.3": 7.25, "google/gemma-2-9b": 9.24,
+    "google/gemma-3-4b": 3.88, "allenai/OLMo-2-1124-7B": 7.30, "microsoft/Phi-3-mini-4k-instruct": 3.82,
 }  # fmt: skip
 
 
