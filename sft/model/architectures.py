@@ -352,6 +352,39 @@ SINK_FAMILIES = {"gpt_oss"}
 MLP_KEPT = {"gpt_oss": 7}
 
 
+class LayerKeeps(NamedTuple):
+    """What a decoder layer keeps for the backward besides its attention's and its MLP's tensors, by how the family
+    builds the layer; the memory plan counts it (`sft.plan.memory.layer_bytes_per_token`), checked against autograd's
+    saved-tensor hooks for every family (tests/test_plan.py on the CPU; with Liger on a GPU,
+    benchmarks/results/layer_activations)."""
+
+    norms: int = 2  # RMSNorms on the residual stream per layer (Gemma 2/3: 4, before and after each sublayer)
+    fp32_scale: bool = False  # the norm scales in fp32 (Gemma, OLMo 2): its fp32 input and fp32 result are kept
+    qk_norm: str | None = None  # "head": an RMSNorm per head on q and k (Qwen3, Gemma 3); "width": over the whole
+    # projection (OLMo 2); None: none
+    fused_qkv: bool = False  # one qkv projection (Phi-3): its output stays alive through the values' view of it
+    residual_dropout: bool = False  # nn.Dropout on each sublayer's output (Phi-3): a 1-byte mask per element, even at
+    # p = 0 (not kept under Liger's patches: measured, benchmarks/results/layer_activations)
+    liger_qk_norm: bool = True  # Liger's patches of a model instance replace the q and k norms (OLMo 2's do not:
+    # liger-kernel 0.8.5's `apply_liger_kernel_to_olmo2` patches only the post-norms; transformers' stay)
+
+
+LAYER_KEEPS = {
+    "qwen3": LayerKeeps(qk_norm="head"),
+    "qwen3_moe": LayerKeeps(qk_norm="head"),
+    "gemma2": LayerKeeps(norms=4, fp32_scale=True),
+    "gemma3_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),
+    "olmo2": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),
+    "phi3": LayerKeeps(fused_qkv=True, residual_dropout=True),
+}
+
+
+def layer_keeps(family: str, has_qk_norm: bool) -> LayerKeeps:
+    """The family's row of `LAYER_KEEPS`; a family without one: Llama's layer, with a per-head query and key norm where
+    its layers have a `q_norm`."""
+    return LAYER_KEEPS.get(family) or LayerKeeps(qk_norm="head" if has_qk_norm else None)
+
+
 def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_loss_coef: float | None = None) -> None:
     """One line: the family, what its attention needs (and a MoE's router loss), and each fast path with the reason
     it is on or off."""

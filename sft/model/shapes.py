@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft.core.dims import is_routed_expert
+from sft.model.architectures import LayerKeeps
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class ModelShape:
     # Liger's tokens/s against plain bf16's at one micro batch, measured on this family (`Kernel.speedup`; 1: not
     # measured apart, as on Llama, whose speed constants were fitted with Liger on)
     liger_speedup: float = 1.0
-    qk_norm: bool = False  # an RMSNorm on the queries and keys of each layer (Qwen3, OLMo 2, Gemma 3): activations
+    # what a decoder layer keeps besides attention's and the MLP's tensors (`sft.model.architectures.LayerKeeps`)
+    keeps: LayerKeeps = LayerKeeps()
 
     def trainable(self, lora_r: int = 0) -> int:
         """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one but the frozen ones."""
@@ -175,7 +177,7 @@ def load_shape(
         param_sizes=tuple(unique.values()),
         frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
         liger_speedup=arch.kernel("liger").speedup or 1.0,
-        qk_norm=any(n.split(".")[-1] == "q_norm" for n, _ in layer_modules),
+        keeps=architectures.layer_keeps(arch.family, any(n.split(".")[-1] == "q_norm" for n, _ in layer_modules)),
     )
 
 

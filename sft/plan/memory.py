@@ -58,6 +58,12 @@ TOKEN_CHUNK, VOCAB_CHUNK = 4096, 32768
 # gradients, the backward's working set. Fitted on H200 (1B/8B shapes,
 # benchmarks/results/memory_plan_calibration_measured.json).
 EXTRA_PER_TOKEN = {"liger": 10, "eager": 40}
+# Without a sharding engine, what the runs held beyond every line counted, not yet attributed to a tensor: one process,
+# bf16 weights, 8-bit moments, Liger, the peak in the backward, 1 x H200 planned for 80 GB: Llama-3.1-8B 0.56 GiB,
+# Mistral-7B 0.56, Qwen3-8B 1.01, Gemma-3-4B 1.02, Phi-3-mini 0.45, OLMo-2-7B 1.60 (benchmarks/results/
+# family_speed_h100, calls 8 and 9, the layers counted per family). Counted so that the plan is not below a measured
+# peak (Qwen3-4B's, call 4, is then 2.2 GiB above).
+UNATTRIBUTED_WITHOUT_ENGINE = 1.7 * 2**30
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default: the optimizer steps this many at a time
 # ZeRO-1/2 with a low-bit optimizer: groups of at most this many parameters (`sft.engines.deepspeed.zero`)
 STEP_GROUP_PARAMS = SUB_GROUP_SIZE
@@ -303,33 +309,44 @@ class Estimate:
 
 
 def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
-    """Bytes autograd keeps per token for one decoder layer."""
-    b = s.dtype_bytes
+    """Bytes autograd keeps per token for one decoder layer, by how its family builds it (`shape.keeps`; each term
+    checked against autograd's saved-tensor hooks, tests/test_plan.py, benchmarks/results/layer_activations), but for
+    its query and key norms (`qk_norm_bytes_per_token`)."""
+    b, keeps = s.dtype_bytes, shape.keeps
     h, hq, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     attention = b * (2 * hq + 2 * kv) + 4 * shape.heads  # q, k, v and the output; fp32 log-sum-exp per head
-    # Liger: each RMSNorm keeps its input and an fp32 rstd, SwiGLU keeps gate and up, RoPE keeps only cos/sin.
-    # transformers: each RMSNorm keeps an fp32 copy and the normalised input; SiLU's input, its output, up_proj's
-    # output and down_proj's input. Both: each norm's output is kept by the projections that read it.
-    norms = 2 * (2 * b * h + 4) if s.liger else 2 * (4 * h + 2 * b * h)
-    # Tiled, the MLP keeps only its input (the norm's output, counted above) and recomputes the rest per tile
-    layer = (
-        attention + norms + (0 if s.tiled_mlp else mlp_bytes_per_token(shape, s) + routing_bytes_per_token(shape, s))
-    )
+    if keeps.fused_qkv:  # the fused projection's output, alive through v's view (q and k are rotated copies)
+        attention += b * (hq + kv)
+    # The attention's and the MLP's inputs, kept by the projections that read them (a norm's output or the residual).
+    # Each RMSNorm on the residual stream: Liger's keeps its input and an fp32 rstd; transformers' an fp32 copy of its
+    # input, the rstd and the normalised 16-bit input it scales, or the fp32 one where it scales in fp32 (Gemma, OLMo)
+    norm = b * h + 4 if s.liger else 4 * h + 4 + (4 if keeps.fp32_scale else b) * h
+    norms = 2 * b * h + keeps.norms * norm
+    if keeps.residual_dropout and not s.liger:
+        norms += 2 * h
+    # Tiled, the MLP keeps only its input (counted above) and recomputes the rest per tile
+    mlp = 0 if s.tiled_mlp else mlp_bytes_per_token(shape, s) + routing_bytes_per_token(shape, s)
+    layer = attention + norms + mlp
     if s.lora_r and s.lora_dropout > 0:  # PEFT's dropout makes a copy of each adapted layer's input
         layer += b * (5 * h + hq + i)
     return layer
 
 
 def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
-    """Bytes per token and layer that an RMSNorm on the queries and keys keeps. transformers': an fp32 copy of its
-    input and the normalised bf16 output, an fp32 rstd per head (autograd's saved tensors, tests/test_plan.py).
-    Liger's: 2 x 16-bit q and k, measured on 1 x H100 (Qwen3-4B widths, micro batch 2 without checkpointing: 19.1 KB
-    per token and layer over the plan without it, this 20.5 KB; benchmarks/results/family_speed_h100/
-    call4_qwen3_4b_nods)."""
-    b, width = s.dtype_bytes, (shape.heads + shape.kv_heads) * shape.head_dim
-    if s.liger:
+    """Bytes per token and layer that RMSNorms on the queries and keys keep (`LayerKeeps.qk_norm`). transformers': an
+    fp32 copy of the input, the normalised input it scales (fp32 where it scales in fp32: Gemma 3, OLMo 2) and an fp32
+    rstd per row (a head's, or the token's for a norm over the whole width). Liger's: counted as 2 x 16-bit q and k,
+    from a whole run's peak on 1 x H100 (Qwen3-4B widths, micro batch 2 without checkpointing: 19.1 KB per token and
+    layer over the plan without it, this 20.5 KB; benchmarks/results/family_speed_h100/call4_qwen3_4b_nods), where
+    autograd's hooks see half of it (the input and a per-head rstd, benchmarks/results/layer_activations)."""
+    keeps, b = shape.keeps, s.dtype_bytes
+    if keeps.qk_norm is None:
+        return 0.0
+    width = (shape.heads + shape.kv_heads) * shape.head_dim
+    if s.liger and keeps.liger_qk_norm:
         return 2 * b * width
-    return (4 + b) * width + 4 * (shape.heads + shape.kv_heads)
+    rows = shape.heads + shape.kv_heads if keeps.qk_norm == "head" else 2
+    return (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows
 
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
@@ -363,8 +380,7 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
         return kept * s.dtype_bytes * shape.hidden + attention + layer + extra
     # the query and key norms' saved tensors, where every layer keeps its own (within the peaks measured with
     # checkpointing, Qwen3-4B's long rows, the one recomputed layer's are not counted apart)
-    qk = qk_norm_bytes_per_token(shape, s) if shape.qk_norm else 0
-    return shape.layers * (layer + qk) + extra
+    return shape.layers * (layer + qk_norm_bytes_per_token(shape, s)) + extra
 
 
 def attention_kept_bytes_per_token(shape: ModelShape, s: Setting) -> float:
@@ -820,6 +836,8 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
         # benchmarks/results/family_speed_h100/call6_vlm_h200)
         in_flight = (b * v_h if s.liger else head_grad) if full else 0
         backward["gradients (16-bit) + LM head's in flight + loss tile"] = b * held + in_flight + tile
+        if s.liger and not s.lora_r:  # measured with Liger (without it, Qwen2.5-7B's peak was 0.2% under the lines)
+            backward["measured beyond these lines, not yet attributed"] = UNATTRIBUTED_WITHOUT_ENGINE
     return backward, loss_phase
 
 
