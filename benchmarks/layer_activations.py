@@ -3,8 +3,8 @@ memory plan's count (`sft.plan.memory.activation_bytes_per_token`) for the same 
 
 A model of 2 decoder layers and one of 1 (the same config otherwise) run forward in training mode on one row; the
 bytes of the distinct storages autograd saves, other than the input embeddings and the weights, differ by one layer's.
-Attention runs through PyTorch's sdpa (its flash kernel on a GPU, which saves what the varlen kernel saves: q, k, v, the
-output and the log-sum-exp), whatever the family's own backend. On a GPU, `--liger` counts the layer with Liger's
+Attention runs through PyTorch's sdpa (its flash kernel on a GPU, which saves what the varlen kernel saves: q, k, v,
+the output and the log-sum-exp), whatever the family's own backend. On a GPU, the layer is also counted with Liger's
 patches applied to the model instance as transformers' Trainer applies them (`use_liger_kernel`).
 
     python -m benchmarks.layer_activations --out $OUT/layer_activations       # on a GPU: transformers and Liger

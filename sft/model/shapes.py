@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft.core.dims import is_routed_expert
-from sft.model.architectures import LayerKeeps
 from sft.errors import ConfigError
+from sft.model.architectures import LayerKeeps
 
 logger = logging.getLogger(__name__)
 
