@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sft.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Traits:
@@ -42,7 +44,32 @@ class Sharding:
     offload_params: bool = False
     offload_ratio: float = 1.0  # optimizer offload: the share of the states on the CPU
 
+    def __post_init__(self):
+        if self.stage not in (None, 0, 1, 2, 3):
+            raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage}.")
+
     @property
-    def gathers_weights_per_layer(self) -> bool:
-        """Whether each pass gathers each layer's weights and frees them after (ZeRO-3's layout, FSDP2 resharded)."""
-        return self.stage == 3
+    def engine(self) -> bool:
+        """Whether an engine holds the training state (sharded or not: ZeRO-0 reduces the gradients in its buckets)."""
+        return self.stage is not None
+
+    @property
+    def optimizer(self) -> bool:
+        """Whether the optimizer states are sharded over the processes."""
+        return (self.stage or 0) >= 1
+
+    @property
+    def gradients(self) -> bool:
+        """Whether the gradients are sharded too (reduce-scattered, each process keeping its partition)."""
+        return (self.stage or 0) >= 2
+
+    @property
+    def weights(self) -> bool:
+        """Whether the weights are sharded too: each pass gathers each layer's and frees them after (ZeRO-3's layout,
+        FSDP2 resharded)."""
+        return (self.stage or 0) >= 3
+
+    @property
+    def label(self) -> str:
+        """The layout in logs and plans."""
+        return "no DeepSpeed" if self.stage is None else f"ZeRO-{self.stage}"

@@ -231,7 +231,7 @@ def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
     ]
     for i, r in enumerate(fits, 1):
         s = r.estimate.setting
-        zero = "no DeepSpeed" if s.zero_stage is None else f"ZeRO-{s.zero_stage}"
+        zero = s.sharding.label
         zero = f"{s.traits.label} ({zero}'s layout)" if s.traits.shards_weights_always else zero
         sp = f", sp {s.sp}" if s.sp > 1 else ""
         speed_cells = (f"{r.time.tokens_per_second:,.0f} | {r.time.mfu:.1%} | {r.time.seconds:.2f}" if by_speed
@@ -292,7 +292,7 @@ def _without_engine(args, rank, setting: Setting, fits: list) -> list:
     """One GPU, bf16 weights, full fine-tuning, `--optim auto`: the settings without DeepSpeed (torchao's 8-bit AdamW
     with stochastic rounding) where their fastest is estimated faster than `fits`' or nothing else fits, said in a
     line, as `sft train`'s `engine: auto` decides (`sft.plan.preflight._without_engine`); else `fits`."""
-    cut = (args.gpus != 1, setting.zero_stage is None, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
+    cut = (args.gpus != 1, not setting.sharding.engine, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
            not args.by_speed, args.offload != "none", engines.spec(args.engine).unsharded is None)  # fmt: skip
     if any(cut):
         return fits

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sft import engines
+from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model.shapes import ModelShape
 from sft.plan import speed
@@ -194,15 +195,20 @@ class Setting:
         return self.micro_batch * -(-self.seq_len // self.sp)
 
     @property
+    def sharding(self) -> Sharding:
+        """What this setting shards and offloads (`sft.core.engine.Sharding`): every test of the layout reads it."""
+        return Sharding(self.zero_stage, self.offload_optimizer, self.offload_params, self.offload_ratio)
+
+    @property
     def traits(self) -> engines.Traits:
         """The declared traits of the engine this setting runs under (`sft.engines.SPECS`)."""
         return engines.spec(self.engine).traits
 
     def describe(self) -> str:
-        zero = "no DeepSpeed" if self.zero_stage is None else f"ZeRO-{self.zero_stage}"
+        zero = self.sharding.label
         if self.traits.shards_weights_always:  # planned with ZeRO's terms for the same layout
-            layout = "resharded" if self.zero_stage == 3 else "kept gathered"
-            zero = f"{self.traits.label} ({layout}: ZeRO-{self.zero_stage}'s layout)"
+            layout = "resharded" if self.sharding.weights else "kept gathered"
+            zero = f"{self.traits.label} ({layout}: {self.sharding.label}'s layout)"
         if self.offload_optimizer or self.offload_params:
             optimizer = "optimizer" + (f" ({self.ratio:.0%})" if self.ratio < 1 else "")
             zero += " + offload " + "+".join(
@@ -276,7 +282,7 @@ class Setting:
         nothing."""
         if not self.offload_optimizer:
             return 0.0
-        return self.offload_ratio if self.zero_stage == 3 and not self.offload_params else 1.0
+        return self.offload_ratio if self.sharding.weights and not self.offload_params else 1.0
 
 
 @dataclass
@@ -439,9 +445,9 @@ def host_bytes(shape: ModelShape, s: Setting) -> float:
     part = trainable(shape, s) / s.gpus
     offloaded = 0.0
     if s.offload_optimizer:
-        cpu = optimizer_groups(shape, s, s.ratio)[1] if s.zero_stage == 3 else [part]
+        cpu = optimizer_groups(shape, s, s.ratio)[1] if s.sharding.weights else [part]
         offloaded += s.state_bytes * sum(cpu) + sum(pinned(4 * g) for g in cpu)
-        offloaded += pinned(s.dtype_bytes * part) if s.zero_stage == 3 else 0
+        offloaded += pinned(s.dtype_bytes * part) if s.sharding.weights else 0
     if s.offload_params:  # zero.Init pins each weight's partition, then copies them into one flat pinned buffer
         offloaded += pinned(s.dtype_bytes * part) + offloaded_weight_bytes(shape, s)
     if s.offload_checkpoints:
@@ -477,10 +483,9 @@ def _partitioned_states(shape: ModelShape, s: Setting) -> tuple[float, float]:
     gpu, cpu = _zero_states(shape, s, trainable(shape, s) - split)
     if split:
         local, group = split / s.ep, max(s.gpus // s.ep, 1)
-        gpu += (
-            4 * local
-            + {1: s.state_bytes / group, 2: (s.state_bytes + 4) / group}.get(s.zero_stage, s.state_bytes) * local
-        )
+        sharding = s.sharding  # ZeRO-1/2: the experts' states (and ZeRO-2's fp32 gradients) over the group
+        states = (s.state_bytes + 4 * sharding.gradients) / group if sharding.optimizer else s.state_bytes
+        gpu += 4 * local + (s.state_bytes if sharding.weights else states) * local
         cpu += 4 * local * (s.gpus_per_node or s.gpus) * 1.5  # the weights loaded on the host, as for the others
     return gpu, cpu
 
@@ -494,13 +499,13 @@ def _zero_states(shape: ModelShape, s: Setting, p: float) -> tuple[float, float]
     states = engines.model_states(
         p, shape.largest_module_params, per_node, nodes, s.zero_stage, s.offload_optimizer, s.offload_params
     )
-    if s.zero_stage == 3:
+    if s.sharding.weights:
         gpu, cpu = states
         return gpu + (0 if s.offload_params else frozen / s.gpus), cpu
-    if s.zero_stage == 2:
+    if s.sharding.gradients:
         gpu, cpu = states
         return gpu + frozen, cpu
-    if s.zero_stage == 1:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
+    if s.sharding.optimizer:  # ZeRO paper: 16-bit weights and gradients whole, optimizer states partitioned
         return 4 * p + s.state_bytes * p / s.gpus + frozen, 4 * p * per_node * 1.5
     # stage 0 / no DeepSpeed: 16-bit weights and gradients, fp32 master weights and Adam moments
     return (4 + s.state_bytes) * p + frozen, 4 * p * per_node * 1.5
@@ -525,7 +530,7 @@ def load_bytes(shape: ModelShape, s: Setting) -> float:
     way (`sft.model.quantization.loading`), so the GPU holds one linear at a time, in 16 bits and packed in 4. (Before,
     transformers' loader put the whole 4-bit model on each GPU: 20.78 GiB at 40 layers of 70B width;
     benchmarks/results/qlora_70b.)"""
-    if not (s.qlora and s.zero_stage == 3):
+    if not (s.qlora and s.sharding.weights):
         return 0.0
     largest = shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim)
     return largest * (s.dtype_bytes + 0.5)
@@ -586,11 +591,10 @@ def estimate(shape: ModelShape, s: Setting) -> Estimate:
 
 def _check_setting(s: Setting) -> None:
     """Settings the plan cannot estimate because the engine cannot run them."""
-    if s.zero_stage not in (None, 0, 1, 2, 3):
-        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {s.zero_stage}.")
-    if (s.offload_optimizer or s.offload_params) and s.zero_stage not in (2, 3):
+    sharding = s.sharding  # a stage ZeRO does not have is refused here
+    if (s.offload_optimizer or s.offload_params) and not sharding.gradients:
         raise ConfigError("CPU offload needs ZeRO-2 (optimizer) or ZeRO-3 (optimizer and/or parameters).")
-    if s.offload_params and s.zero_stage != 3:
+    if s.offload_params and not sharding.weights:
         raise ConfigError("Parameter offload needs ZeRO-3.")
     if s.qlora and not s.lora_r:
         raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
@@ -691,7 +695,7 @@ def eight_bit_candidate(s: Setting) -> bool:
     under FSDP2: it steps each parameter apart, and its memory with 8-bit Adam was not measured."""
     import importlib.util
 
-    return (not s.lora_r and s.zero_stage in (1, 2, 3) and not s.offload_optimizer and s.traits.eight_bit_moments
+    return (not s.lora_r and s.sharding.optimizer and not s.offload_optimizer and s.traits.eight_bit_moments
             and importlib.util.find_spec("torchao") is not None)  # fmt: skip
 
 
@@ -738,7 +742,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
     step: dict[str, float] = {}
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
-    if s.zero_stage == 3:
+    if s.sharding.weights:
         items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
         if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
             stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
@@ -754,7 +758,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
             step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * sub_group
         # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
         states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
-    elif s.zero_stage == 2:
+    elif s.sharding.gradients:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = 0 if s.offload_optimizer else s.state_bytes * part
         on_gpu = 0 if s.offload_optimizer else part
@@ -770,7 +774,7 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
             step["fp32 gradient partition (step)"] = 4 * on_gpu
             step["flattened gradient copy (step)"] = b * on_gpu
         states_own = sum(items.values()) + (b + 4) * on_gpu
-    elif s.zero_stage == 1:
+    elif s.sharding.optimizer:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * part
         if s.eight_bit_moments:  # one group of at most STEP_GROUP_PARAMS at a time (as ZeRO-2)
@@ -805,7 +809,7 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
     loss_phase = 0.0
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
-    if s.zero_stage == 3:
+    if s.sharding.weights:
         # One process holds every parameter whole in its partition: DeepSpeed skips the gather (no buffers;
         # measured: QLoRA 70B widths on 1 GPU, benchmarks/results/qlora_70b), unless the partition is on the CPU
         gathers = n > 1 or s.offload_params
@@ -817,7 +821,7 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
             if shape.tied:  # the shared embedding is gathered again for the input and (full FT) its gradient kept
                 backward["tied embedding: second copy + gradient"] = b * v_h * (gathers + full)
         backward["decoder layers gathered (current + prefetch)"] = 2 * gathered_layer_bytes(shape, s) * gathers
-    elif s.zero_stage == 2:
+    elif s.sharding.gradients:
         from sft.engines import bucket_elements
 
         partition = 0 if s.offload_optimizer else b * part
@@ -870,7 +874,7 @@ def ladder(base: Setting) -> list[Setting]:
     """Settings from fastest to most memory-frugal: a base without DeepSpeed as it is (bf16 weights stepped in place
     hold the fewest bytes a weight), ZeRO-0..3, then CPU offload of the optimizer, then parameters. DeepSpeed keeps an
     fp32 master copy and fp32 moments where the base stepped bf16 weights in place with torch's."""
-    own = [base] if base.zero_stage is None else []
+    own = [base] if not base.sharding.engine else []
     base = base.with_master_copy()
     plain = [dataclasses.replace(base, zero_stage=z, offload_optimizer=False, offload_params=False) for z in range(4)]
     offloaded = [
@@ -1013,8 +1017,8 @@ def accumulation_for(s: Setting, target: int) -> int:
 def lever_setting(candidate: Setting, tools: Tools, ratio: float = 1.0) -> Setting | None:
     """`candidate` with the levers of `tools` on (ZeRO's offload kept where the candidate has it); None where its
     ZeRO stage cannot offload what `tools` asks (the optimizer needs ZeRO-2/3, the weights ZeRO-3)."""
-    if (tools.offload_optimizer and candidate.zero_stage not in (2, 3)) or (
-        tools.offload_params and candidate.zero_stage != 3
+    if (tools.offload_optimizer and not candidate.sharding.gradients) or (
+        tools.offload_params and not candidate.sharding.weights
     ):
         return None
     optimizer, params = candidate.offload_optimizer, candidate.offload_params
@@ -1027,7 +1031,7 @@ def offload_ratios(shape: ModelShape, candidate: Setting, tools: Tools) -> list[
     """The optimizer offload shares to try, smallest first: under ZeRO-3 (optimizer offload turned on by `tools`, the
     weights not offloaded) each whole number of DeepSpeed's optimizer sub-groups (`sub_group_size` parameters) that
     this GPU's partition splits into; else all of it."""
-    if not (tools.offload_optimizer and not tools.offload_params and candidate.zero_stage == 3):
+    if not (tools.offload_optimizer and not tools.offload_params and candidate.sharding.weights):
         return [1.0]
     if candidate.offload_optimizer:
         return [candidate.offload_ratio]

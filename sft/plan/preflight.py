@@ -25,6 +25,7 @@ import torch
 from sft import engines
 from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
 from sft.core.dims import ParallelDims
+from sft.core.engine import Sharding
 from sft.core.retry import Retry
 from sft.core.run import MemoryDecision, Resume, RunPlan
 from sft.errors import ConfigError
@@ -314,7 +315,7 @@ def _resumed_engine(training_args, resume: Resume, current, keep):
 
 def _engine_excluded(training_args, model_args, sharding, dims, current, rival) -> str | None:
     """Why `engine: auto` does not weigh `rival` against the config's engine here, else None."""
-    stage = "no ZeRO" if sharding.stage is None else f"ZeRO-{sharding.stage}"
+    stage = sharding.label if sharding.engine else "no ZeRO"
     label, theirs = current.traits.label, rival.traits
     excluded = (
         (sharding.stage != theirs.in_place_of,
@@ -415,7 +416,7 @@ def _engine_bases(
     """The settings `_plan_memory` would rank for this run under the engine called `engine` (in its own layout of ZeRO
     `stage`; None: no engine): its kernels as `_decide_kernels` decides them (without logging), bf16 beside
     FP8 where `fp8: auto` turned it on."""
-    fp8_on = _fp8_decision(training_args, model_args, arch, engine, stage=stage).on
+    fp8_on = _fp8_decision(training_args, model_args, arch, engine, Sharding(stage)).on
     compiled = _compiled(training_args, arch, fp8_on)
     liger = _liger_on(training_args, arch)
     base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled),
@@ -612,7 +613,7 @@ def zero2_advice(
 ) -> str | None:
     """For a ZeRO-3 run without offload: if ZeRO-2 fits with the same micro batch and no checkpointing, offloading or
     tiling, say so with what ZeRO-3 cost in the nearest measured setting; else None."""
-    if setting.zero_stage != 3 or setting.offload_optimizer or setting.offload_params:
+    if not setting.sharding.weights or setting.offload_optimizer or setting.offload_params:
         return None
     zero2 = dataclasses.replace(setting.with_tools(memplan.Tools(False, False, False)), zero_stage=2)
     estimate = memplan.estimate(shape, zero2)
@@ -725,12 +726,12 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
     return arch.kernel("compile").reason
 
 
-def _fp8_decision(training_args, model_args, arch, engine: str, stage: int | None) -> fp8.Decision:
-    """`fp8` resolved by `sft.model.fp8` for this engine and ZeRO stage (`true` refused where it cannot run); `auto`
+def _fp8_decision(training_args, model_args, arch, engine: str, sharding: Sharding) -> fp8.Decision:
+    """`fp8` resolved by `sft.model.fp8` for this engine and its layout (`true` refused where it cannot run); `auto`
     also needs the family measured good."""
     auto, traits = "fp8" in training_args.auto_settings, engines.spec(engine).traits
     decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft),
-                           stage == 3 and traits.host_hooks, traits.layer_units)  # fmt: skip
+                           sharding.weights and traits.host_hooks, traits.layer_units)  # fmt: skip
     if auto and decision.on and not arch.kernel("fp8").on:
         return fp8.Decision(False, arch.kernel("fp8").reason)
     return decision
@@ -739,11 +740,11 @@ def _fp8_decision(training_args, model_args, arch, engine: str, stage: int | Non
 def _resolve_fp8(training_args, model_args, engine, arch: architectures.Architecture) -> fp8.Decision:
     """`fp8` resolved by `sft.model.fp8` (`true` refused where it cannot run; `auto` also needs the family measured
     good), the choice and its reason logged."""
-    decision = _fp8_decision(training_args, model_args, arch, engine.name, engine.sharding.stage)
+    decision = _fp8_decision(training_args, model_args, arch, engine.name, engine.sharding)
     if decision.on:
         recipe = training_args.fp8_recipe
         logger.info("FP8: on, %s scaling (%s); MFU stays against the dense bf16 peak", recipe, decision.reason)
-        if engine.sharding.gathers_weights_per_layer and engine.traits.host_hooks:
+        if engine.sharding.weights and engine.traits.host_hooks:
             logger.warning(fp8.ZERO3_SLOWER)
     else:
         logger.info("FP8: off (%s)", decision.reason)

@@ -208,7 +208,7 @@ def step_time(
         c.host_s_per_layer.get(KEPT_ATTENTION, 0.0) if s.keep_attention else 0
     )
     host = shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket)
-    if s.zero_stage == 3 and s.traits.host_hooks:  # ZeRO-3's hooks fetch and release each layer's weights each pass
+    if s.sharding.weights and s.traits.host_hooks:  # ZeRO-3's hooks fetch and release each layer's weights each pass
         host += shape.layers * _passes(s) * c.zero3_host_s_per_layer_pass
     host = max(host - compute - recompute, 0.0)
     per_micro = host + _gradient_work(shape, s, c)
@@ -252,23 +252,23 @@ def _trainable(shape: ModelShape, s) -> float:
 
 def gradient_key(s) -> str:
     """The `gradient_s_per_gparam` key of a setting: its ZeRO stage, with `+` on several processes (`overlap_comm`)."""
-    return f"{s.zero_stage}+" if s.gpus > 1 else str(s.zero_stage)
+    return f"{s.sharding.stage}+" if s.gpus > 1 else str(s.sharding.stage)
 
 
 def _gradient_work(shape: ModelShape, s, c: Card) -> float:
     """ZeRO's gradient handling at each backward, per parameter this GPU's engine touches (ZeRO-1/2 copy every
     gradient into their buckets; ZeRO-3 its partition of each); on several processes what the overlap leaves."""
-    if s.zero_stage is None or s.traits.layer_units:  # FSDP2 reduce-scatters each layer's gradients in the backward
+    if not s.sharding.engine or s.traits.layer_units:  # FSDP2 reduce-scatters each layer's gradients in the backward
         return 0.0  # (measured: its micro-batch-2 x 8 steps are compute + communication within 3%, fsdp2_h200x4)
     rates = c.gradient_s_per_gparam
     rate = rates.get(gradient_key(s), rates.get("2+", rates["2"]) if s.gpus > 1 else rates["2"])
-    return rate * _trainable(shape, s) / (s.gpus if s.zero_stage == 3 else 1) / 1e9
+    return rate * _trainable(shape, s) / (s.gpus if s.sharding.weights else 1) / 1e9
 
 
 def _buckets(shape: ModelShape, s, bucket: int | None = None) -> int:
     """Gradient reductions per micro step: one per bucket of `bucket` elements (default: what sft sets
     `reduce_bucket_size: "auto"` to, `sft.engines.bucket_elements`)."""
-    if s.zero_stage is None:
+    if not s.sharding.engine:
         return 0
     if bucket is None:
         from sft.engines import bucket_elements
@@ -291,10 +291,10 @@ def _communication(shape: ModelShape, s, c: Card, busy: float) -> float:
     weights = (1 if s.fp8 and s.traits.float8_all_gather else s.dtype_bytes) * shape.n_params
     grads = s.dtype_bytes * _trainable(shape, s)
     moved = 0.0
-    if s.zero_stage == 3 and not s.lora_r:
+    if s.sharding.weights and not s.lora_r:
         moved = share * (_passes(s) * weights + grads)
-    elif s.zero_stage is not None:  # ZeRO-0/1/2: every backward reduces the gradients (all-reduce or scatter)
-        moved = 2 * share * grads if s.zero_stage < 2 else share * grads
+    elif s.sharding.engine:  # ZeRO-0/1/2: every backward reduces the gradients (all-reduce or scatter)
+        moved = share * grads if s.sharding.gradients else 2 * share * grads
     if s.sp > 1:  # Ulysses: four all-to-alls of a layer's q, k, v and output per layer, forward and backward
         hq, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         moved += 2 * shape.layers * s.tokens * s.dtype_bytes * (2 * hq + 2 * kv) * share
@@ -319,8 +319,8 @@ def _host_traffic(shape: ModelShape, s, c: Card) -> float:
 
 
 def _optimizer(shape: ModelShape, s, c: Card) -> float:
-    partition = _trainable(shape, s) / (s.gpus if s.zero_stage in (1, 2, 3) else 1)
-    if s.zero_stage is None and s.eight_bit_moments:  # torchao's 8-bit step, one weight tensor at a time
+    partition = _trainable(shape, s) / (s.gpus if s.sharding.optimizer else 1)
+    if not s.sharding.engine and s.eight_bit_moments:  # torchao's 8-bit step, one weight tensor at a time
         return c.eight_bit_step_s_per_gparam * partition / 1e9
     on_cpu = partition * s.ratio if s.offload_optimizer else 0.0
     return (c.optimizer_s_per_gparam * (partition - on_cpu) + c.cpu_adam_s_per_gparam * on_cpu) / 1e9
