@@ -8,6 +8,11 @@ order), turns the global-batch target into `gradient_accumulation_steps` with `s
 is the checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
 process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
 (unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
+
+The decisions are `STEPS`, one declared order: the batch target, the model, the engine, the kernels, the memory plan,
+the attention backend, the parallel sizes (and an image+text run's packing), the engine's configuration, the batch,
+the resume; each a function from the frozen `Decided` so far to a new one, and `_emit` builds the training arguments
+and the `RunPlan` once. A new decision is a step and its place in `STEPS`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import importlib.util
 import logging
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -60,78 +69,181 @@ def preflight(training_args, model_args, resume: Resume | None = None, sources=N
     """Decide the run: resolve `auto` values, derive accumulation from the global-batch target (the checkpoint's on a
     resume), check the memory plan, set up a resume on another process count; returns the RunPlan, whose training
     arguments are rebuilt once if anything changed. `model_args` is not changed. `sources`: the recipe's `datasets`,
-    whose records holding images make a run of a multimodal config that trains on text too an image+text run."""
-    seqpar.check(training_args.parallel, training_args, training_args.padding_free_batches)
-    retry = Retry.from_env() if "per_device_train_batch_size" in training_args.auto_settings else None
-    target, micro_cap = _target(training_args, resume, retry), retry.micro_cap if retry else None
-    remote = bool(getattr(model_args, "trust_remote_code", False))
-    model_config = shapes.load_config(model_args.model_name_or_path, remote)
+    whose records holding images make a run of a multimodal config that trains on text too an image+text run. The
+    decisions are `STEPS`, in their order, each from what is decided so far to a new frozen `Decided`."""
+    decided = Decided(training_args, model_args, resume, sources)
+    for step in STEPS:
+        decided = step(decided)
+    return _emit(decided)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What the plan has decided so far: the inputs, then each step's fields (None until it ran); `changes` the
+    training-argument values decided, emitted once at the end (`_emit`)."""
+
+    training_args: Any  # sft.config.TrainConfig as parsed (or as `engine: auto` rebuilt it for another engine)
+    model_args: Any
+    resume: Resume | None
+    sources: Any
+    retry: Retry | None = None  # `_target_step`
+    target: int | None = None
+    micro_cap: int | None = None
+    model_config: Any = None  # `_model_step`
+    arch: Any = None
+    image_text: bool = False
+    shape_of: Any = None  # () -> ModelShape, built once when first asked
+    dims: ParallelDims | None = None  # `_engine_step`
+    engine: Any = None
+    kernels: dict = field(default_factory=dict)  # `_kernels_step`, completed by `_memory_step`
+    memory: MemoryDecision | None = None  # `_memory_step`
+    attn: str | None = None  # `_attention_step`
+    vision: Any = None  # `_parallel_step`
+    config: Any = None  # `_engine_config_step`: the engine's configuration as written
+    buckets: tuple = ()
+    batch: BatchPlan | None = None  # `_batch_step`
+    changes: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def with_changes(self, changes: dict, **fields) -> Decided:
+        return dataclasses.replace(self, changes=MappingProxyType(dict(changes)), **fields)
+
+
+def _target_step(d: Decided) -> Decided:
+    """The global-batch target (the checkpoint's on a resume) and a micro batch cap after running out of memory."""
+    args = d.training_args
+    seqpar.check(args.parallel, args, args.padding_free_batches)
+    retry = Retry.from_env() if "per_device_train_batch_size" in args.auto_settings else None
+    return dataclasses.replace(d, retry=retry, target=_target(args, d.resume, retry),
+                               micro_cap=retry.micro_cap if retry else None)  # fmt: skip
+
+
+def _model_step(d: Decided) -> Decided:
+    """The model's config and Architecture, read once; whether the run trains on images and text."""
+    remote = bool(getattr(d.model_args, "trust_remote_code", False))
+    model_config = shapes.load_config(d.model_args.model_name_or_path, remote)
     arch = architectures.of(model_config)
-    image_text = _image_text(model_config, sources)
+    image_text = _image_text(model_config, d.sources)
     arch = _image_text_kernels(arch) if image_text else arch  # the family's fast paths were measured on text rows
-    shape_of = _shape_of(model_args, training_args, model_config, arch, remote, image_text)
-    if "engine" in training_args.auto_settings:
-        training_args = _choose_engine(
-            training_args, model_args, arch, shape_of, target, micro_cap, resume, model_config
-        )
-    dims, engine = training_args.parallel, training_args.run_engine
-    check_resume_engine(engine.name, resume)
-    engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), resume)
+    shape_of = _shape_of(d.model_args, d.training_args, model_config, arch, remote, image_text)
+    return dataclasses.replace(d, model_config=model_config, arch=arch, image_text=image_text, shape_of=shape_of)
+
+
+def _engine_step(d: Decided) -> Decided:
+    """The engine (`engine: auto` weighs them), and what it must support here: the resume, experts, LoRA targets."""
+    args, model_args, arch = d.training_args, d.model_args, d.arch
+    remote = bool(getattr(model_args, "trust_remote_code", False))
+    if "engine" in args.auto_settings:
+        args = _choose_engine(args, model_args, arch, d.shape_of, d.target, d.micro_cap, d.resume, d.model_config)
+    dims, engine = args.parallel, args.run_engine
+    check_resume_engine(engine.name, d.resume)
+    engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), d.resume)
     quantization.check_experts(model_args, arch, remote)
-    check_lora_parameters(model_args, model_config, remote)
-    kernels, changes = _decide_kernels(training_args, model_args, arch, engine)
+    check_lora_parameters(model_args, d.model_config, remote)
+    return dataclasses.replace(d, training_args=args, dims=dims, engine=engine)
+
+
+def _kernels_step(d: Decided) -> Decided:
+    """Liger, FP8 and compiled layers as the family's measurements and the engine allow."""
+    kernels, changes = _decide_kernels(d.training_args, d.model_args, d.arch, d.engine)
+    return d.with_changes({**d.changes, **changes}, kernels=kernels)
+
+
+def _memory_step(d: Decided) -> Decided:
+    """The micro batch, the memory levers, the sequence-parallel size and the optimizer states that fit (fastest
+    first where the speed model ranks them), and the kernels the ranking chose."""
+    args, kernels, changes = d.training_args, dict(d.kernels), dict(d.changes)
     micro, tools, sp, sentence, ratio, bf16, optimizer, liger = _plan_memory(
-        training_args, model_args, model_config, target, kernels, micro_cap, shape_of, arch, resume
+        args, d.model_args, d.model_config, d.target, kernels, d.micro_cap, d.shape_of, d.arch, d.resume
     )
     _ranked_changes(kernels, changes, optimizer, liger)
     if bf16 is not None:
-        _bf16_faster(training_args, kernels, changes, bf16)
+        _bf16_faster(args, kernels, changes, bf16)
     if tools.keep_attention:
-        _keep_attention_eager(training_args, kernels, changes)
-    padding_free = training_args.padding_free_batches
-    attn = _attention(model_args.attn_implementation, training_args, model_config, arch, sp, image_text)
-    _resolve_fp8_changes(training_args, kernels["FP8"].on, sp, changes)
+        _keep_attention_eager(args, kernels, changes)
+    memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in args.auto_settings)
+    return d.with_changes(changes, kernels=kernels, memory=memory)
+
+
+def _attention_step(d: Decided) -> Decided:
+    """The attention backend that honours the model (and the sequence-parallel size), and FP8's fields."""
+    args, changes = d.training_args, dict(d.changes)
+    attn = _attention(d.model_args.attn_implementation, args, d.model_config, d.arch, d.memory.sp, d.image_text)
+    _resolve_fp8_changes(args, d.kernels["FP8"].on, d.memory.sp, changes)
+    return d.with_changes(changes, attn=attn)
+
+
+def _parallel_step(d: Decided) -> Decided:
+    """The parallel sizes with the plan's sequence-parallel size, checked against the model; an image+text run's
+    packing."""
+    args, dims, engine, sp, changes = d.training_args, d.dims, d.engine, d.memory.sp, dict(d.changes)
     if sp != dims.sp:  # `sequence_parallel_size: auto`, chosen by the plan
         changes["sequence_parallel_size"] = sp
-        changes[engine.traits.config_field] = engine.unresolved(training_args)  # resolved again for this sp
+        changes[engine.traits.config_field] = engine.unresolved(args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
-        seqpar.check(dims, training_args, padding_free)
-    seqpar.check_model(model_config, sp, attn, arch)
-    vision = _vision_changes(training_args, model_config, sp, changes) if image_text else None
-    offload = (tools.offload_optimizer, tools.offload_params, ratio)
-    if tools.offload_optimizer and memplan.moment_bytes_of(training_args.optim) < 8:
-        optim = getattr(training_args.optim, "value", training_args.optim)
+        seqpar.check(dims, args, args.padding_free_batches)
+    seqpar.check_model(d.model_config, sp, d.attn, d.arch)
+    vision = _vision_changes(args, d.model_config, sp, changes) if d.image_text else None
+    return d.with_changes(changes, dims=dims, vision=vision)
+
+
+def _engine_config_step(d: Decided) -> Decided:
+    """The engine's configuration written with the plan's offload and the gradient buckets for this model."""
+    args, engine, tools, changes = d.training_args, d.engine, d.memory.tools, d.changes
+    offload = (tools.offload_optimizer, tools.offload_params, d.memory.offload_ratio)
+    if tools.offload_optimizer and memplan.moment_bytes_of(args.optim) < 8:
+        optim = getattr(args.optim, "value", args.optim)
         logger.warning("optim %s: the optimizer is offloaded to the CPU, where DeepSpeed's CPU Adam steps it with "
                        "fp32 moments instead (the plan counts those)", optim)  # fmt: skip
-    field = engine.traits.config_field
-    config, lines = engine.written(changes.get(field, getattr(training_args, field)), offload=offload)
+    field_ = engine.traits.config_field
+    config, lines = engine.written(changes.get(field_, getattr(args, field_)), offload=offload)
     for line in lines:
         logger.info("%s", line)
     params = None
-    if dims.world_size == 1:  # one process's gradient bucket is at most the model (`sft.engines.bucket_elements`)
-        params = shape_of().n_params
-    config, buckets = engine.written(config, hidden=arch.hidden, processes=dims.world_size, params=params)
-    batch = _plan_batch(training_args, micro, resume, dims.dp, retry)
-    if retry is not None:
+    if d.dims.world_size == 1:  # one process's gradient bucket is at most the model (`sft.engines.bucket_elements`)
+        params = d.shape_of().n_params
+    config, buckets = engine.written(config, hidden=d.arch.hidden, processes=d.dims.world_size, params=params)
+    return dataclasses.replace(d, config=config, buckets=tuple(buckets))
+
+
+def _batch_step(d: Decided) -> Decided:
+    """Accumulation from the global-batch target at the chosen micro batch; the levers' training arguments."""
+    args, micro, changes = d.training_args, d.memory.micro_batch, dict(d.changes)
+    batch = _plan_batch(args, micro, d.resume, d.dims.dp, d.retry)
+    if d.retry is not None:
         logger.warning("Micro batch %d after running out of memory (sft train's retry): %s", micro, batch.describe())
-    logger.info("Parallel sizes: %s", dims.describe())
+    logger.info("Parallel sizes: %s", d.dims.describe())
     logger.info("Batch plan: %s", batch.describe())
-    _lever_changes(training_args, micro, tools, batch, changes)
-    if resume is not None:
-        config = _plan_resume(training_args, engine, resume, dims, batch, micro, config)
-    if config is not getattr(training_args, field) and config != getattr(training_args, field):
-        changes[field] = config
-    auto = training_args.auto_settings
-    if auto:
-        logger.info("auto settings: %s", _auto_line(training_args, changes, engine))
-    planned = training_args.with_values(keep_auto=False, **changes) if changes else training_args
-    memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in auto)
-    plan = RunPlan(planned, model_config, arch, batch, memory, attn, kernels, resume, model_args.use_peft, vision,
-                   dims=planned.parallel, engine=planned.run_engine)  # fmt: skip
-    for key, value in (planned.resolved_ds_settings or training_args.resolved_ds_settings).items():
-        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), dims.world_size,
-                    "es" * (dims.world_size > 1))  # fmt: skip
-    for line in buckets:
+    _lever_changes(args, micro, d.memory.tools, batch, changes)
+    return d.with_changes(changes, batch=batch)
+
+
+def _resume_step(d: Decided) -> Decided:
+    """A resume on another geometry set up in the engine's configuration; that configuration among the changes."""
+    args, config, changes, field_ = d.training_args, d.config, dict(d.changes), d.engine.traits.config_field
+    if d.resume is not None:
+        config = _plan_resume(args, d.engine, d.resume, d.dims, d.batch, d.memory.micro_batch, config)
+    if config is not getattr(args, field_) and config != getattr(args, field_):
+        changes[field_] = config
+    return d.with_changes(changes, config=config)
+
+
+# The plan's decisions in their order: each reads what the ones before it decided (`Decided`)
+STEPS = (_target_step, _model_step, _engine_step, _kernels_step, _memory_step, _attention_step, _parallel_step,
+         _engine_config_step, _batch_step, _resume_step)  # fmt: skip
+
+
+def _emit(d: Decided) -> RunPlan:
+    """The training arguments built once with every change, and the RunPlan."""
+    args, changes = d.training_args, dict(d.changes)
+    if args.auto_settings:
+        logger.info("auto settings: %s", _auto_line(args, changes, d.engine))
+    planned = args.with_values(keep_auto=False, **changes) if changes else args
+    plan = RunPlan(planned, d.model_config, d.arch, d.batch, d.memory, d.attn, d.kernels, d.resume,
+                   d.model_args.use_peft, d.vision, dims=planned.parallel, engine=planned.run_engine)  # fmt: skip
+    for key, value in (planned.resolved_ds_settings or args.resolved_ds_settings).items():
+        logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), d.dims.world_size,
+                    "es" * (d.dims.world_size > 1))  # fmt: skip
+    for line in d.buckets:
         logger.info("%s", line)
     return plan
 
