@@ -27,10 +27,9 @@ from sft import engines
 from sft.core import logs
 from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
-from sft.model import quantization
-from sft.model.fp8 import RECIPES as FP8_RECIPES
 
 logger = logging.getLogger(__name__)
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 scaling recipes, the measured faster first
 # `optim: auto` until the plan decides: transformers' default, fused AdamW with fp32 moments
 DEFAULT_OPTIM = "adamw_torch_fused"
 
@@ -813,7 +812,6 @@ def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArgu
             f"{model_args.lora_dropout}`: PEFT's adapters on parameters (a MoE's experts) add B @ A to the weight "
             "itself, so no dropout can apply to their input. Set `lora_dropout: 0`."
         )
-    quantization.check(model_args, training_args, training_args.run_engine)
     if model_args.from_scratch and not os.path.isfile(os.path.join(model_args.model_name_or_path, "config.json")):
         raise ConfigError(
             f"`from_scratch` builds the model from {model_args.model_name_or_path}/config.json, which does not exist."

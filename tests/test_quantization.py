@@ -19,24 +19,30 @@ def args(tmp_path, *extra):
     ])  # fmt: skip
 
 
+def planned(tmp_path, *extra):
+    """The plan of the demo LoRA recipe with `extra`: quantized base weights are checked against the engine decided."""
+    _, _, training_args, model_args = args(tmp_path, *extra)
+    return preflight(training_args, model_args)
+
+
 def test_quantized_weights_without_lora_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"`load_in_4bit: true` quantizes the base weights.*set `use_peft: true`"):
-        args(tmp_path, "--load_in_4bit", "true", "--use_peft", "false")
+        planned(tmp_path, "--load_in_4bit", "true", "--use_peft", "false")
 
 
 def test_zero3_refuses_8bit_and_a_storage_it_cannot_partition(tmp_path):
     zero3 = ("--deepspeed", "ds_configs/zero3.json")
     with pytest.raises(ConfigError, match=r"`load_in_8bit: true` under ZeRO-3.*Use `load_in_4bit: true`"):
-        args(tmp_path, *zero3, "--load_in_8bit", "true")
+        planned(tmp_path, *zero3, "--load_in_8bit", "true")
     with pytest.raises(ConfigError, match=r"`bnb_4bit_quant_storage: uint8` under ZeRO-3.*as float32"):
-        args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
-    assert args(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "float32")  # the same: fine
-    assert args(tmp_path, "--load_in_8bit", "true")  # 8-bit under ZeRO-2: fine
+        planned(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
+    assert planned(tmp_path, *zero3, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "float32")  # the same: fine
+    assert planned(tmp_path, "--load_in_8bit", "true")  # 8-bit under ZeRO-2: fine
     fsdp2 = ("--engine", "fsdp2", "--deepspeed", "none")
     with pytest.raises(ConfigError, match=r"`load_in_8bit: true` under FSDP2.*Use `load_in_4bit: true`"):
-        args(tmp_path, *fsdp2, "--load_in_8bit", "true")
+        planned(tmp_path, *fsdp2, "--load_in_8bit", "true")
     with pytest.raises(ConfigError, match=r"`bnb_4bit_quant_storage: uint8` under FSDP2.*as float32"):
-        args(tmp_path, *fsdp2, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
+        planned(tmp_path, *fsdp2, "--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8")
 
 
 def test_load_kwargs_place_the_weights_by_stage(tmp_path):

@@ -46,7 +46,6 @@ import torch
 from sft.errors import ConfigError
 from sft.model import architectures
 
-RECIPES = ("tensorwise", "rowwise")  # torchao's scaling recipes, the measured faster first
 AUTO_MIN_HIDDEN = 2048  # `auto`: the smallest hidden size where FP8 measured faster (benchmarks/results/fp8/)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 CPU_ENV = "SFT_FP8_ON_CPU"

@@ -129,13 +129,15 @@ def _model_step(d: Decided) -> Decided:
 
 
 def _engine_step(d: Decided) -> Decided:
-    """The engine (`engine: auto` weighs them), and what it must support here: the resume, experts, LoRA targets."""
+    """The engine (`engine: auto` weighs them), and what it must support here: the resume, quantized weights, experts,
+    LoRA targets."""
     args, model_args, arch = d.training_args, d.model_args, d.arch
     remote = bool(getattr(model_args, "trust_remote_code", False))
     if "engine" in args.auto_settings:
         args = _choose_engine(args, model_args, arch, d.shape_of, d.target, d.micro_cap, d.resume, d.model_config)
     dims, engine = args.parallel, args.run_engine
     check_resume_engine(engine.name, d.resume)
+    quantization.check(model_args, args, engine)  # quantized base weights against the engine decided
     engine.check_experts(dims.ep, dims.sp, arch.family, arch.is_moe, bool(model_args.use_peft), d.resume)
     quantization.check_experts(model_args, arch, remote)
     check_lora_parameters(model_args, d.model_config, remote)
