@@ -67,6 +67,32 @@ def test_the_engines_import_only_what_their_folder_allows():
     assert not offending, offending
 
 
+# a test of a ZeRO stage number (issue #66): outside sft/engines/ the layout is asked what it shards (`Sharding`)
+STAGE_TEST = re.compile(r"zero_stage ?(==|!=|in|is|<|>)|stage ?(==|!=|<|>|in \(|is (not )?None)")
+STAGE_TESTS_ALLOWED = {"sft/core/engine.py": 2, "sft/plan/preflight.py": 1}  # Sharding's own; a trait's in_place_of
+
+
+def test_nothing_outside_the_engines_tests_a_zero_stage_number():
+    """The memory and speed models, the plan and the CLI read `Sharding.engine/.optimizer/.gradients/.weights`, not
+    `zero_stage == 3`; the stage number is tested only inside `Sharding` (and compared once with the stage a trait
+    declares it stands in for)."""
+    found = {}
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith("sft/engines/"):
+            count = len(STAGE_TEST.findall(path.read_text()))
+            if count:
+                found[rel] = count
+    assert found == STAGE_TESTS_ALLOWED, found
+
+
+def test_the_configuration_imports_no_model_plan_or_run_code():
+    """`sft.config` parses and checks fields: of sft it imports the errors, the bottom layer and (to write the
+    engine's configuration before transformers reads it) the engine registry."""
+    modules = {m for _, m in imported(TREES["sft.config"]) if m.startswith("sft")}
+    assert not {m for m in modules if m.split(".")[1] in ("model", "plan", "run", "data", "parallel")}, modules
+
+
 def test_the_import_graph_has_no_circles():
     """Every import between sft's modules, at module level or inside a function, as a graph: no strongly connected
     component larger than one module (Tarjan's algorithm). A package importing its own submodules is not an edge
