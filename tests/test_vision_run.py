@@ -189,3 +189,57 @@ def test_gemma3_is_an_image_text_run_on_image_data_and_a_text_run_on_text(tmp_pa
     assert text.vision is None and text.training_args.packing  # TRL's packing of text rows, sft's text path
     with pytest.raises(ConfigError, match="`attn_implementation: flash_attention_2` with image\\+text `gemma3`.*sdpa"):
         planned(tmp_path, "--model_name_or_path", str(model_dir), "--attn_implementation", "flash_attention_2")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_frozen_encoder_under_checkpointing_keeps_nothing_and_gets_no_backward(family):
+    """transformers' activation checkpointing makes every sub-model's input embeddings require grad, the frozen
+    encoder's too: its blocks then keep their inputs and run again and backwards for no gradient. Frozen by sft
+    (`sft.model.converters`), the encoder under checkpointing keeps what it keeps without checkpointing (its
+    projector's inputs) and the loss and every trained weight's gradient are those of the encoder as transformers
+    leaves it."""
+    import gc
+    import weakref
+
+    from sft.data import vision
+    from sft.model import architectures, converters, vision_hooks
+    from tests.test_vision_packing import sample, tiny
+
+    def run(freeze_with_sft: bool, checkpointing: bool):
+        model = tiny(family).train()
+        if freeze_with_sft:
+            converters._freeze_vision_tower(model, None)
+        else:
+            for _, param in architectures.vision_tower_parameters(model):
+                param.requires_grad_(False)
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        gen, patch = torch.Generator().manual_seed(1), model.config.vision_config.patch_size
+        samples = [sample(gen, 5, (1, 8, 12), 7, 6 * patch**2), sample(gen, 3, (1, 8, 4), 11, 6 * patch**2)]
+        batch = vision.MRopePacker(model)(samples)
+        vision_hooks.join_positions(model)
+        encoder, inside, saved = architectures.vision_encoder(model), [], {}
+        encoder.register_forward_pre_hook(lambda m, a: inside.append(m) or None)
+        encoder.register_forward_hook(lambda m, a, o: inside.clear() or None)
+
+        def pack(t):  # what the encoder saves, and whether the backward holds it (a weak reference still alive)
+            if inside:
+                saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), weakref.ref(t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(**batch, use_cache=False)
+        gc.collect()
+        kept = sum(n for n, alive in saved.values() if alive() is not None)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return out.loss, grads, kept
+
+    loss, grads, kept = run(True, True)
+    plain_loss, plain_grads, plain_kept = run(False, True)
+    _, _, without_checkpointing = run(True, False)
+    assert kept == without_checkpointing  # the projector's inputs, nothing of the frozen blocks
+    if family != "qwen3_vl":  # Qwen3-VL's encoder has no input embeddings transformers finds: never in the backward
+        assert plain_kept > kept
+    assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)

@@ -144,6 +144,14 @@ def _freeze_vision_tower(model, plan) -> None:
     frozen = architectures.vision_tower_parameters(model)
     for _, param in frozen:
         param.requires_grad_(False)
+    # transformers' activation checkpointing makes every sub-model's input embeddings require grad
+    # (`enable_input_require_grads`, for adapters): the frozen encoder's patch embedding too, which puts its blocks in
+    # the backward, checkpointed, recomputed and backpropagated for no gradient (Qwen2-VL, Qwen2.5-VL: every block's
+    # input kept; tests/test_vision_run.py). Without input embeddings the encoder's activations need no gradient; its
+    # projector's weights still get theirs.
+    encoder = architectures.vision_encoder(model)
+    if encoder is not None:
+        encoder.get_input_embeddings = lambda: None
     logger.info("Vision encoder frozen (train_vision_tower: false): %d tensors, %.1fM parameters; its projector and "
                 "the language model train", len(frozen), sum(p.numel() for _, p in frozen) / 1e6)  # fmt: skip
 
