@@ -1,0 +1,29 @@
+#!/bin/bash
+# Issue #65's H100 acceptance matrix, one part per device call (each under 10 minutes on 1 x H100 80GB; wheels
+# installed as ../shared/gpu/README.md says): `qwen3` sft's default for Qwen3-4B widths beside the hand-tuned TRL run
+# (DeepSpeed ZeRO-3, the largest micro batch that fits with fp32 AdamW, checkpointing, Liger), `vlm` the Qwen2.5-VL-7B
+# widths benchmark beside TRL tuned (length-grouped, micro 4 x 18, no checkpointing, sdpa), `families-a`/`families-b`
+# each family's default (one process, planned for 79.18 GiB). Results under $OUT (a tarball where there are more files
+# than a call brings back).
+set -u
+part=${1:?qwen3 | vlm | families-a | families-b}
+mkdir -p /tmp/acc/vlm
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+case $part in
+qwen3)
+    python3 -m benchmarks.speed_sweep --shape qwen3-4b --gpu-memory 79.18 --steps 6 --warmup 2 --run-timeout 280 \
+        --only z2-default z3-m4-ckpt-bf16+adamw+ds --out /tmp/acc/qwen3 > "$OUT/qwen3.log" 2>&1
+    tar -czf "$OUT/qwen3.tar.gz" -C /tmp/acc qwen3 ;;
+vlm)
+    python3 -m benchmarks.vlm --out /tmp/acc/vlm --work /tmp/vlmwork --gpu-memory 79.18 --steps 10 --warmup 3 \
+        --records 1200 --trl-batch 4 --trl-accumulation 18 --run-timeout 270 --only sft trl > "$OUT/vlm.log" 2>&1
+    tar -czf "$OUT/vlm.tar.gz" -C /tmp/acc vlm ;;
+families-a | families-b)
+    [ "$part" = families-a ] && shapes="gemma3-4b phi3-mini olmo2-7b" || shapes="qwen2.5-7b qwen3-8b mistral-7b"
+    for shape in $shapes; do
+        timeout 190 python3 -m benchmarks.speed_sweep --shape "$shape" --gpu-memory 79.18 --only z2-default+nods \
+            --steps 5 --warmup 2 --run-timeout 180 --out "/tmp/acc/$shape" > "/tmp/acc/$shape.log" 2>&1
+        grep -E "tokens/s" "/tmp/acc/$shape.log" | sed "s/^/[$shape] /"
+    done > "$OUT/$part.txt"
+    tar -czf "$OUT/$part.tar.gz" -C /tmp/acc . ;;
+esac
