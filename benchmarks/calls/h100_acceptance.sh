@@ -4,9 +4,10 @@
 # (DeepSpeed ZeRO-3, the largest micro batch that fits with fp32 AdamW, checkpointing, Liger), `vlm` the Qwen2.5-VL-7B
 # widths benchmark beside TRL tuned (length-grouped, micro 4 x 18, no checkpointing, sdpa), `families-a`/`families-b`
 # each family's default (one process, planned for 79.18 GiB). Results under $OUT (a tarball where there are more files
-# than a call brings back).
+# than a call brings back). `profile`: where Gemma-3-4B's default and Phi-3-mini's micro 2 and 4 spend their steps (a
+# profiled step each: session 35 measured them at 0.45-0.49 of their estimates, Phi-3's micro 2 at half its micro 4).
 set -u
-part=${1:?qwen3 | vlm | families-a | families-b}
+part=${1:?qwen3 | vlm | families-a | families-b | profile}
 mkdir -p /tmp/acc/vlm
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 case $part in
@@ -26,4 +27,11 @@ families-a | families-b)
         grep -E "tokens/s" "/tmp/acc/$shape.log" | sed "s/^/[$shape] /"
     done > "$OUT/$part.txt"
     tar -czf "$OUT/$part.tar.gz" -C /tmp/acc . ;;
+profile)
+    python3 -m benchmarks.speed_sweep --shape gemma3-4b --gpu-memory 79.18 --steps 5 --warmup 2 --run-timeout 200 \
+        --only z2-default+nods+prof --out /tmp/acc/gemma3-4b > /tmp/acc/gemma3-4b.log 2>&1
+    python3 -m benchmarks.speed_sweep --shape phi3-mini --gpu-memory 79.18 --steps 5 --warmup 2 --run-timeout 200 \
+        --only z2-m2-none-bf16+nods+prof z2-m4-none-bf16+nods+prof --out /tmp/acc/phi3-mini > /tmp/acc/phi3-mini.log 2>&1
+    grep -h "tokens/s" /tmp/acc/*.log > "$OUT/profile.txt"
+    tar -czf "$OUT/profile.tar.gz" -C /tmp/acc . ;;
 esac
