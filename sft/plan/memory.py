@@ -7,7 +7,7 @@ Model states (weights, gradients, optimizer) per ZeRO stage are DeepSpeed's own 
 (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`; tests hold the planner to them).
 The peak adds what those leave out, each as its own line:
 
-- activations: what autograd keeps per token and decoder layer for the transformers Llama-style decoder, counted
+- activations: what autograd keeps per token and decoder layer as the model's family builds it (`LayerKeeps`), counted
   tensor by tensor (with and without Liger's RMSNorm/SwiGLU/RoPE kernels, FlashAttention-2 varlen, bf16), plus a
   per-token allowance for the loss and backward working set; with activation checkpointing, each layer's input plus
   one layer recomputed; with the checkpoints offloaded, those inputs in pinned host memory and two layers' on the GPU;
