@@ -61,6 +61,20 @@ def test_an_image_text_run_is_planned_built_and_packed_exactly(tmp_path):
             start += len(alone)
 
 
+def test_a_trained_encoder_is_planned_with_the_activations_it_leaves_out_said(tmp_path, caplog):
+    """`train_vision_tower: true` plans the encoder's states as trained weights and says that its activations are not
+    counted; a frozen encoder's run says nothing of it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sft.plan.preflight"):
+        planned(tmp_path, "--train_vision_tower", "true")
+    assert "not yet its activations" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sft.plan.preflight"):
+        planned(tmp_path)
+    assert "not yet its activations" not in caplog.text
+
+
 def test_an_image_text_run_without_packing_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"`qwen2_5_vl` trains on image\+text chats packed into rows"):
         planned(tmp_path, "--packing", "false")

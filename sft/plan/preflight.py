@@ -125,6 +125,11 @@ def _model_step(d: Decided) -> Decided:
     image_text = _image_text(model_config, d.sources)
     arch = _image_text_kernels(arch) if image_text else arch  # the family's fast paths were measured on text rows
     shape_of = _shape_of(d.model_args, d.training_args, model_config, arch, remote, image_text)
+    if image_text and d.training_args.train_vision_tower:
+        logger.warning("train_vision_tower: true: the memory plan counts the encoder's weights, gradients and "
+                       "optimizer states, not yet its activations, which every image patch keeps in each encoder "
+                       "block while it trains: the planned peak is low by those (activation checkpointing, or a "
+                       "smaller micro batch, if the run goes out of memory)")  # fmt: skip
     return dataclasses.replace(d, model_config=model_config, arch=arch, image_text=image_text, shape_of=shape_of)
 
 
