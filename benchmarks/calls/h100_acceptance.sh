@@ -6,8 +6,10 @@
 # each family's default (one process, planned for 79.18 GiB). Results under $OUT (a tarball where there are more files
 # than a call brings back). `profile`: where Gemma-3-4B's default and Phi-3-mini's micro 2 and 4 spend their steps (a
 # profiled step each: session 35 measured them at 0.45-0.49 of their estimates, Phi-3's micro 2 at half its micro 4).
+# `gemma2`: Gemma-2-9B's default, which made no step in 4 minutes in session 35, with torch.compile's recompilations
+# logged (its soft-capped attention is flex_attention, compiled, over rows whose packed length varies).
 set -u
-part=${1:?qwen3 | vlm | families-a | families-b | profile}
+part=${1:?qwen3 | vlm | families-a | families-b | profile | gemma2}
 mkdir -p /tmp/acc/vlm
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 case $part in
@@ -34,4 +36,8 @@ profile)
         --only z2-m2-none-bf16+nods+prof z2-m4-none-bf16+nods+prof --out /tmp/acc/phi3-mini > /tmp/acc/phi3-mini.log 2>&1
     grep -h "tokens/s" /tmp/acc/*.log > "$OUT/profile.txt"
     tar -czf "$OUT/profile.tar.gz" -C /tmp/acc . ;;
+gemma2)
+    TORCH_LOGS=recompiles python3 -m benchmarks.speed_sweep --shape gemma2-9b --gpu-memory 79.18 --steps 4 \
+        --warmup 1 --run-timeout 420 --only z2-default+nods --out /tmp/acc/gemma2-9b > "$OUT/gemma2.log" 2>&1
+    tar -czf "$OUT/gemma2.tar.gz" -C /tmp/acc gemma2-9b ;;
 esac
