@@ -63,7 +63,14 @@ def saved_per_token(config, tokens: int, device: str, liger: bool) -> float:
 
         _apply_liger_kernel_to_instance(model=model)
     x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, device=device, requires_grad=True)
-    shared = {p.untyped_storage().data_ptr() for p in (x, *model.parameters())}
+    positions = torch.arange(tokens, device=device)[None]
+    return saved_bytes(lambda: model.model(inputs_embeds=x, position_ids=positions), x, *model.parameters()) / tokens
+
+
+def saved_bytes(call, *apart: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while `call()` runs, other than those of the
+    tensors `apart` (the input, the weights)."""
+    shared = {t.untyped_storage().data_ptr() for t in apart}
     saved = {}
 
     def pack(t):
@@ -72,8 +79,8 @@ def saved_per_token(config, tokens: int, device: str, liger: bool) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model(inputs_embeds=x, position_ids=torch.arange(tokens, device=device)[None])
-    return sum(saved.values()) / tokens
+        call()
+    return sum(saved.values())
 
 
 def planned_per_layer(config, liger: bool) -> float:

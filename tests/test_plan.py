@@ -582,18 +582,10 @@ def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_t
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes of the tensors autograd saves for the backward of `module(x)`, other than `x` and the weights."""
+    from benchmarks.layer_activations import saved_bytes as saved_during
+
     x = x.requires_grad_()
-    shared = {p.untyped_storage().data_ptr() for p in (x, *module.parameters())}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in shared:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return sum(saved.values())
+    return saved_during(lambda: module(x), x, *module.parameters())
 
 
 @pytest.mark.parametrize("hidden,experts,active", [(512, 128, 8), (256, 64, 4)])
