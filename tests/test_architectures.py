@@ -234,4 +234,6 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
     cu = torch.tensor([0, 13, 30, 40], dtype=torch.int32)
     s = torch.randn(4) if sinks else None
     expected = scored_attention(q, k, v, cu, 0.25, window, softcap, s)
-    torch.testing.assert_close(_flex_scored(q, k, v, cu, 0.25, window, softcap, s, flex=flex_attention), expected)
+    for multiple in (None, 16):  # as it is, and padded to 48 tokens (a fourth sample no real token sees)
+        got = _flex_scored(q, k, v, cu, 0.25, window, softcap, s, flex=flex_attention, multiple=multiple)
+        torch.testing.assert_close(got, expected)

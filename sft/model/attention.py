@@ -129,17 +129,27 @@ def scored_attention(q, k, v, cu, scale, window: int | None, softcap: float | No
     return out
 
 
-def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None):
+# Packed micro batches are padded to a multiple of this many tokens for flex_attention, a sample of their own: the
+# compiled kernels and block mask see a few shapes instead of one per micro batch (benchmarks/scored_attention.py)
+FLEX_MULTIPLE = 2048
+
+
+def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None, multiple=FLEX_MULTIPLE):
     """The GPU path of `scored_attention`: flex_attention (compiled, as transformers calls it; `flex` another one)
     over the whole row with a document-causal block mask, soft-capping as its score function, sinks by renormalising
-    with its log-sum-exp (as transformers' flex_attention does for gpt-oss)."""
+    with its log-sum-exp (as transformers' flex_attention does for gpt-oss). The tokens are padded to a multiple of
+    `multiple` (None: not padded), the padding one more sample that no real token sees."""
     from torch.nn.attention.flex_attention import create_block_mask
     from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
 
     if flex is None:
         flex = functools.partial(compile_friendly_flex_attention, training=torch.is_grad_enabled())
 
-    total = q.shape[0]
+    real = q.shape[0]
+    total = -(-real // multiple) * multiple if multiple else real
+    if total > real:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, total - real)) for t in (q, k, v))
+        cu = torch.cat([cu, cu.new_full((1,), total)])
     sample = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff().long())
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -161,7 +171,7 @@ def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None):
         lse = (aux.lse if hasattr(aux, "lse") else aux).unsqueeze(-1).float()
         combined = torch.logsumexp(torch.cat([lse, sinks.float().view(1, -1, 1, 1).expand_as(lse)], -1), -1, True)
         out = out * torch.exp(lse - combined).to(out.dtype)
-    return out[0].transpose(0, 1)
+    return out[0, :, :real].transpose(0, 1)
 
 
 # What transformers' attention layers of the model matrix pass besides q, k, v and the mask (tests/test_architectures
