@@ -107,7 +107,8 @@ def main() -> None:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = done.stdout.strip().splitlines()[-1] if done.returncode == 0 else None
-            result = json.loads(line) if line else {"multiple": multiple, "error": done.stderr[-2000:]}
+            error = f"exit {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"
+            result = json.loads(line) if line else {"multiple": multiple, "error": error}
         except subprocess.TimeoutExpired:
             result = {"multiple": multiple, "error": f"no result within {args.timeout} s"}
         result.update(totals=totals, wall_s=round(time.perf_counter() - start, 1))

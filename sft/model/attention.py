@@ -407,7 +407,11 @@ def resolve_attn_implementation(
             register_varlen()
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
             if scored:
-                why = f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask"
+                why = (
+                    f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask, compiled "
+                    "on the first micro batch (197 s at Gemma-2-9B's widths on 1 x H200, "
+                    "benchmarks/results/scored_attention; torch.compile's cache keeps it for later runs)"
+                )
         else:
             chosen, why = "sdpa", "no varlen kernel (with a window, where the model has one) and no flash-attn"
     elif sequence_parallel or scored or mask_leaks:
