@@ -17,7 +17,9 @@ from sft.errors import PREEMPTED_EXIT_CODE, ConfigError, SFTError
 logger = logging.getLogger("sft")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, watch=None) -> None:
+    """One training run; `watch` (`sft.run.failsafe.OutOfMemoryWatch`, made here if not given) learns the batch and
+    step that an out-of-memory error's message names."""
     from sft.config import parse_args
     from sft.core import logs
     from sft.parallel import nodes
@@ -32,9 +34,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from sft.data.load import check_tokenizer, load_datasets
     from sft.model.build import load_model, load_tokenizer
+    from sft.run import failsafe
     from sft.run.trainer import Trainer
 
+    watch = watch if watch is not None else failsafe.OutOfMemoryWatch()
     plan, resume_from, saved = _plan(training_args, model_args, data_args)  # the run decided once, before any work
+    watch.planned(plan)  # the batch an out-of-memory message names
     training_args = plan.training_args
     tokenizer = load_tokenizer(model_args, training_args)
     collator = None
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         peft_config=peft_config,
         plan=plan,
         fingerprint=fingerprint,
+        watch=watch,
     )
     trainer.train(resume_from_checkpoint=resume_from)
     if plan.vision and training_args.process_index == 0:
@@ -82,13 +88,11 @@ def _plan(training_args, model_args, data_args):
     from sft.plan import memory as memplan
     from sft.plan.preflight import preflight
     from sft.run import checkpoint as ckpt
-    from sft.run import failsafe
 
     resume_from = ckpt.resolve_resume(training_args)
     saved = ckpt.read_state(resume_from)["fingerprint"] if resume_from else None
     resume = Resume.of(resume_from, saved) if resume_from else None
     plan = preflight(training_args, model_args, resume, data_args.datasets)
-    failsafe.remember(plan)  # the batch an out-of-memory message names
     cap = plan.training_args.max_gpu_memory_gib
     if memplan.cap_gpu_memory(cap):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", cap)
@@ -167,8 +171,9 @@ def cli(argv: list[str] | None = None) -> int:
     from sft.core import retry
     from sft.run import failsafe
 
+    watch = failsafe.OutOfMemoryWatch()
     try:
-        main(argv)
+        main(argv, watch)
     except failsafe.NonFiniteStep as e:
         from sft.parallel.launch import report_error
 
@@ -182,7 +187,7 @@ def cli(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as e:  # a run that ran out of memory never ends as a success (sft.run.failsafe)
         from sft.parallel.launch import ERROR_FILE_ENV, report_error
 
-        code, message = failsafe.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))
+        code, message = watch.out_of_memory(e, os.environ.get(ERROR_FILE_ENV), int(os.environ.get("RANK", "0")))
         if code == retry.OOM_EXIT_CODE:
             logger.warning("%s", message)
         else:

@@ -163,15 +163,43 @@ class Batch:
     step: int = 0  # the optimizer step being trained
 
 
-_batch: Batch | None = None
+class OutOfMemoryWatch:
+    """What an out-of-memory error's message and note need: the batch the run trains with (told once the run is
+    planned) and the optimizer step it is at (told each micro batch by the trainer). `sft.train.cli` makes one per
+    run and reads it when the error comes."""
 
+    def __init__(self) -> None:
+        self.batch: Batch | None = None  # None until planned: an error then is one of loading the model, say
 
-def remember(plan) -> None:
-    """Called once the run is planned (`sft.train`, with the RunPlan `sft.plan.preflight` returned)."""
-    global _batch
-    batch, memory = plan.batch, plan.memory
-    _batch = Batch(batch.per_device_batch_size, batch.gradient_accumulation_steps, batch.global_batch_size,
-                   memory.chosen_by_sft, memory.sentence, plan.training_args)  # fmt: skip
+    def planned(self, plan) -> None:
+        """The RunPlan `sft.plan.preflight` returned."""
+        batch, memory = plan.batch, plan.memory
+        self.batch = Batch(batch.per_device_batch_size, batch.gradient_accumulation_steps, batch.global_batch_size,
+                           memory.chosen_by_sft, memory.sentence, plan.training_args)  # fmt: skip
+
+    def at_step(self, step: int, micro: int) -> None:
+        """Each micro batch: the step being trained; under tests (`OOM_TEST_ENV`), the error CUDA raises, for micro
+        batches above the limit from step 2 on."""
+        if self.batch is not None:
+            self.batch.step = step + 1
+        limit = os.environ.get(OOM_TEST_ENV)
+        if limit and micro > int(limit) and step >= 2:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB ({OOM_TEST_ENV}={limit}: micro batch {micro})"
+            )
+
+    def out_of_memory(self, error: BaseException, error_dir: str | None, rank: int) -> tuple[int, str]:
+        """(exit code, message) for an out-of-memory error. With sft's micro batch above 1 under `sft train`
+        (`error_dir`), a note for the retry is written there and the code is `OOM_EXIT_CODE`."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        batch = self.batch
+        if batch is None:
+            return 1, f"out of memory before training started ({first}). Levers: {LEVERS}."
+        where = f"micro batch {batch.micro} x accumulation {batch.accumulation} (global batch {batch.global_batch})"
+        code, message = _out_of_memory(batch, where, first, error_dir, rank)
+        if code != OOM_EXIT_CODE:
+            stop(batch.args, batch.step, "out of memory", message)
+        return code, message
 
 
 def retried(args, step: int) -> None:
@@ -187,32 +215,6 @@ def retried(args, step: int) -> None:
 
     retries = (ckpt.read_manifest(Path(args.output_dir)) or {}).get("out_of_memory_retries", [])
     ckpt.update_manifest(args.output_dir, out_of_memory_retries=[*retries, {"step": step, **event}])
-
-
-def at_step(step: int, micro: int) -> None:
-    """Each micro-batch: the step being trained (for the out-of-memory record); under tests (`OOM_TEST_ENV`), the
-    error CUDA raises, for micro batches above the limit from step 2 on."""
-    if _batch is not None:
-        _batch.step = step + 1
-    limit = os.environ.get(OOM_TEST_ENV)
-    if limit and micro > int(limit) and step >= 2:
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate 2.00 GiB ({OOM_TEST_ENV}={limit}: micro batch {micro})"
-        )
-
-
-def out_of_memory(error: BaseException, error_dir: str | None, rank: int) -> tuple[int, str]:
-    """(exit code, message) for an out-of-memory error. With sft's micro batch above 1 under `sft train`
-    (`error_dir`), a note for the retry is written there and the code is `OOM_EXIT_CODE`."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    batch = _batch
-    if batch is None:  # before the batch was planned: loading the model, say
-        return 1, f"out of memory before training started ({first}). Levers: {LEVERS}."
-    where = f"micro batch {batch.micro} x accumulation {batch.accumulation} (global batch {batch.global_batch})"
-    code, message = _out_of_memory(batch, where, first, error_dir, rank)
-    if code != OOM_EXIT_CODE:
-        stop(batch.args, batch.step, "out of memory", message)
-    return code, message
 
 
 def _out_of_memory(batch: Batch, where: str, first: str, error_dir: str | None, rank: int) -> tuple[int, str]:

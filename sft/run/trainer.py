@@ -63,8 +63,9 @@ class Trainer(SFTTrainer):
     max_length) of each micro-batch.
     """
 
-    def __init__(self, *args, plan: RunPlan, fingerprint: dict | None = None, **kwargs):
+    def __init__(self, *args, plan: RunPlan, fingerprint: dict | None = None, watch=None, **kwargs):
         self.plan = plan
+        self.watch = watch if watch is not None else failsafe.OutOfMemoryWatch()  # the step an OOM names
         dims = plan.dims
         self.sequence_steps = seqpar.TrainerSteps.of(plan)  # sequence parallelism's steps, or None
         if self.sequence_steps:
@@ -217,7 +218,7 @@ class Trainer(SFTTrainer):
         if getattr(self.args, "trace_data", False) and (info is None or dims.sp_rank == 0):
             self.trace.record(self.state.global_step, inputs, info)
         self.throughput.add(inputs, info, dims.sp)
-        failsafe.at_step(self.state.global_step, self.args.per_device_train_batch_size)
+        self.watch.at_step(self.state.global_step, self.args.per_device_train_batch_size)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.guard.add(loss)
         return self.sequence_steps.scaled(loss) if info is not None else loss
