@@ -167,6 +167,10 @@ class TrainConfig(SFTConfig):
         compile_decoder_layers (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             `torch.compile` each decoder layer (not the whole model, unlike transformers' `torch_compile`). `auto`:
             on with FP8 (its casts and scales are fast only compiled), off otherwise (bf16 measured no faster).
+        packing_check (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            Before the first step, the dataset's first packed rows through the model against each of their samples
+            alone (`sft.run.packing_check`); a difference above the dtype's noise refuses packing with the figures.
+            `auto`: for a model outside sft's architecture table (whose packing the suite does not check).
         fp8 (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
             Train the decoder's linear layers in FP8 (torchao float8, see `sft.model.fp8`). `auto`: on only with a GPU
             that has FP8 tensor cores, torchao installed, no LoRA, and a model wide enough that FP8 measured faster.
@@ -320,6 +324,11 @@ class TrainConfig(SFTConfig):
         default="auto",
         metadata={"help": "torch.compile each decoder layer: true, false, or `auto` (on with FP8)."},
     )
+    packing_check: str = field(
+        default="auto",
+        metadata={"help": "Packed rows against their samples one by one before the first step: true, false, or "
+                          "`auto` (for a model outside sft's architecture table)."},
+    )  # fmt: skip
     peak_tflops: float | None = field(
         default=None,
         metadata={"help": "Peak TFLOP/s per GPU for MFU (default: the dense bf16 peak of the GPU found)."},
@@ -394,7 +403,7 @@ class TrainConfig(SFTConfig):
         # `gradient_checkpointing` is the deprecated name of activation_checkpointing
         explicit = None if self.gradient_checkpointing is None else bool(self.gradient_checkpointing)
         for name in ("activation_checkpointing", "offload_checkpoints", "keep_attention_outputs", "tiled_mlp", "fp8",
-                     "compile_decoder_layers"):  # fmt: skip
+                     "compile_decoder_layers", "packing_check"):  # fmt: skip
             setattr(self, name, self._switch(name, explicit if name == "activation_checkpointing" else None))
         if self.keep_attention_outputs and "keep_attention_outputs" not in self.auto_settings:
             if self.offload_checkpoints and "offload_checkpoints" not in self.auto_settings:

@@ -5,7 +5,7 @@ facts from the training arguments, the environment or the engine's JSON."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sft.core.dims import ParallelDims
 
@@ -41,6 +41,13 @@ class Resume:
         )
 
 
+class Check(NamedTuple):
+    """A check the run makes before its first step (`packing_check`), and why it is on or off."""
+
+    on: bool
+    reason: str
+
+
 @dataclass(frozen=True)
 class MemoryDecision:
     """The memory plan's choice: the micro batch, the levers (`sft.plan.memory.Tools`), the sequence-parallel size, the
@@ -73,6 +80,7 @@ class RunPlan:
     vision: Any = None  # sft.data.vision.Plan: image+text chats packed by sft (a vision-language family), or None
     dims: ParallelDims | None = None  # the parallel sizes of the resolved arguments (the plan always sets them)
     engine: Any = None  # the run's engine (`sft.engines.Engine`), built once from the resolved configuration
+    packing_check: Check = Check(False, "not decided")  # packed rows against their samples alone, before step 1
 
     def kernel_on(self, name: str) -> bool:
         kernel = self.kernels.get(name)

@@ -10,9 +10,9 @@ process count as a universal checkpoint, logs the plan, and refuses a run whose 
 (unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
 
 The decisions are `STEPS`, one declared order: the batch target, the model, the engine, the kernels, the memory plan,
-the attention backend, the parallel sizes (and an image+text run's packing), the engine's configuration, the batch,
-the resume; each a function from the frozen `Decided` so far to a new one, and `_emit` builds the training arguments
-and the `RunPlan` once. A new decision is a step and its place in `STEPS`.
+the attention backend, the parallel sizes (and an image+text run's packing), the packing check, the engine's
+configuration, the batch, the resume; each a function from the frozen `Decided` so far to a new one, and `_emit` builds
+the training arguments and the `RunPlan` once. A new decision is a step and its place in `STEPS`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan
 from sft.core.dims import ParallelDims
 from sft.core.engine import Sharding
 from sft.core.retry import Retry
-from sft.core.run import MemoryDecision, Resume, RunPlan
+from sft.core.run import Check, MemoryDecision, Resume, RunPlan
 from sft.errors import ConfigError
 from sft.model import architectures, experts, fp8, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
@@ -99,6 +99,7 @@ class Decided:
     memory: MemoryDecision | None = None  # `_memory_step`
     attn: str | None = None  # `_attention_step`
     vision: Any = None  # `_parallel_step`
+    packing_check: Check | None = None  # `_packing_check_step`
     config: Any = None  # `_engine_config_step`: the engine's configuration as written
     buckets: tuple = ()
     batch: BatchPlan | None = None  # `_batch_step`
@@ -193,6 +194,33 @@ def _parallel_step(d: Decided) -> Decided:
     return d.with_changes(changes, dims=dims, vision=vision)
 
 
+def _packing_check_step(d: Decided) -> Decided:
+    """Whether the run checks its packed rows against their samples alone before the first step
+    (`sft.run.packing_check`): asked (`packing_check: true`), or `auto` for a family outside the architecture table,
+    whose packing the suite does not check."""
+    args, family = d.training_args, d.arch.family
+    asked = "packing_check" not in args.auto_settings
+    if not args.padding_free_batches:
+        check = Check(False, "no packed rows")
+    elif d.vision is not None or d.memory.sp > 1 or (d.engine.traits.host_hooks and d.engine.sharding.weights):
+        what = ("image+text rows" if d.vision is not None else f"sequence parallelism (size {d.memory.sp})"
+                if d.memory.sp > 1 else f"{d.engine.traits.label}'s {d.engine.sharding.label}")  # fmt: skip
+        if asked and args.packing_check:
+            raise ConfigError(f"`packing_check: true` with {what}: the check runs on text rows on one sequence "
+                              "shard, under no engine, ZeRO-1/2 or FSDP2 (forwards before the first step break "
+                              "ZeRO-3's first backward). Set packing_check: auto or false.")  # fmt: skip
+        check = Check(False, f"not built for {what}")
+    elif asked:
+        check = Check(bool(args.packing_check), f"packing_check: {str(bool(args.packing_check)).lower()}")
+    elif d.arch.known:
+        check = Check(False, f"{family} is checked packed by sft's suite (tests/test_architectures.py)")
+    else:
+        check = Check(True, f"{family} is not in sft's architecture table, whose families the suite checks packed")
+    if check.on or asked:
+        logger.info("Packing check: %s (%s)", "on" if check.on else "off", check.reason)
+    return dataclasses.replace(d, packing_check=check)
+
+
 def _engine_config_step(d: Decided) -> Decided:
     """The engine's configuration written with the plan's offload and the gradient buckets for this model."""
     args, engine, tools, changes = d.training_args, d.engine, d.memory.tools, d.changes
@@ -236,7 +264,7 @@ def _resume_step(d: Decided) -> Decided:
 
 # The plan's decisions in their order: each reads what the ones before it decided (`Decided`)
 STEPS = (_target_step, _model_step, _engine_step, _kernels_step, _memory_step, _attention_step, _parallel_step,
-         _engine_config_step, _batch_step, _resume_step)  # fmt: skip
+         _packing_check_step, _engine_config_step, _batch_step, _resume_step)  # fmt: skip
 
 
 def _emit(d: Decided) -> RunPlan:
@@ -246,7 +274,8 @@ def _emit(d: Decided) -> RunPlan:
         logger.info("auto settings: %s", _auto_line(args, changes, d.engine))
     planned = args.with_values(keep_auto=False, **changes) if changes else args
     plan = RunPlan(planned, d.model_config, d.arch, d.batch, d.memory, d.attn, d.kernels, d.resume,
-                   d.model_args.use_peft, d.vision, dims=planned.parallel, engine=planned.run_engine)  # fmt: skip
+                   d.model_args.use_peft, d.vision, dims=planned.parallel, engine=planned.run_engine,
+                   packing_check=d.packing_check)  # fmt: skip
     for key, value in (planned.resolved_ds_settings or args.resolved_ds_settings).items():
         logger.info("DeepSpeed %s: auto -> %s (%d process%s)", key, str(value).lower(), d.dims.world_size,
                     "es" * (d.dims.world_size > 1))  # fmt: skip

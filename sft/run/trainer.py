@@ -29,7 +29,7 @@ from sft.model import converters, fp8, quantization
 from sft.model.attention import check_batch
 from sft.parallel import sequence as seqpar
 from sft.run import checkpoint as ckpt
-from sft.run import failsafe, metrics
+from sft.run import failsafe, metrics, packing_check
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class Trainer(SFTTrainer):
         self.preemption = ckpt.PreemptionCallback()
         for callback in (self.metrics_log, self.throughput, self.preemption, *fp8.step_callbacks(self.model)):
             self.add_callback(callback)
+        if plan.packing_check.on:  # the first rows against their samples alone, before the first step
+            self.add_callback(packing_check.Callback(self, plan.packing_check.reason))
         self.resumed_from: str | None = None
         self._wandb_recorded = False
         self.guard = failsafe.StepGuard(self.args)

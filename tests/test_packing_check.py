@@ -1,0 +1,134 @@
+"""The packing check (`sft.run.packing_check`, `packing_check`): packed rows against their samples alone, before the
+first step; a model whose packing leaks is refused with the figures, an exact one trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from sft.errors import ConfigError
+from sft.model.attention import VARLEN, register_varlen
+from sft.run import packing_check
+from tests.conftest import ROOT
+from tests.test_packing import DEMO_MODEL, tiny_model
+
+LEAKY = "sft_test_leaky"
+
+
+def leaky_attention(module, query, key, value, attention_mask, **kwargs):
+    """Causal attention over the whole flattened row, blind to the samples' boundaries: a packed sample sees the ones
+    before it (what a backend or a recurrent layer that ignores the boundaries does)."""
+    kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "scaling")}
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+AttentionInterface.register(LEAKY, leaky_attention)
+register_varlen()
+
+
+def rows_batch(vocab: int) -> dict:
+    torch.manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, vocab, (sum(n),)).tolist(), "seq_lengths": list(n)}
+            for n in ((13, 21, 5), (17, 30))]  # fmt: skip
+    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_passes_exact_backends_and_catches_a_leak(dtype):
+    """Per sample, the mean relative difference of the last hidden states: sdpa (positions) and sft_varlen within
+    the dtype's noise; attention blind to the boundaries far above it for every sample after the first, and the
+    first (nothing before it) equal."""
+    model = tiny_model("llama").to(dtype)
+    batch = rows_batch(model.config.vocab_size)
+    for backend in ("sdpa", VARLEN):
+        model.set_attn_implementation(backend)
+        result = packing_check.compare(model, batch, rows=2)
+        assert result.samples == 5 and not result.leaks, (backend, result.sentence())
+        assert result.worst < (1e-6 if dtype == torch.float32 else 5e-3), result.sentence()
+    model.set_attn_implementation(LEAKY)
+    result = packing_check.compare(model, batch, rows=2)
+    assert result.leaks and result.tolerance == packing_check.TOLERANCE.get(dtype, packing_check.TOLERANCE_16BIT)
+    # padding-free, both rows are one flattened sequence: only its first sample has nothing before it
+    first, *later = result.differences
+    assert first < 1e-2 and min(later) > 0.1, result.sentence()
+    assert model.training  # put back as it was
+
+
+def plan_for(tmp_path, model_type: str | None = None, **fields):
+    from sft.config import ModelArguments, TrainConfig
+    from sft.plan.preflight import preflight
+
+    config = AutoConfig.from_pretrained(DEMO_MODEL)
+    if model_type:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    config.save_pretrained(tmp_path / f"model-{model_type}")
+    args = TrainConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=128, **fields)
+    return preflight(args, ModelArguments(model_name_or_path=str(tmp_path / f"model-{model_type}")))
+
+
+def test_the_plan_checks_a_family_outside_the_table(tmp_path, caplog):
+    """`auto`: on for a family the architecture table does not hold (the suite does not check it packed), off for
+    one it holds; `true` and `false` as asked; off without packed rows; under ZeRO-3 off, and refused if asked."""
+    with caplog.at_level("INFO", logger="sft"):
+        unknown = plan_for(tmp_path, "starcoder2", packing=True, padding_free=True)
+    assert unknown.packing_check.on and "starcoder2 is not in sft's architecture table" in unknown.packing_check.reason
+    assert "Packing check: on (starcoder2 is not in sft's architecture table" in caplog.text
+    known = plan_for(tmp_path, packing=True, padding_free=True)
+    assert not known.packing_check.on and "checked packed by sft's suite" in known.packing_check.reason
+    assert plan_for(tmp_path, packing=True, padding_free=True, packing_check="true").packing_check.on
+    assert not plan_for(tmp_path, "starcoder2", packing=True, padding_free=True, packing_check=False).packing_check.on
+    assert plan_for(tmp_path, "starcoder2", packing=False).packing_check == (False, "no packed rows")
+    with pytest.raises(ConfigError, match="`packing_check` must be true, false or `auto`, got 'sometimes'"):
+        plan_for(tmp_path, packing_check="sometimes")
+    zero3 = {"packing": True, "padding_free": True, "deepspeed": str(ROOT / "ds_configs/zero3.json")}
+    assert plan_for(tmp_path, "starcoder2", **zero3).packing_check == (False, "not built for DeepSpeed's ZeRO-3")
+    with pytest.raises(ConfigError, match="`packing_check: true` with DeepSpeed's ZeRO-3: .* Set packing_check: auto"):
+        plan_for(tmp_path, packing_check=True, **zero3)
+
+
+@pytest.fixture(scope="module")
+def demo_rows(tmp_path_factory):
+    from trl import ScriptArguments
+    from trl.scripts.utils import DatasetConfig
+
+    from sft.config import DataArguments, TrainConfig
+    from sft.data.load import load_datasets
+
+    tmp = tmp_path_factory.mktemp("rows")
+    records = [json.loads(line) for line in (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]]
+    (tmp / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = TrainConfig(output_dir=str(tmp / "out"), packing=True, max_length=128, report_to="none")
+    data = DataArguments(datasets=[DatasetConfig(path=str(tmp / "d.jsonl"))])
+    return load_datasets(ScriptArguments(), data, args)[0]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", LEAKY])
+def test_a_leaking_model_is_refused_before_its_first_step(tmp_path, demo_rows, backend):
+    """Through the trainer (`packing_check: true`): the demo's packed rows through a model blind to the boundaries
+    stop the run at its start with the figures and the fix, no step taken and nothing saved; the same model on sdpa
+    trains its step."""
+    from transformers import AutoTokenizer
+
+    from sft.run.trainer import Trainer
+
+    plan = plan_for(tmp_path, packing=True, padding_free=True, packing_check=True, max_steps=1, save_strategy="no",
+                    per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
+    model = tiny_model("llama", backend=backend)
+    trainer = Trainer(model=model, args=plan.training_args, train_dataset=demo_rows,
+                      processing_class=AutoTokenizer.from_pretrained(DEMO_MODEL), plan=plan)  # fmt: skip
+    check = next(c for c in trainer.callback_handler.callbacks if isinstance(c, packing_check.Callback))
+    if backend == "sdpa":
+        trainer.train()
+        assert trainer.state.global_step == 1 and check.result.samples >= 2 and not check.result.leaks
+        return
+    before = model.model.embed_tokens.weight.clone()
+    with pytest.raises(ConfigError, match=r"Packing check \(packing_check: true\): packed samples do not compute "
+                                          r"what they compute alone: \d+ samples of \d+ packed rows.*tolerance 2e-02"
+                                          r".*Set packing: false and padding_free: false"):  # fmt: skip
+        trainer.train()
+    assert trainer.state.global_step == 0 and torch.equal(model.model.embed_tokens.weight, before)
