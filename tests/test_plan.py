@@ -323,7 +323,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     assert training_args.auto_settings == {
         "per_device_train_batch_size", "activation_checkpointing", "offload_checkpoints", "tiled_mlp", "fp8",
         "keep_attention_outputs",
-        "compile_decoder_layers", "use_liger_kernel", "engine",
+        "compile_decoder_layers", "use_liger_kernel", "engine", "packing_check",
     }  # fmt: skip
     resolved = preflight(training_args, model_args).training_args
     shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))

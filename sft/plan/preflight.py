@@ -218,7 +218,8 @@ def _packing_check_step(d: Decided) -> Decided:
         check = Check(True, f"{family} is not in sft's architecture table, whose families the suite checks packed")
     if check.on or asked:
         logger.info("Packing check: %s (%s)", "on" if check.on else "off", check.reason)
-    return dataclasses.replace(d, packing_check=check)
+    changes = d.changes if asked else {**d.changes, "packing_check": check.on}
+    return d.with_changes(changes, packing_check=check)
 
 
 def _engine_config_step(d: Decided) -> Decided:
