@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 class Kernel(NamedTuple):
@@ -53,6 +53,9 @@ class Attention:
     softcap: float | None = None  # tanh soft-capping of the attention logits (Gemma 2)
     sinks: bool = False  # a learned per-head sink logit in the softmax (gpt-oss)
     other_layers: tuple[str, ...] = ()  # layer types that are not softmax attention (linear attention, mamba, ...)
+    # layer types that are not softmax attention and that sft runs one sample at a time over a packed row (Gated
+    # DeltaNet's linear attention: `sft.model.linear_attention`); packing keeps their samples apart
+    per_sample: tuple[str, ...] = ()
 
     @property
     def sliding(self) -> bool:
@@ -180,6 +183,8 @@ class Architecture:
         parts += self.attention.needs() or ["plain causal attention"]
         if self.attention.other_layers:
             parts.append(f"{', '.join(self.attention.other_layers)} layers")
+        if self.attention.per_sample:
+            parts.append(f"{', '.join(self.attention.per_sample)} layers (one sample at a time over packed rows)")
         if self.experts:
             e = self.experts
             parts.append(f"{e.count} experts, {e.active} active, width {e.width} on {e.moe_layers} of {self.layers} "
@@ -316,11 +321,13 @@ def of(config) -> Architecture:
     family = text.model_type
     heads = text.num_attention_heads
     types = getattr(text, "layer_types", None) or ()
+    per_sample = {LINEAR} & set(types) if family in GATED_DELTANET_FAMILIES else set()
     attention = Attention(
         windows=_windows(text),
         softcap=getattr(text, "attn_logit_softcapping", None) if family in SOFTCAP_FAMILIES else None,
         sinks=family in SINK_FAMILIES,
-        other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"})),
+        other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"} - per_sample)),
+        per_sample=tuple(sorted(per_sample)),
     )
     kernels = KERNELS.get(family, {})
     if family in KERNELS or is_vision(config):  # a vision family's text model (qwen2_5_vl_text) has no row
@@ -344,6 +351,9 @@ def of(config) -> Architecture:
 # Families whose attention passes `softcap` / `s_aux` to the attention function (checked against transformers' calls
 # in tests/test_architectures.py). An unknown family that passes either is caught by the backend at its first call.
 SOFTCAP_FAMILIES = {"gemma2"}
+# Families whose linear-attention layers are transformers' Gated DeltaNet, which sft runs one sample at a time over a
+# packed row (`sft.model.linear_attention`; tests/test_linear_attention.py)
+GATED_DELTANET_FAMILIES = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
 # transformers 5.x's gpt-oss calls create_causal_mask without position_ids: its sdpa/eager/flex masks are not packed
 MASK_WITHOUT_POSITIONS = {"gpt_oss"}
 SINK_FAMILIES = {"gpt_oss"}

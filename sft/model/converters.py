@@ -156,6 +156,14 @@ def _freeze_vision_tower(model, plan) -> None:
                 "the language model train", len(frozen), sum(p.numel() for _, p in frozen) / 1e6)  # fmt: skip
 
 
+def _linear_attention(model, plan) -> None:
+    from sft.model import linear_attention
+
+    count = linear_attention.by_sample(model)
+    logger.info("Linear attention (%s): %d Gated DeltaNet layers run one sample at a time over packed rows, each "
+                "from a zero state", plan.arch.family, count)  # fmt: skip
+
+
 def _args(*names: str) -> Callable:
     """On where every one of these training arguments is (as the plan resolved them)."""
     return lambda plan: all(getattr(plan.training_args, name) for name in names)
@@ -163,6 +171,12 @@ def _args(*names: str) -> Callable:
 
 ORDER = (
     Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
+    Converter(
+        "linear attention by sample",
+        "build",
+        lambda plan: bool(plan.arch.attention.per_sample) and plan.training_args.padding_free_batches,
+        _linear_attention,
+    ),
     Converter(
         "packed image+text positions",
         "build",

@@ -120,7 +120,8 @@ def check_model(config, sp: int, attn_implementation: str | None, arch=None) -> 
             f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
             "sequence_parallel_size: 1."
         )
-    recurrent = (arch or architectures.of(config)).attention.other_layers
+    attention = (arch or architectures.of(config)).attention
+    recurrent = (*attention.other_layers, *attention.per_sample)
     if recurrent:
         raise ConfigError(
             f"sequence parallelism: {getattr(config, 'model_type', '?')} has {list(recurrent)} layers, which "
