@@ -35,6 +35,8 @@ FAMILIES = {
     "gemma3": ("gemma3_text", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
     "phi3": ("phi3", {"sliding_window": WINDOW}),
     "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", {"sliding_window": WINDOW}),  # three sliding layers to one full one
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),  # every other layer without rotary positions
     "glm4_moe": ("glm4_moe", GROUPED),
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
     "deepseek_v3": ("deepseek_v3", {**GROUPED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,

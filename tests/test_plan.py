@@ -146,6 +146,24 @@ def test_every_familys_decoder_layer_keeps_what_the_plan_counts(layer_counts):
     assert shapes.load_shape("meta-llama/Llama-3.2-1B").keeps.qk_norm is None
 
 
+def test_the_newer_families_layers_are_counted_as_autograd_saves_them():
+    """OLMo 3 (OLMo 2's layer: post-norms, whole-width q/k norms scaling in fp32) and SmolLM3 (Llama's layer, every
+    other one without rotary positions), at small widths: the plan's bytes per token and layer equal the saved
+    tensors' (no public config is shipped for them yet)."""
+    from transformers import AutoConfig
+
+    from benchmarks.layer_activations import TINY, planned_per_layer, saved_per_token
+
+    for family, extra in (("olmo3", {"sliding_window": 64}), ("smollm3", {"no_rope_layer_interval": 2})):
+
+        def config(layers, family=family, extra=extra):
+            return AutoConfig.for_model(family, **TINY, **extra, num_hidden_layers=layers, use_cache=False,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+        measured = saved_per_token(config(2), 512, "cpu", False) - saved_per_token(config(1), 512, "cpu", False)
+        assert 0 <= measured - planned_per_layer(config(2), False) <= 16, family
+
+
 def test_liger_layers_on_a_gpu_are_counted_at_least_as_autograd_saves_them():
     """The saved-tensor counts of one layer at each family's public widths with Liger's patches, on an H200
     (benchmarks/results/layer_activations): the plan is exact where Liger replaces every norm it counts, and above

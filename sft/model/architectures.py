@@ -273,6 +273,9 @@ KERNELS: dict[str, dict[str, Kernel]] = {
         ),  # fmt: skip
     },
     "mixtral": {},
+    # packed exactly (tests/test_architectures.py); no kernel measured on a GPU yet
+    "olmo3": {},
+    "smollm3": {},
     "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},
     "deepseek_v3": {},
 }
@@ -385,6 +388,7 @@ LAYER_KEEPS = {
     "gemma2": LayerKeeps(norms=4, fp32_scale=True),
     "gemma3_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),
     "olmo2": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),
+    "olmo3": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),  # OLMo 2's layer, windowed
     "phi3": LayerKeeps(fused_qkv=True, residual_dropout=True),
 }
 
