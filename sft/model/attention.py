@@ -376,8 +376,8 @@ def check_backend(arch, backend: str | None, padding_free: bool, on_gpu: bool | 
     if padding_free and arch.attention.other_layers:
         raise ConfigError(
             f"Packing: {arch.family} has {', '.join(arch.attention.other_layers)} layers, to which sft cannot pass "
-            "the sample boundaries of a packed row (their state would flow from one sample into the next). Set "
-            "packing: false and padding_free: false."
+            "the sample boundaries of a packed row (a recurrent state, or keys compressed or selected over the whole "
+            "row, would flow from one sample into the next). Set packing: false and padding_free: false."
         )
 
 

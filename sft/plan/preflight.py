@@ -131,7 +131,25 @@ def _model_step(d: Decided) -> Decided:
                        "optimizer states, not yet its activations, which every image patch keeps in each encoder "
                        "block while it trains: the planned peak is low by those (activation checkpointing, or a "
                        "smaller micro batch, if the run goes out of memory)")  # fmt: skip
-    return dataclasses.replace(d, model_config=model_config, arch=arch, image_text=image_text, shape_of=shape_of)
+    micro_cap = _unpadded_rows(d.training_args, arch, d.micro_cap)
+    return dataclasses.replace(d, model_config=model_config, arch=arch, image_text=image_text, shape_of=shape_of,
+                               micro_cap=micro_cap)  # fmt: skip
+
+
+def _unpadded_rows(args, arch, micro_cap: int | None) -> int | None:
+    """A family whose attention changes with padding (`architectures.PADDING_CHANGES_ATTENTION`) trains one unpadded
+    row per micro batch: the micro batch capped at 1 (`auto`), or a larger one refused."""
+    if arch.family not in architectures.PADDING_CHANGES_ATTENTION or args.padding_free_batches:
+        return micro_cap
+    micro = args.per_device_train_batch_size
+    if "per_device_train_batch_size" not in args.auto_settings and micro > 1:
+        raise ConfigError(
+            f"`per_device_train_batch_size: {micro}` with {arch.family}: its sparse attention's indexer takes its "
+            "top-k keys before the padding mask, so a padded row's tokens attend to other keys than alone. Set "
+            "per_device_train_batch_size: 1 (the global batch comes from gradient accumulation)."
+        )
+    logger.info("%s: one unpadded row per micro batch (its indexer selects keys before the padding mask)", arch.family)
+    return 1
 
 
 def _engine_step(d: Decided) -> Decided:
