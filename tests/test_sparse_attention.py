@@ -83,12 +83,14 @@ def test_glm5_trains_one_unpadded_row_per_micro_batch(runs, tmp_path):
     config_of("glm_moe_dsa").save_pretrained(tmp_path / "model")
     model_args = ModelArguments(model_name_or_path=str(tmp_path / "model"))
 
-    def plan(micro):
+    def plan(micro, **fields):
         args = TrainConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, packing=False,
-                           padding_free=False, per_device_train_batch_size=micro)  # fmt: skip
+                           padding_free=False, per_device_train_batch_size=micro, **fields)  # fmt: skip
         return preflight(args, model_args)
 
     assert plan("auto").batch.per_device_batch_size == 1
     with pytest.raises(ConfigError, match="`per_device_train_batch_size: 2` with glm_moe_dsa: .* Set "
                                           "per_device_train_batch_size: 1"):  # fmt: skip
         plan(2)
+    with pytest.raises(ConfigError, match="`pad_to_multiple_of: 8` with glm_moe_dsa: .* Remove it"):
+        plan(1, pad_to_multiple_of=8)

@@ -142,6 +142,12 @@ def _unpadded_rows(args, arch, micro_cap: int | None) -> int | None:
     if arch.family not in architectures.PADDING_CHANGES_ATTENTION or args.padding_free_batches:
         return micro_cap
     micro = args.per_device_train_batch_size
+    if (args.pad_to_multiple_of or 1) > 1:
+        raise ConfigError(
+            f"`pad_to_multiple_of: {args.pad_to_multiple_of}` with {arch.family}: its sparse attention's indexer "
+            "takes its top-k keys before the padding mask, so padding changes what the row's tokens attend to. "
+            "Remove it."
+        )
     if "per_device_train_batch_size" not in args.auto_settings and micro > 1:
         raise ConfigError(
             f"`per_device_train_batch_size: {micro}` with {arch.family}: its sparse attention's indexer takes its "
