@@ -27,7 +27,8 @@ CONVERSATION = [
 ]  # fmt: skip
 # family -> TRL's template name (Gemma 2 uses Gemma's, which has no system turn)
 FAMILIES = {"llama": "llama3", "qwen2": "qwen2_5", "qwen3": "qwen3", "gemma2": "gemma", "gemma3": "gemma3",
-            "phi3": "phi3", "glm4_moe": "glm4moe", "gpt_oss": "gptoss", "deepseek_v3": "deepseekv3"}  # fmt: skip
+            "phi3": "phi3", "glm4_moe": "glm4moe", "gpt_oss": "gptoss", "deepseek_v3": "deepseekv3",
+            "qwen3_5-think": "qwen3_5_think", "qwen3_5-nothink": "qwen3_5_nothink", "qwen3_6": "qwen3_6"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
