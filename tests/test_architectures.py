@@ -239,3 +239,10 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
     for multiple in (None, 16):  # as it is, and padded to 48 tokens (a fourth sample no real token sees)
         got = _flex_scored(q, k, v, cu, 0.25, window, softcap, s, flex=flex_attention, multiple=multiple)
         torch.testing.assert_close(got, expected)
+
+
+def test_a_model_whose_layers_differ_in_width_is_refused_with_the_reason():
+    """Gemma 4 (transformers' per-layer configs: head dim 512 on its global layers, 256 elsewhere) is refused before
+    anything is built, naming what varies, instead of transformers' error from deep inside the plan."""
+    with pytest.raises(ConfigError, match=r"gemma4_text: its layers differ in head_dim \(a per-layer config\)"):
+        architectures.of(AutoConfig.for_model("gemma4_text"))

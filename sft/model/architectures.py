@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from sft.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
@@ -322,6 +324,13 @@ def of(config) -> Architecture:
     """The architecture of a transformers config (the text model's, for a multimodal one)."""
     text = text_config(config)
     family = text.model_type
+    varying = sorted(getattr(text, "per_layer_attributes", None) or ())
+    if varying:  # transformers' heterogeneous configs (Gemma 4): a width per layer
+        raise ConfigError(
+            f"{family}: its layers differ in {', '.join(varying)} (a per-layer config), and sft's plan reads one "
+            "value per model (its memory, FLOPs and kernels): not supported yet. Train it with another tool, or a "
+            "model whose layers share their widths."
+        )
     heads = text.num_attention_heads
     types = getattr(text, "layer_types", None) or ()
     per_sample = {LINEAR} & set(types) if family in GATED_DELTANET_FAMILIES else set()
