@@ -132,3 +132,14 @@ def test_a_leaking_model_is_refused_before_its_first_step(tmp_path, demo_rows, b
                                           r".*Set packing: false and padding_free: false"):  # fmt: skip
         trainer.train()
     assert trainer.state.global_step == 0 and torch.equal(model.model.embed_tokens.weight, before)
+
+
+def test_a_streamed_training_set_is_not_checked_and_said(caplog):
+    """An iterable dataset has no first rows to read without consuming them: the check says it did not run."""
+    import datasets
+
+    streamed = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]}).to_iterable_dataset()
+    args = type("Args", (), {"device": "cpu", "bf16": False, "fp16": False})()
+    with caplog.at_level("WARNING", logger="sft"):
+        assert packing_check.check(None, None, streamed, None, args, "packing_check: true") is None
+    assert "not run: the training set is streamed (IterableDataset)" in caplog.text

@@ -120,10 +120,14 @@ def first_rows(dataset, collator, device) -> tuple[dict, int]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, len(rows)
 
 
-def check(model, inner, dataset, collator, args, why: str) -> Result:
+def check(model, inner, dataset, collator, args, why: str) -> Result | None:
     """Run the check on the dataset's first rows with the training arguments' device and mixed precision through
     `model` (what the trainer calls: an engine's wrapper keeps its own state of the forwards, ZeRO-3's prefetch trace);
-    log the figures; refuse packing on a leak."""
+    log the figures; refuse packing on a leak. None, said, for a streamed dataset (no first rows to read without
+    consuming them)."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        logger.warning("Packing check (%s): not run: the training set is streamed (%s)", why, type(dataset).__name__)
+        return None
     batch, rows = first_rows(dataset, collator, args.device)
     mixed = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None  # autocast by accelerate
     result = compare(model, batch, rows, dtype=mixed, inner=inner)
