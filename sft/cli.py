@@ -7,6 +7,7 @@ sft merge --adapter outputs/run --output outputs/run-merged
 sft eval --model outputs/demo --tasks sft_demo
 sft report outputs/demo [outputs/other ...]
 sft data recipes/demo.yaml [--gpus 8]
+sft check --config recipes/demo.yaml
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ COMMANDS = {
     "eval": ("sft.tools.evaluation", "evaluate a model or adapter with lm-eval"),
     "report": ("sft.tools.report", "plots and an HTML page of one or more runs' curves"),
     "data": ("sft.data.stats", "a recipe's data once tokenised: lengths, truncation, packing, steps per epoch"),
+    "check": ("sft.tools.check", "a recipe's packed rows against each sample alone, on its own model (no training)"),
 }
 
 

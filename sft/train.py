@@ -20,6 +20,22 @@ logger = logging.getLogger("sft")
 def main(argv: list[str] | None = None, watch=None) -> None:
     """One training run; `watch` (`sft.run.failsafe.OutOfMemoryWatch`, made here if not given) learns the batch and
     step that an out-of-memory error's message names."""
+    from sft.run import failsafe
+
+    watch = watch if watch is not None else failsafe.OutOfMemoryWatch()
+    trainer, plan, resume_from, model_path = build(argv, watch)
+    trainer.train(resume_from_checkpoint=resume_from)
+    if plan.vision and plan.training_args.process_index == 0:
+        from sft.data import vision
+
+        vision.save_image_processor(model_path, plan.training_args.output_dir)
+    _save(trainer, plan.training_args)
+
+
+def build(argv: list[str] | None, watch) -> tuple:
+    """Everything before the first step: the arguments parsed, the run planned, the data loaded and checked, the
+    output directory claimed, the model and the trainer built. Returns (trainer, plan, the checkpoint it resumes or
+    None, the model's path). `sft packing-check` builds the same, with its own output directory, and trains nothing."""
     from sft.config import parse_args
     from sft.core import logs
     from sft.parallel import nodes
@@ -34,10 +50,8 @@ def main(argv: list[str] | None = None, watch=None) -> None:
 
     from sft.data.load import check_tokenizer, load_datasets
     from sft.model.build import load_model, load_tokenizer
-    from sft.run import failsafe
     from sft.run.trainer import Trainer
 
-    watch = watch if watch is not None else failsafe.OutOfMemoryWatch()
     plan, resume_from, saved = _plan(training_args, model_args, data_args)  # the run decided once, before any work
     watch.planned(plan)  # the batch an out-of-memory message names
     training_args = plan.training_args
@@ -63,22 +77,10 @@ def main(argv: list[str] | None = None, watch=None) -> None:
         peft_config.target_modules = architectures.lora_targets(plan.model_config, plan.vision is not None)
     if plan.vision:
         collator = vision.Collator(vision.packer(model), splits)
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=collator,
-        peft_config=peft_config,
-        plan=plan,
-        fingerprint=fingerprint,
-        watch=watch,
-    )
-    trainer.train(resume_from_checkpoint=resume_from)
-    if plan.vision and training_args.process_index == 0:
-        vision.save_image_processor(model_args.model_name_or_path, training_args.output_dir)
-    _save(trainer, training_args)
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      processing_class=tokenizer, data_collator=collator, peft_config=peft_config, plan=plan,
+                      fingerprint=fingerprint, watch=watch)  # fmt: skip
+    return trainer, plan, resume_from, model_args.model_name_or_path
 
 
 def _plan(training_args, model_args, data_args):

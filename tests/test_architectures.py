@@ -246,3 +246,11 @@ def test_a_model_whose_layers_differ_in_width_is_refused_with_the_reason():
     anything is built, naming what varies, instead of transformers' error from deep inside the plan."""
     with pytest.raises(ConfigError, match=r"gemma4_text: its layers differ in head_dim \(a per-layer config\)"):
         architectures.of(AutoConfig.for_model("gemma4_text"))
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "rwkv"])
+def test_a_model_without_attention_layers_is_refused_with_the_reason(model_type):
+    """A pure state-space or recurrent model has no attention heads for the plan to read: refused before anything is
+    built, naming the family, instead of an AttributeError from inside the plan."""
+    with pytest.raises(ConfigError, match=rf"{model_type}: its config names no attention heads or decoder layers"):
+        architectures.of(AutoConfig.for_model(model_type))

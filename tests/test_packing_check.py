@@ -4,6 +4,8 @@ first step; a model whose packing leaks is refused with the figures, an exact on
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -143,3 +145,39 @@ def test_a_streamed_training_set_is_not_checked_and_said(caplog):
     with caplog.at_level("WARNING", logger="sft"):
         assert packing_check.check(None, None, streamed, None, args, "packing_check: true") is None
     assert "not run: the training set is streamed (IterableDataset)" in caplog.text
+
+
+@pytest.fixture
+def small_recipe(tmp_path):
+    """The demo's model and chat records (40 of them), packed to 128 tokens, with an output directory the check must
+    not create."""
+    records = (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]
+    (tmp_path / "d.jsonl").write_text("\n".join(records) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {DEMO_MODEL}\nfrom_scratch: true\ndtype: float32\n"
+                      f"datasets:\n  - path: {tmp_path / 'd.jsonl'}\noutput_dir: {tmp_path / 'out'}\n"
+                      "deepspeed: ds_configs/zero3.json\nbf16: false\nmax_length: 128\n"
+                      "assistant_only_loss: true\n")  # fmt: skip
+    return recipe
+
+
+def test_sft_check_runs_the_check_on_a_recipe_and_trains_nothing(small_recipe, monkeypatch, capsys):
+    """`sft check --config recipe`: the recipe's own model and rows, packed against each sample alone, in one
+    process without its sharding engine (a ZeRO-3 recipe here): exit 0 with the figures for the demo's model; exit 2
+    with the figures and the fix when its attention leaks (sdpa replaced by one blind to the boundaries). The recipe's
+    output directory is never created."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from sft.tools import check
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the one-process launch's variables it sets, put back
+    assert check.main(["--config", str(small_recipe)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"sft check: packing is exact: \d+ samples of \d+ packed rows .*\(tolerance 1e-04\)", out), out
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", leaky_attention)
+    assert check.main(["--config", str(small_recipe), "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"sft check: error: Packing check \(sft check\): packed samples do not compute what they compute "
+                     r"alone: \d+ samples .*Set packing: false and padding_free: false", err), err  # fmt: skip
+    assert not (small_recipe.parent / "out").exists()
+    assert check.main([]) == 2 and "usage: sft check --config RECIPE.yaml" in capsys.readouterr().out

@@ -331,7 +331,13 @@ def of(config) -> Architecture:
             "value per model (its memory, FLOPs and kernels): not supported yet. Train it with another tool, or a "
             "model whose layers share their widths."
         )
-    heads = text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads or not getattr(text, "num_hidden_layers", None):
+        raise ConfigError(
+            f"{family}: its config names no attention heads or decoder layers (num_attention_heads, "
+            "num_hidden_layers): sft plans, packs and shards decoder models with attention layers, and a model "
+            "without them (a pure state-space or recurrent model) is not supported. Train it with another tool."
+        )
     types = getattr(text, "layer_types", None) or ()
     per_sample = {LINEAR} & set(types) if family in GATED_DELTANET_FAMILIES else set()
     attention = Attention(
