@@ -22,6 +22,7 @@ BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "n
         "eos_token_id": 2}  # fmt: skip
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GROUPED = {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE}
+GEMMA4 = {"sliding_window": WINDOW, "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"] * 2}
 # family -> config overrides: every family transformers ships of the model matrix, windows shorter than the samples
 FAMILIES = {
     "llama": ("llama", {}),
@@ -37,6 +38,14 @@ FAMILIES = {
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo3", {"sliding_window": WINDOW}),  # three sliding layers to one full one
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),  # every other layer without rotary positions
+    # Gemma 4: head dim 32 on its full layers (16 on the sliding ones), the last two layers reusing earlier layers'
+    # keys and values with an MLP twice as wide, per-layer input embeddings; its MoE: experts beside the dense MLP,
+    # keys equal to values on the full layers, with one key-value head there
+    "gemma4": ("gemma4_text", {**GEMMA4, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                               "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256}),
+    "gemma4_moe": ("gemma4_text", {**GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                   "moe_intermediate_size": 32, "attention_k_eq_v": True,
+                                   "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 0}),
     "glm4_moe": ("glm4_moe", GROUPED),
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
     "deepseek_v3": ("deepseek_v3", {**GROUPED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
@@ -241,11 +250,28 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
         torch.testing.assert_close(got, expected)
 
 
-def test_a_model_whose_layers_differ_in_width_is_refused_with_the_reason():
-    """Gemma 4 (transformers' per-layer configs: head dim 512 on its global layers, 256 elsewhere) is refused before
-    anything is built, naming what varies, instead of transformers' error from deep inside the plan."""
-    with pytest.raises(ConfigError, match=r"gemma4_text: its layers differ in head_dim \(a per-layer config\)"):
-        architectures.of(AutoConfig.for_model("gemma4_text"))
+def test_per_layer_widths_are_planned_and_what_else_varies_is_refused():
+    """Gemma 4 (transformers' per-layer configs: head dim 512 on its 5 full layers, 256 on its 25 sliding ones): the
+    plan reads the layers' means, the attention backends the widest head (FlashAttention's kernels take 256: refused on
+    a GPU, sdpa and eager honour it; sft_varlen on the CPU only); a layer that varies in anything else is refused,
+    naming it."""
+    from sft.model.attention import check_backend
+
+    arch = architectures.of(AutoConfig.for_model("gemma4_text"))
+    assert arch.attention.head_dims.count(512) == 5 and arch.attention.head_dims.count(256) == 25
+    assert arch.head_dim == round((5 * 512 + 25 * 256) / 30) and arch.kv_head_counts == (4,) * 30
+    assert "a head dim of 512 on 5 of 30 layers (FlashAttention's kernels take at most 256)" in arch.describe()
+    for backend in ("flash_attention_2", "flash_attention_3", VARLEN):
+        with pytest.raises(ConfigError, match=f"`attn_implementation: {backend}` cannot honour .* a head dim of 512"):
+            check_backend(arch, backend, padding_free=True, on_gpu=True)
+    for backend, on_gpu in (("sdpa", True), ("eager", True), (VARLEN, False)):
+        check_backend(arch, backend, padding_free=True, on_gpu=on_gpu)
+    moe = architectures.of(config_of("gemma4_moe"))
+    assert moe.kv_head_counts == (2, 1, 2, 1) and moe.experts.active == 2 and moe.experts.shared_width == 96
+    assert architectures.of(config_of("gemma4")).intermediate == 96 * 6 // 4  # two of four layers twice as wide
+    varying = AutoConfig.for_model("gemma4_text", per_layer_config={"1": {"intermediate_size": 128}})
+    with pytest.raises(ConfigError, match=r"gemma4_text: its layers differ in intermediate_size \(a per-layer config"):
+        architectures.of(varying)
 
 
 @pytest.mark.parametrize("model_type", ["mamba", "mamba2", "rwkv"])

@@ -774,3 +774,44 @@ def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_p
     assert dataclasses.replace(from_plan, gpus_per_node=from_train.gpus_per_node) == from_train
     other = cli._setting(cli._parser("sft plan").parse_args([*flags, "--keep-attention"]), (False, False, False))
     assert dataclasses.replace(other, gpus_per_node=from_train.gpus_per_node) != from_train
+
+
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 128}
+
+
+GEMMA4_VARIANTS = {
+    "dense": {"hidden_size_per_layer_input": 0},
+    "ple": {"hidden_size_per_layer_input": 32},
+    "moe": {"hidden_size_per_layer_input": 0, **GEMMA4_MOE},
+}
+
+
+@pytest.mark.parametrize("extra", GEMMA4_VARIANTS.values(), ids=GEMMA4_VARIANTS.keys())
+def test_gemma4_layers_are_counted_as_autograd_saves_them(tmp_path, extra):
+    """Gemma 4 at small widths (sliding and full layers, head dim 32 and 64): the plan's bytes per token for a pair of
+    layers equal the saved tensors' within 128 bytes (of 20-33 KB): its norms counted from its layer's modules (4, one
+    more with per-layer inputs, four more with experts), the values' norm, the per-layer input's share. Measured as 4
+    layers less 2 (the experts' layer count is the model's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.layer_activations import TINY, saved_bytes
+
+    def config(layers):
+        return AutoConfig.for_model("gemma4_text", **TINY, **extra, num_hidden_layers=layers, sliding_window=64,
+                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                    global_head_dim=64, vocab_size_per_layer_input=TINY["vocab_size"], use_cache=False,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+    def measured(layers, tokens=512):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config(layers), attn_implementation="sft_counting",
+                                                 dtype=torch.bfloat16).train()  # fmt: skip
+        ids, positions = torch.randint(3, 500, (1, tokens)), torch.arange(tokens)[None]
+        return saved_bytes(lambda: model.model(input_ids=ids, position_ids=positions), *model.parameters()) / tokens
+
+    def planned(layers):
+        config(layers).save_pretrained(tmp_path / str(layers))
+        return plan.activation_bytes_per_token(shapes.load_shape(str(tmp_path / str(layers))), plan.Setting())
+
+    assert abs((measured(4) - measured(2)) - (planned(4) - planned(2))) <= 2 * 128

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -58,10 +59,16 @@ class Attention:
     # layer types that are not softmax attention and that sft runs one sample at a time over a packed row (Gated
     # DeltaNet's linear attention: `sft.model.linear_attention`); packing keeps their samples apart
     per_sample: tuple[str, ...] = ()
+    head_dims: tuple[int, ...] = ()  # per layer (Gemma 4: 512 on its full-attention layers, 256 on the sliding ones)
 
     @property
     def sliding(self) -> bool:
         return any(w is not None for w in self.windows)
+
+    @property
+    def wide_heads(self) -> int:
+        """Layers whose head dim is over what FlashAttention's kernels take (`FLASH_HEAD_DIM`)."""
+        return sum(d > FLASH_HEAD_DIM for d in self.head_dims)
 
     def needs(self) -> list[str]:
         """The features a backend must honour, in words."""
@@ -75,6 +82,9 @@ class Attention:
             wants.append(f"attention logit soft-capping at {self.softcap:g}")
         if self.sinks:
             wants.append("attention sinks")
+        if self.wide_heads:
+            wants.append(f"a head dim of {max(self.head_dims)} on {self.wide_heads} of {len(self.head_dims)} layers "
+                         f"(FlashAttention's kernels take at most {FLASH_HEAD_DIM})")  # fmt: skip
         return wants
 
 
@@ -100,13 +110,14 @@ class Architecture:
     layers: int
     hidden: int
     heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
+    kv_heads: int  # a per-layer config's: the layers' mean (`_layer_widths`), what the plan's equations read
+    head_dim: int  # the same
+    intermediate: int  # the same: Gemma 4's layers that reuse another's keys and values have an MLP twice as wide
     vocab: int
     attention: Attention
     experts: Experts | None = None
     kernels: dict[str, Kernel] = field(default_factory=dict)
+    kv_head_counts: tuple[int, ...] = ()  # per layer: the key-value heads (Ulysses splits each layer's)
 
     @property
     def packed_mask(self) -> bool:
@@ -278,6 +289,8 @@ KERNELS: dict[str, dict[str, Kernel]] = {
     # packed exactly (tests/test_architectures.py); no kernel measured on a GPU yet
     "olmo3": {},
     "smollm3": {},
+    # packed exactly, dense and MoE, its per-layer head dims and shared keys and values (tests/test_architectures.py)
+    "gemma4_text": {"liger": Kernel(False, "liger-kernel 0.8.5 has no Gemma 4 patch")},
     "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},
     "deepseek_v3": {},
 }
@@ -303,8 +316,9 @@ def _windows(text) -> tuple[int | None, ...]:
 def _experts(text) -> Experts | None:
     count = next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                   if getattr(text, n, None)), None)  # fmt: skip
-    if not count:
+    if not count or getattr(text, "enable_moe_block", True) is False:
         return None
+    active = next(getattr(text, n) for n in ("num_experts_per_tok", "top_k_experts") if getattr(text, n, None))
     layers = text.num_hidden_layers
     dense = set(getattr(text, "mlp_only_layers", None) or ())
     step = getattr(text, "decoder_sparse_step", 1) or 1
@@ -315,22 +329,44 @@ def _experts(text) -> Experts | None:
     shared_width = getattr(text, "shared_expert_intermediate_size", None) or (width if shared else 0)
     if getattr(text, "shared_expert_intermediate_size", None):
         shared = max(shared, 1)
+    if getattr(text, "enable_moe_block", False):  # Gemma 4: each layer's dense MLP runs beside its experts
+        shared, shared_width = 1, _intermediate(text)
     router_aux = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
     routes = hasattr(text, "output_router_logits")
-    return Experts(count, text.num_experts_per_tok, width, moe_layers, shared, shared_width, router_aux, routes)
+    return Experts(count, active, width, moe_layers, shared, shared_width, router_aux, routes)
+
+
+def _intermediate(text) -> int:
+    """The MLP's width, over the layers: Gemma 4's layers that reuse another layer's keys and values
+    (`num_kv_shared_layers`) have one twice as wide with `use_double_wide_mlp`."""
+    width, layers = text.intermediate_size, text.num_hidden_layers
+    if getattr(text, "use_double_wide_mlp", False):
+        return round(width * (layers + (getattr(text, "num_kv_shared_layers", 0) or 0)) / layers)
+    return width
+
+
+def _layer_widths(text) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's (head dim, key-value heads): a per-layer config's overrides (`PER_LAYER_WIDTHS`), else the
+    model's; any other attribute that varies by layer is refused, naming it."""
+    varying = set(getattr(text, "per_layer_attributes", None) or ())
+    if varying - PER_LAYER_WIDTHS:
+        raise ConfigError(
+            f"{text.model_type}: its layers differ in {', '.join(sorted(varying - PER_LAYER_WIDTHS))} (a per-layer "
+            "config), and sft's plan reads one value per model of everything but "
+            f"{', '.join(sorted(PER_LAYER_WIDTHS))} (its memory, FLOPs and kernels): not supported yet. Train it with "
+            "another tool, or a model whose layers share their widths."
+        )
+    layers = [text.per_layer_config[i] for i in range(text.num_hidden_layers)] if varying else [text]
+    heads = text.num_attention_heads
+    dims = tuple(getattr(layer, "head_dim", None) or text.hidden_size // heads for layer in layers)
+    kv = tuple(getattr(layer, "num_key_value_heads", None) or heads for layer in layers)
+    return dims * (text.num_hidden_layers // len(dims)), kv * (text.num_hidden_layers // len(kv))
 
 
 def of(config) -> Architecture:
     """The architecture of a transformers config (the text model's, for a multimodal one)."""
     text = text_config(config)
     family = text.model_type
-    varying = sorted(getattr(text, "per_layer_attributes", None) or ())
-    if varying:  # transformers' heterogeneous configs (Gemma 4): a width per layer
-        raise ConfigError(
-            f"{family}: its layers differ in {', '.join(varying)} (a per-layer config), and sft's plan reads one "
-            "value per model (its memory, FLOPs and kernels): not supported yet. Train it with another tool, or a "
-            "model whose layers share their widths."
-        )
     heads = getattr(text, "num_attention_heads", None)
     if not heads or not getattr(text, "num_hidden_layers", None):
         raise ConfigError(
@@ -338,6 +374,7 @@ def of(config) -> Architecture:
             "num_hidden_layers): sft plans, packs and shards decoder models with attention layers, and a model "
             "without them (a pure state-space or recurrent model) is not supported. Train it with another tool."
         )
+    head_dims, kv_counts = _layer_widths(text)
     types = getattr(text, "layer_types", None) or ()
     per_sample = {LINEAR} & set(types) if family in GATED_DELTANET_FAMILIES else set()
     attention = Attention(
@@ -346,6 +383,7 @@ def of(config) -> Architecture:
         sinks=family in SINK_FAMILIES,
         other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"} - per_sample)),
         per_sample=tuple(sorted(per_sample)),
+        head_dims=head_dims,
     )
     kernels = KERNELS.get(family, {})
     if family in KERNELS or is_vision(config):  # a vision family's text model (qwen2_5_vl_text) has no row
@@ -356,19 +394,25 @@ def of(config) -> Architecture:
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
         heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        intermediate=text.intermediate_size,
+        # the plan's equations are sums over layers of terms linear in each layer's widths: the means keep them
+        kv_heads=round(sum(k * d for k, d in zip(kv_counts, head_dims, strict=True)) / sum(head_dims)),
+        head_dim=round(sum(head_dims) / len(head_dims)),
+        intermediate=_intermediate(text),
         vocab=text.vocab_size,
         attention=attention,
         experts=_experts(text),
         kernels=kernels,
+        kv_head_counts=kv_counts,
     )
 
 
 # Families whose attention passes `softcap` / `s_aux` to the attention function (checked against transformers' calls
 # in tests/test_architectures.py). An unknown family that passes either is caught by the backend at its first call.
 SOFTCAP_FAMILIES = {"gemma2"}
+# What a layer of transformers' per-layer configs may override and sft still plan (Gemma 4's full-attention layers:
+# head dim 512, fewer key-value heads); the largest head dim FlashAttention's kernels take
+PER_LAYER_WIDTHS = {"head_dim", "num_key_value_heads"}
+FLASH_HEAD_DIM = 256
 # Families whose linear-attention layers are transformers' Gated DeltaNet, which sft runs one sample at a time over a
 # packed row (`sft.model.linear_attention`; tests/test_linear_attention.py)
 GATED_DELTANET_FAMILIES = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
@@ -399,6 +443,8 @@ class LayerKeeps(NamedTuple):
     # p = 0 (not kept under Liger's patches: measured, benchmarks/results/layer_activations)
     liger_qk_norm: bool = True  # Liger's patches of a model instance replace the q and k norms (OLMo 2's do not:
     # liger-kernel 0.8.5's `apply_liger_kernel_to_olmo2` patches only the post-norms; transformers' stay)
+    v_norm: bool = False  # an RMSNorm without scale per head on the values too (Gemma 4)
+    per_layer_input: int = 0  # the width of Gemma 4's per-layer input embeddings (PLE) that each layer gates in
 
 
 LAYER_KEEPS = {
@@ -406,16 +452,30 @@ LAYER_KEEPS = {
     "qwen3_moe": LayerKeeps(qk_norm="head"),
     "gemma2": LayerKeeps(norms=4, fp32_scale=True),
     "gemma3_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),
+    "gemma4_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),  # its norms counted by `layer_keeps`
     "olmo2": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),
     "olmo3": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),  # OLMo 2's layer, windowed
     "phi3": LayerKeeps(fused_qkv=True, residual_dropout=True),
 }
 
 
-def layer_keeps(family: str, has_qk_norm: bool) -> LayerKeeps:
+NORMS_FROM_MODULES = {"gemma4_text"}
+
+
+def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
     """The family's row of `LAYER_KEEPS`; a family without one: Llama's layer, with a per-head query and key norm where
-    its layers have a `q_norm`."""
-    return LAYER_KEEPS.get(family) or LayerKeeps(qk_norm="head" if has_qk_norm else None)
+    its layers have a `q_norm` (`module_names`: a decoder layer's modules). Gemma 4's layer is read from its modules
+    and `text` config: the norms on the residual stream outside the attention (4, one more with per-layer inputs, four
+    more with its experts), the values' norm, the per-layer input's width."""
+    has_qk_norm = any(n.split(".")[-1] == "q_norm" for n in module_names)
+    row = LAYER_KEEPS.get(family) or LayerKeeps(qk_norm="head" if has_qk_norm else None)
+    if family in NORMS_FROM_MODULES:
+        norms = sum(
+            1 for n in module_names if "self_attn" not in n and re.search(r"(layernorm|_norm|\.norm)(_\d)?$", n)
+        )
+        row = row._replace(norms=norms, v_norm="self_attn.v_norm" in module_names,
+                           per_layer_input=getattr(text, "hidden_size_per_layer_input", 0) or 0)  # fmt: skip
+    return row
 
 
 def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_loss_coef: float | None = None) -> None:

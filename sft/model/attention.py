@@ -323,12 +323,12 @@ def register_varlen() -> None:
 # takes the window from its mask but has no soft-capping or sinks; flash-attn has soft-capping but no sinks; eager (the
 # family's own function) and flex_attention (score and mask functions) have all three.
 HONOURS = {
-    "eager": {"window", "softcap", "sinks"},
+    "eager": {"window", "softcap", "sinks", "wide_heads"},
     "flex_attention": {"window", "softcap", "sinks"},
-    "sdpa": {"window"},
+    "sdpa": {"window", "wide_heads"},
     "flash_attention_2": {"window", "softcap"},
     "flash_attention_3": {"window", "softcap"},
-    VARLEN: {"window", "softcap", "sinks"},
+    VARLEN: {"window", "softcap", "sinks", "wide_heads"},  # wide heads on the CPU only (its GPU kernel is FA2's)
 }
 
 
@@ -344,6 +344,8 @@ def _needs(attention) -> set[str]:
         wanted.add("softcap")
     if attention.sinks:
         wanted.add("sinks")
+    if attention.wide_heads:
+        wanted.add("wide_heads")
     return wanted
 
 
@@ -352,6 +354,8 @@ def honours(backend: str | None, on_gpu: bool) -> set[str]:
     have = set(HONOURS.get(backend or "", set()))
     if backend == VARLEN and on_gpu and not varlen_has_window():
         have.discard("window")
+    if backend == VARLEN and on_gpu:
+        have.discard("wide_heads")
     return have
 
 
@@ -388,7 +392,7 @@ def resolve_attn_implementation(
     model's attention asks, `arch`); logs the choice and refuses one that would drop a feature."""
     on_gpu = torch.cuda.is_available()
     needs = _needs(arch.attention) if arch is not None else set()
-    scored = needs - {"window"}  # soft-capping, sinks: sft_varlen's scored path (flex_attention on GPUs)
+    scored = needs - {"window", "wide_heads"}  # soft-capping, sinks: sft_varlen's scored path (flex_attention on GPUs)
     mask_leaks = arch is not None and padding_free and not arch.packed_mask
     if requested not in (None, "auto"):
         chosen = requested
@@ -401,7 +405,10 @@ def resolve_attn_implementation(
             register_varlen()
     elif on_gpu:
         major, _ = torch.cuda.get_device_capability()
-        if importlib.util.find_spec("flash_attn") is not None and major >= 8 and not scored:
+        if "wide_heads" in needs and not scored and arch.packed_mask:  # no FlashAttention kernel takes the heads
+            chosen, why = "sdpa", (f"{'; '.join(arch.attention.needs())}: transformers' mask from the position ids, "
+                                   "torch's memory-efficient or math kernel")  # fmt: skip
+        elif importlib.util.find_spec("flash_attn") is not None and major >= 8 and not scored:
             chosen, why = "flash_attention_2", "flash-attn is installed"
         elif _varlen_attn() is not None and (varlen_has_window() or "window" not in needs):
             register_varlen()

@@ -177,7 +177,7 @@ def load_shape(
         param_sizes=tuple(unique.values()),
         frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
         liger_speedup=arch.kernel("liger").speedup or 1.0,
-        keeps=architectures.layer_keeps(arch.family, any(n.split(".")[-1] == "q_norm" for n, _ in layer_modules)),
+        keeps=architectures.layer_keeps(arch.family, [n for n, _ in layer_modules], architectures.text_config(config)),
     )
 
 

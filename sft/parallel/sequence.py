@@ -113,25 +113,26 @@ def check_model(config, sp: int, attn_implementation: str | None, arch=None) -> 
         )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if not heads or getattr(text, "is_encoder_decoder", False):
         raise ConfigError(
             f"sequence parallelism: DeepSpeed's Ulysses wraps the attention of transformers decoder models with "
             f"`num_attention_heads`; {type(config).__name__} ({getattr(config, 'model_type', '?')}) has none. Set "
             "sequence_parallel_size: 1."
         )
-    attention = (arch or architectures.of(config)).attention
+    arch = arch or architectures.of(config)
+    attention = arch.attention
     recurrent = (*attention.other_layers, *attention.per_sample)
     if recurrent:
         raise ConfigError(
             f"sequence parallelism: {getattr(config, 'model_type', '?')} has {list(recurrent)} layers, which "
             "Ulysses cannot split along the sequence. Set sequence_parallel_size: 1."
         )
+    kv_heads = next((k for k in sorted(set(arch.kv_head_counts)) if not splits_heads(heads, k, sp)), arch.kv_heads)
     if not splits_heads(heads, kv_heads, sp):
         raise ConfigError(
             f"`sequence_parallel_size: {sp}` must divide the model's {heads} attention heads, and divide or be a "
             f"multiple of its {kv_heads} key/value heads. Use one of "
-            f"{[d for d in range(1, heads + 1) if splits_heads(heads, kv_heads, d)]}."
+            f"{[d for d in range(1, heads + 1) if all(splits_heads(heads, k, d) for k in arch.kv_head_counts)]}."
         )
 
 

@@ -314,6 +314,9 @@ class Estimate:
         return "\n".join(lines)
 
 
+PER_LAYER_INPUT_BYTES = 8  # Gemma 4: the gate's activation in and out, the product, the model's projection and norm
+
+
 def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     """Bytes autograd keeps per token for one decoder layer, by how its family builds it (`shape.keeps`; each term
     checked against autograd's saved-tensor hooks, tests/test_plan.py, benchmarks/results/layer_activations), but for
@@ -330,6 +333,9 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     norms = 2 * b * h + keeps.norms * norm
     if keeps.residual_dropout and not s.liger:
         norms += 2 * h
+    if keeps.per_layer_input:  # Gemma 4's gate reads the layer's output; its per-layer input's share (its norm
+        # counted above): PER_LAYER_INPUT_BYTES x 16-bit elements per token (autograd's hooks, tests/test_plan.py)
+        norms += b * h + PER_LAYER_INPUT_BYTES * b * keeps.per_layer_input
     # Tiled, the MLP keeps only its input (counted above) and recomputes the rest per tile
     mlp = 0 if s.tiled_mlp else mlp_bytes_per_token(shape, s) + routing_bytes_per_token(shape, s)
     layer = attention + norms + mlp
@@ -352,7 +358,8 @@ def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     if s.liger and keeps.liger_qk_norm:
         return 2 * b * width
     rows = shape.heads + shape.kv_heads if keeps.qk_norm == "head" else 2
-    return (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows
+    values = 4 * (shape.kv_heads * shape.head_dim + shape.kv_heads) if keeps.v_norm else 0  # no scale: input, rstd
+    return (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values
 
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
