@@ -257,3 +257,41 @@ def test_a_frozen_encoder_under_checkpointing_keeps_nothing_and_gets_no_backward
         assert plain_kept > kept
     assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys()
     assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_a_newer_image_text_config_trains_on_text_and_refuses_images(tmp_path, family):
+    """Gemma 4's and Qwen3.5's checkpoints are image+text configs that sft trains on text only so far: on the text
+    demo's records a text run of their text model (gemma4_text, packed exactly: tests/test_architectures.py;
+    qwen3_5_text's linear attention one sample at a time: tests/test_linear_attention.py); on the image demo's records
+    refused before any work, naming the family and the image+text families sft packs."""
+    from transformers import AutoConfig
+
+    from tests.test_architectures import BASE, FAMILIES
+
+    text = {
+        "gemma4": {**FAMILIES["gemma4"][1], "model_type": "gemma4_text"},
+        "qwen3_5": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"] * 2},
+    }
+    vision = {
+        "gemma4": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+        },
+        "qwen3_5": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
+    }
+    config = AutoConfig.for_model(family, text_config={**BASE, **text[family]}, vision_config=vision[family])
+    config.save_pretrained(tmp_path / family)
+    plan, _, _ = planned(tmp_path, "--config", str(ROOT / "recipes" / "demo.yaml"), "--model_name_or_path",
+                         str(tmp_path / family))  # fmt: skip
+    assert plan.vision is None and plan.arch.family == f"{family}_text" and plan.training_args.packing
+    with pytest.raises(
+        ConfigError,
+        match=f"{family} is an image\\+text model, and the data's records hold images: sft "
+        f"trains {family} on text only so far .*image\\+text families: gemma3, ",
+    ):
+        planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
