@@ -37,6 +37,42 @@ def tiny(family: str) -> torch.nn.Module:
                                                         temporal_patch_size=2, window_size=56,
                                                         fullatt_block_indexes=[1]), **TOKENS)  # fmt: skip
         model_class = tf.Qwen2_5_VLForConditionalGeneration
+    elif family in ("qwen3_5", "qwen3_5_moe"):  # linear attention on one of two layers, one sample at a time
+        from sft.model import linear_attention
+
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 1.0,
+        }
+        text = {
+            **TEXT,
+            "model_type": f"{family}_text",
+            "head_dim": 16,
+            "rope_parameters": rope,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+        }
+        if family == "qwen3_5_moe":
+            text |= {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+            }
+        config = tf.AutoConfig.for_model(family, text_config=text, vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64), **TOKENS)  # fmt: skip
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = tf.AutoModelForImageTextToText.from_config(config).eval().float()
+        assert linear_attention.by_sample(model) == 1  # as the run's converter does
+        return model
     else:
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
         config = tf.Qwen3VLConfig(text_config={**TEXT, "head_dim": 16, "rope_parameters": rope},

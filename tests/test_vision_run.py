@@ -260,11 +260,12 @@ def test_a_frozen_encoder_under_checkpointing_keeps_nothing_and_gets_no_backward
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
-def test_a_newer_image_text_config_trains_on_text_and_refuses_images(tmp_path, family):
-    """Gemma 4's and Qwen3.5's checkpoints are image+text configs that sft trains on text only so far: on the text
-    demo's records a text run of their text model (gemma4_text, packed exactly: tests/test_architectures.py;
-    qwen3_5_text's linear attention one sample at a time: tests/test_linear_attention.py); on the image demo's records
-    refused before any work, naming the family and the image+text families sft packs."""
+def test_the_newer_image_text_configs_train_on_text_and_qwen3_5_on_images(tmp_path, family):
+    """Gemma 4's and Qwen3.5's checkpoints are image+text configs. On the text demo's records: a text run of their
+    text model (gemma4_text, packed exactly: tests/test_architectures.py; qwen3_5_text's linear attention one sample at
+    a time: tests/test_linear_attention.py). On the image demo's records: Qwen3.5 an image+text run, packed by its
+    M-RoPE rows (tests/test_vision_packing.py: exact); Gemma 4 refused before any work, naming the family and the
+    image+text families sft packs."""
     from transformers import AutoConfig
 
     from tests.test_architectures import BASE, FAMILIES
@@ -289,6 +290,17 @@ def test_a_newer_image_text_config_trains_on_text_and_refuses_images(tmp_path, f
     plan, _, _ = planned(tmp_path, "--config", str(ROOT / "recipes" / "demo.yaml"), "--model_name_or_path",
                          str(tmp_path / family))  # fmt: skip
     assert plan.vision is None and plan.arch.family == f"{family}_text" and plan.training_args.packing
+    if family == "qwen3_5":
+        from sft.model.build import load_model
+
+        images, _, model_args = planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
+        assert images.vision is not None and images.vision.packing == "mrope" and images.attn_implementation == "sdpa"
+        model = load_model(model_args, images)  # the image+text class (its causal-LM class is the text model alone)
+        assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+        layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+        assert len(layers) == 2 and all(m.forward.__name__ == "forward" and hasattr(m.forward, "__wrapped__")
+                                        for m in layers)  # fmt: skip
+        return
     with pytest.raises(
         ConfigError,
         match=f"{family} is an image\\+text model, and the data's records hold images: sft "

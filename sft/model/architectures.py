@@ -510,6 +510,10 @@ VISION = {
     "smolvlm": Vision("positions", always=True, tiles=True),
     "idefics3": Vision("positions", always=True, tiles=True),
     "gemma3": Vision("masks", always=False, text_expansion=True),  # Gemma 3's 4B-27B checkpoints are `gemma3` configs
+    # Qwen3.5 and Qwen3.6 (dense, MoE): image+text checkpoints often fine-tuned on text; their linear-attention layers
+    # run one sample at a time (`sft.model.linear_attention`) in image rows too
+    "qwen3_5": Vision("mrope", always=False),
+    "qwen3_5_moe": Vision("mrope", always=False),
 }
 # read from the table: the families every run of which is image+text, and those image+text where the data has images
 VISION_FAMILIES = {family for family, v in VISION.items() if v.always}
@@ -562,11 +566,13 @@ def lora_targets(config, image_text: bool = False) -> str | None:
     return r".*\.(language_model|text_model)\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def model_class(config):
-    """The transformers auto class a config is built with: image-text-to-text for a vision family, else causal LM."""
+def model_class(config, image_text: bool = False):
+    """The transformers auto class a config is built with: image-text-to-text for a vision family or an image+text
+    run (`image_text`: Qwen3.5's causal-LM class is its text model alone), else causal LM."""
     import transformers
 
-    return transformers.AutoModelForImageTextToText if is_vision(config) else transformers.AutoModelForCausalLM
+    vision = is_vision(config) or image_text
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -73,7 +73,7 @@ def _build(
         # under ZeRO-3, `zero.Init` partitions them as they are made.
         device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"
         with torch.device(device):
-            model = architectures.model_class(config).from_config(
+            model = architectures.model_class(config, plan.vision is not None).from_config(
                 config,
                 attn_implementation=kwargs["attn_implementation"],
                 dtype=kwargs["dtype"] if kwargs["dtype"] != "auto" else None,
@@ -88,7 +88,9 @@ def _build(
     kwargs.update(quantized)
     try:
         with quantization.loading(bool(quantized) and (partitioned or sharded)):
-            model = architectures.model_class(config).from_pretrained(model_args.model_name_or_path, **kwargs)
+            model = architectures.model_class(config, plan.vision is not None).from_pretrained(
+                model_args.model_name_or_path, **kwargs
+            )
         if quantized and partitioned:
             plan.engine.partition_loaded(model)
     except OSError as e:

@@ -174,7 +174,10 @@ ORDER = (
     Converter(
         "linear attention by sample",
         "build",
-        lambda plan: bool(plan.arch.attention.per_sample) and plan.training_args.padding_free_batches,
+        lambda plan: (
+            bool(plan.arch.attention.per_sample)
+            and (plan.training_args.padding_free_batches or plan.vision is not None)
+        ),  # image rows are always packed
         _linear_attention,
     ),
     Converter(

@@ -385,7 +385,7 @@ def _attention(requested, training_args, model_config, arch, sp: int, image_text
     """The attention backend: an image+text run of a family packed with sft's own masks takes one that reads them
     (`sft.data.vision.mask_attention`); any other run the fastest that honours the model
     (`resolve_attn_implementation`)."""
-    if image_text and model_config.model_type in architectures.IMAGE_DATA_FAMILIES:
+    if image_text and architectures.VISION[model_config.model_type].packing == "masks":
         from sft.data import vision
 
         return vision.mask_attention(requested, model_config)

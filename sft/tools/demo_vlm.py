@@ -79,7 +79,14 @@ def build_image_processor(patch_size: int = 14):
                                     merge_size=2, temporal_patch_size=2)  # fmt: skip
 
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "smolvlm")  # the demo's model first; the others for tests
+FAMILIES = (
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+    "gemma3",
+    "smolvlm",
+    "qwen3_5",
+)  # the demo's model first; the others for tests
 
 
 def gemma3_config(tokenizer) -> dict:
@@ -108,7 +115,7 @@ def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
     names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(names, VISION_TOKENS, strict=True)}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen3_5"):
         rope["mrope_interleaved"] = True
     text = {
         "model_type": f"{family}_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
@@ -117,6 +124,15 @@ def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
         "rope_parameters": rope, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }  # fmt: skip
+    if family == "qwen3_5":  # Gated DeltaNet linear attention on layers 1-3, full attention on the last
+        rope["partial_rotary_factor"] = 1.0
+        text |= {
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        }
     common = {"depth": 2, "num_heads": 2, "spatial_merge_size": 2, "temporal_patch_size": 2}
     vision = {
         "qwen2_5_vl": {**common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128,
@@ -124,10 +140,14 @@ def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
         "qwen2_vl": {**common, "embed_dim": 64, "hidden_size": 128, "mlp_ratio": 2, "patch_size": 14},
         "qwen3_vl": {**common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128, "patch_size": 16,
                      "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        "qwen3_5": {**common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128, "patch_size": 16,
+                    "num_position_embeddings": 64},
     }[family]  # fmt: skip
     if family == "qwen2_5_vl":
         text.pop("head_dim")  # hidden / heads: the shipped demo's config as it was
-    architecture = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL"}[family]
+    architecture = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL", "qwen3_5": "Qwen3_5"}[
+        family
+    ]
     return {"architectures": [f"{architecture}ForConditionalGeneration"], "model_type": family,
             "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
             "dtype": "float32", **ids}  # fmt: skip
@@ -159,7 +179,7 @@ def _image_processor(family: str):
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
         return SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    return build_image_processor(16 if family == "qwen3_vl" else 14)
+    return build_image_processor(16 if family in ("qwen3_vl", "qwen3_5") else 14)
 
 
 def write_model(model_dir: Path, family: str = "qwen2_5_vl") -> Path:
