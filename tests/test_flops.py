@@ -151,3 +151,22 @@ def test_encoder_and_projector_beside_it_count_as_torch_counts_their_forward(fam
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # all frozen here: 4 x (no weight grad)
     beside = {id(m) for part in (encoder, projector) for m in part.modules()}
     assert counted.per_token == sum(4 * m.in_features * m.out_features for m in linears if id(m) not in beside)
+
+
+def test_attention_pairs_are_weighed_by_each_layers_head_dim_and_skip_linear_attention():
+    """Gemma 4's full layers (head dim 512 of a 299 mean, no window) count 512 / 299 of their pairs, its sliding ones
+    (256, a window of 512) 256 / 299 of theirs; Qwen3.5's linear-attention layers count none, its full one len^2 / 2;
+    Llama's every layer len^2 / 2."""
+    from sft.model import architectures
+
+    lengths = torch.tensor([1000.0, 300.0])
+    full = (1000**2 + 300**2) / 2
+    windowed = 512**2 / 2 + (1000 - 512) * 512 + 300**2 / 2
+    gemma4 = architectures.of(AutoConfig.for_model("gemma4_text"))
+    expected = (5 * 512 * full + 25 * 256 * windowed) / gemma4.head_dim
+    assert gemma4.head_dim == 299 and float(gemma4.attention_pairs(lengths)) == pytest.approx(expected, rel=1e-12)
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    qwen = architectures.of(AutoConfig.for_model("qwen3_5_text", num_hidden_layers=4, layer_types=types))
+    assert qwen.attention.softmax == (False, False, False, True) and float(qwen.attention_pairs(lengths)) == full
+    llama = architectures.of(AutoConfig.for_model("llama", num_hidden_layers=3))
+    assert float(llama.attention_pairs(lengths)) == 3 * full

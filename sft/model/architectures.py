@@ -60,6 +60,7 @@ class Attention:
     # DeltaNet's linear attention: `sft.model.linear_attention`); packing keeps their samples apart
     per_sample: tuple[str, ...] = ()
     head_dims: tuple[int, ...] = ()  # per layer (Gemma 4: 512 on its full-attention layers, 256 on the sliding ones)
+    softmax: tuple[bool, ...] = ()  # per layer: softmax attention (not a `per_sample` layer); empty: every layer
 
     @property
     def sliding(self) -> bool:
@@ -161,12 +162,19 @@ class Architecture:
     def attention_pairs(self, lengths: torch.Tensor) -> torch.Tensor:
         """Query-key pairs causal attention computes for samples of these lengths, summed over the layers, each with
         its window: len^2 / 2 per sample for a full layer (the diagonal not counted apart); under a window w, w^2 / 2
-        for the first w tokens and w for each one after."""
+        for the first w tokens and w for each one after. Each layer weighed by its head dim over the mean one (the
+        FLOPs multiply the pairs by the mean width: Gemma 4's full layers are twice as wide); a linear-attention layer
+        has none (its recurrence, linear in the length, is not counted)."""
         lengths = lengths.double()
         total = torch.zeros((), dtype=torch.float64, device=lengths.device)
-        for window, layers in collections.Counter(self.attention.windows).items():
+        layers = len(self.attention.windows)
+        dims = self.attention.head_dims or (self.head_dim,) * layers
+        softmax = self.attention.softmax or (True,) * layers
+        kinds = collections.Counter((w, d) for w, d, s in zip(self.attention.windows, dims, softmax, strict=True) if s)
+        for (window, dim), count in kinds.items():
             inside = lengths if window is None else lengths.clamp(max=window)
-            total = total + layers * (inside * inside / 2 + (lengths - inside) * (window or 0)).sum()
+            pairs = (inside * inside / 2 + (lengths - inside) * (window or 0)).sum()
+            total = total + count * dim / self.head_dim * pairs
         return total
 
     @property
@@ -384,6 +392,7 @@ def of(config) -> Architecture:
         other_layers=tuple(sorted(set(types) - {SLIDING, FULL, "chunked_attention"} - per_sample)),
         per_sample=tuple(sorted(per_sample)),
         head_dims=head_dims,
+        softmax=tuple(t not in per_sample for t in types) if per_sample else (),
     )
     kernels = KERNELS.get(family, {})
     if family in KERNELS or is_vision(config):  # a vision family's text model (qwen2_5_vl_text) has no row
