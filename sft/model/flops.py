@@ -10,7 +10,9 @@ leaves attention out. sft counts what the GPU multiplies:
   attending only to itself): forward QK^T and AV cost 2 x len^2 x d each at full, half of that causal, so
   2 x len^2 x d forward and 6 x len^2 x d with the backward, d = attention heads x head dim. Summed over samples:
   sum(len^2), never max_length^2. A layer with a sliding window w counts w^2 / 2 + (len - w) x w pairs instead of
-  len^2 / 2 (`sft.model.architectures.Architecture.attention_pairs`).
+  len^2 / 2 (`sft.model.architectures.Architecture.attention_pairs`); a layer whose head dim differs from the mean
+  (Gemma 4) in proportion; a linear-attention layer (Qwen3.5's Gated DeltaNet) none: its projections are linear
+  layers, its recurrence (linear in the length) is not counted.
 - mixture-of-experts layers on the active parameters: of the fused experts module (transformers' `<Family>Experts`)
   only `num_experts_per_tok` of `num_experts` experts' weights per token
   (`sft.model.architectures.matmul_flops_per_token`).
