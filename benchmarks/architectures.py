@@ -80,10 +80,39 @@ FAMILIES = {
                                     "num_key_value_heads": 16, "q_lora_rank": 1536, "kv_lora_rank": 512,
                                     "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
                                     "head_dim": 64, **_GROUPED}),
+    # the newest families (transformers' default widths of each config; layer kinds alternated over --layers)
+    "olmo3": ("olmo3", {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+                        "num_key_value_heads": 32, "sliding_window": WINDOW,
+                        "layer_types": ("sliding_attention", "full_attention")}),
+    "smollm3": ("smollm3", {"hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                            "num_key_value_heads": 4, "no_rope_layer_interval": 2}),
+    "gemma4": ("gemma4_text", {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+                               "num_key_value_heads": 4, "head_dim": 256, "global_head_dim": 512,
+                               "sliding_window": WINDOW, "hidden_size_per_layer_input": 256,
+                               "vocab_size_per_layer_input": VOCAB,
+                               "layer_types": ("sliding_attention", "full_attention")}),
+    "gemma4_moe": ("gemma4_text", {"hidden_size": 2816, "intermediate_size": 2112, "num_attention_heads": 16,
+                                   "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+                                   "sliding_window": WINDOW, "enable_moe_block": True, "num_experts": 128,
+                                   "top_k_experts": 8, "moe_intermediate_size": 704, "attention_k_eq_v": True,
+                                   "num_global_key_value_heads": 2, "hidden_size_per_layer_input": 0,
+                                   "layer_types": ("sliding_attention", "full_attention")}),
+    "qwen3_5": ("qwen3_5_text", {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 16,
+                                 "num_key_value_heads": 4, "head_dim": 256, "linear_num_value_heads": 32,
+                                 "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                                 "layer_types": ("linear_attention", "full_attention")}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+                                         "head_dim": 256, "num_experts": 256, "num_experts_per_tok": 8,
+                                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                                         "linear_num_value_heads": 32, "linear_num_key_heads": 16,
+                                         "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                                         "layer_types": ("linear_attention", "full_attention")}),
 }  # fmt: skip
 TINY = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
         "head_dim": 16, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-        "v_head_dim": 16}  # fmt: skip
+        "v_head_dim": 16, "global_head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "top_k_experts": 2,
+        "shared_expert_intermediate_size": 32, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "hidden_size_per_layer_input": 8}  # fmt: skip
 SAMPLES = (300, 700, 1500, 1000)
 
 
@@ -98,6 +127,11 @@ def config_for(name: str, layers: int, tiny: bool):
         if model_type == "deepseek_v3":
             widths["head_dim"] = 8
         widths["num_key_value_heads"] = widths["num_attention_heads"] if same_heads else 2
+        widths["num_global_key_value_heads"] = 1 if "num_global_key_value_heads" in widths else None
+        widths = {k: v for k, v in widths.items() if v is not None}
+    if isinstance(widths.get("layer_types"), tuple):  # a pattern, repeated over the layers
+        pattern = widths["layer_types"]
+        widths["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
     return AutoConfig.for_model(
         model_type, num_hidden_layers=layers, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         max_position_embeddings=8192, **widths,
@@ -135,10 +169,14 @@ def rows(total: int, seed: int, count: int) -> list[list[int]]:
 def build(config, device, dtype):
     from transformers import AutoModelForCausalLM
 
+    from sft.model import architectures, linear_attention
+
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     model.config.use_cache = False
+    if architectures.of(config).attention.per_sample:  # Gated DeltaNet layers: sft's converter, as the trainer's
+        linear_attention.by_sample(model)
     return model
 
 

@@ -29,7 +29,10 @@ LENGTHS = ((13, 21, 5), (17, 30))  # two packed rows: samples shorter and longer
 
 def build(model_type: str):
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **WIDTHS)
+    # Qwen3.5-MoE's config has no dense MLP width (every layer is experts)
+    widths = {k: v for k, v in WIDTHS.items() if not (k == "intermediate_size" and model_type == "qwen3_5_moe_text")}
+    config = AutoConfig.for_model(model_type, **widths)
+    assert model_type != "qwen3_5_moe_text" or not hasattr(config, "intermediate_size")
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.config.use_cache = False
     return model.eval()
@@ -116,3 +119,22 @@ def test_packing_and_sequence_parallelism_with_linear_attention():
         check_backend(mamba, VARLEN, padding_free=True, on_gpu=False)
     with pytest.raises(ConfigError, match=r"\['linear_attention'\] layers, which Ulysses cannot split"):
         seqpar.check_model(qwen35, 2, VARLEN, architectures.of(qwen35))
+
+
+def test_the_varlen_path_keeps_cpu_rows_on_the_per_sample_path(models):
+    """With fla's varlen path asked for (as where fla is installed), a CPU row still runs one sample at a time and the
+    module's convolution, wrapped to take the boundaries on a GPU, is transformers' own here: packed equals alone."""
+    import sys
+
+    batch = packed()
+    ids, bounds = batch["input_ids"], list(itertools.pairwise(batch["cu_seq_lens_q"].tolist()))
+    model = build("qwen3_5_text")
+    assert linear_attention.path(True) == "varlen" and linear_attention.by_sample(model, varlen=True) == 2
+    module = sys.modules[type(linear_attention.layers(model)[0]).__module__]
+    assert module.causal_conv1d_fn.sft_by_sample
+    with torch.no_grad():
+        model.set_attn_implementation(VARLEN)
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+    for lo, hi in bounds:
+        torch.testing.assert_close(logits[lo:hi], models["qwen3_5_text"](input_ids=ids[:, lo:hi]).logits[0],
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip

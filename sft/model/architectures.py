@@ -346,8 +346,17 @@ def _experts(text) -> Experts | None:
 
 def _intermediate(text) -> int:
     """The MLP's width, over the layers: Gemma 4's layers that reuse another layer's keys and values
-    (`num_kv_shared_layers`) have one twice as wide with `use_double_wide_mlp`."""
-    width, layers = text.intermediate_size, text.num_hidden_layers
+    (`num_kv_shared_layers`) have one twice as wide with `use_double_wide_mlp`. None (0) where every layer's MLP is
+    experts and the config names no dense width (Qwen3.5-MoE)."""
+    width, layers = getattr(text, "intermediate_size", None), text.num_hidden_layers
+    if width is None:
+        experts = _experts(text)
+        if experts is None or experts.moe_layers < layers:
+            raise ConfigError(
+                f"{text.model_type}: its config has no `intermediate_size` (the MLP's width) and not every layer is a "
+                "mixture of experts: set `intermediate_size` in its config.json"
+            )
+        return 0
     if getattr(text, "use_double_wide_mlp", False):
         return round(width * (layers + (getattr(text, "num_kv_shared_layers", 0) or 0)) / layers)
     return width

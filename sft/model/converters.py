@@ -160,8 +160,14 @@ def _linear_attention(model, plan) -> None:
     from sft.model import linear_attention
 
     count = linear_attention.by_sample(model)
-    logger.info("Linear attention (%s): %d Gated DeltaNet layers run one sample at a time over packed rows, each "
-                "from a zero state", plan.arch.family, count)  # fmt: skip
+    if linear_attention.path() == "varlen":
+        logger.info("Linear attention (%s): %d Gated DeltaNet layers over packed rows through flash-linear-attention's"
+                    " varlen kernels on GPU (each sample from a zero state; one sample at a time on CPU)",
+                    plan.arch.family, count)  # fmt: skip
+    else:
+        logger.info("Linear attention (%s): %d Gated DeltaNet layers run one sample at a time over packed rows, each "
+                    "from a zero state (flash-linear-attention not installed; `pip install 'sft[fla]'` runs whole "
+                    "rows through its varlen kernels on GPU)", plan.arch.family, count)  # fmt: skip
 
 
 def _args(*names: str) -> Callable:

@@ -4,15 +4,23 @@ A linear-attention layer carries a recurrent state along the sequence, and its s
 the last tokens: over a packed row both must restart at every sample. transformers passes the boundaries to the fast
 kernels (flash-linear-attention's `chunk_gated_delta_rule(cu_seqlens=...)`, `causal_conv1d`'s `seq_idx`) where they are
 installed, and refuses a packed row on its torch fallback ("can't keep packed sequences apart without
-causal_conv1d"). sft runs each such layer once per sample of the row (the layer's own forward on the sample's slice,
-which starts from a zero state and a zero-padded convolution, as the sample alone would): exact on any machine, one
-forward per sample (tests/test_linear_attention.py: packed rows equal their samples one by one).
+causal_conv1d"), and passes none to the torch convolution it falls back to. Two paths, both exact:
+
+- **varlen** (on a GPU with flash-linear-attention installed: `pip install 'sft[fla]'`): the layer's own forward on the
+  whole row, given the boundaries: transformers hands them to fla's `chunk_gated_delta_rule(cu_seqlens=...)`, and the
+  module's short convolution is fla's `causal_conv1d(cu_seqlens=...)` (its torch fallback would slide its window over
+  the boundary). Measured on GPU against the per-sample path and eager (benchmarks/linear_attention.py).
+- **per sample** (anywhere else): each such layer run once per sample of the row (the layer's own forward on the
+  sample's slice, which starts from a zero state and a zero-padded convolution, as the sample alone would): one
+  forward per sample (tests/test_linear_attention.py: packed rows equal their samples one by one).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
+import sys
 
 import torch
 
@@ -23,19 +31,30 @@ from sft.model.attention import boundaries_from_positions
 CLASS_SUFFIX = "GatedDeltaNet"
 # the keyword arguments that describe the packed row's boundaries; none of them reaches a sample's own forward
 BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+# flash-linear-attention (`fla-core`): transformers resolves `chunk_gated_delta_rule` to it at import where installed
+FLA = importlib.util.find_spec("fla") is not None
+
+
+def path(varlen: bool | None = None) -> str:
+    """Which path a packed row takes on a GPU: "varlen" (fla installed, or `varlen` forced) or "per sample"."""
+    return "varlen" if (FLA if varlen is None else varlen) else "per sample"
 
 
 def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(CLASS_SUFFIX)]
 
 
-def by_sample(model: torch.nn.Module) -> int:
-    """Each Gated DeltaNet layer of `model` run once per sample of a packed row; returns how many layers. A decoder
-    layer given only the row's positions (transformers keeps `position_ids` from its linear-attention layer) hands
-    that layer the boundaries they mark."""
+def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
+    """Each Gated DeltaNet layer of `model` given the boundaries of a packed row: on a GPU through fla's varlen kernels
+    where fla is installed (`varlen` None) or asked for (True), else once per sample; returns how many layers. A
+    decoder layer given only the row's positions (transformers keeps `position_ids` from its linear-attention layer)
+    hands that layer the boundaries they mark."""
     found = layers(model)
+    varlen = path(varlen) == "varlen"
     for layer in found:
-        layer.forward = _per_sample(layer.forward)
+        if varlen:
+            _convolution_by_sample(sys.modules[type(layer).__module__])
+        layer.forward = _per_sample(layer.forward, varlen)
     for parent in model.modules():
         if any(child in found for child in parent.children()):
             parent.register_forward_pre_hook(_boundaries_from_positions, with_kwargs=True)
@@ -57,7 +76,7 @@ def _bounds(kwargs: dict) -> list[int] | None:
     return None
 
 
-def _per_sample(forward):
+def _per_sample(forward, varlen: bool):
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
@@ -65,7 +84,34 @@ def _per_sample(forward):
             rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds else kwargs
             return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
         rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES}
+        if varlen and hidden_states.is_cuda:
+            cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
+            return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
         outputs = [forward(hidden_states[:, lo:hi], **rest) for lo, hi in itertools.pairwise(bounds)]
         return torch.cat(outputs, dim=1)
 
     return run
+
+
+def _convolution_by_sample(module) -> None:
+    """The short convolution of transformers' `module` (its `causal_conv1d_fn`, called with the layer's keyword
+    arguments) restarted at each boundary of `cu_seq_lens_q` on a GPU through fla's `causal_conv1d`; as before
+    elsewhere. Once per module."""
+    original = module.causal_conv1d_fn
+    if getattr(original, "sft_by_sample", False):
+        return
+
+    @functools.wraps(original)
+    def convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None or not hidden_states.is_cuda:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        # transformers' layout is [batch, channels, tokens], fla's [batch, tokens, channels]; weight [channels, width]
+        out, _ = causal_conv1d(hidden_states.transpose(1, 2).contiguous(), weight=weight, bias=bias,
+                               activation=activation, cu_seqlens=cu.long())  # fmt: skip
+        return out.transpose(1, 2)
+
+    convolution.sft_by_sample = True
+    module.causal_conv1d_fn = convolution
