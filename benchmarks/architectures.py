@@ -7,7 +7,8 @@ For every family of the model matrix, at real widths (hidden >= 2048, `--layers`
 
 1. **exactness**: four samples of 300-1500 tokens packed in one row (sliding windows set to 128 tokens, so every
    sample is longer than its window), through the backend sft's `auto` picks, against the same samples one at a
-   time through transformers' `eager` attention: max per-token loss difference in bf16 (Llama's is bf16's own noise);
+   time through transformers' `eager` attention: max per-token loss difference in bf16, beside bf16's own noise (each
+   sample alone through sdpa against eager);
 2. **fast paths**: a few optimizer steps (AdamW, packed rows of 4096 tokens, the same data for every variant) of
    `plain` (bf16, sft's attention, nothing else), `liger` (Liger's patches for the family, as transformers applies
    them), `fp8` (torchao float8 on the decoder linears, `sft.model.fp8.convert`) and `liger_fp8`; with `--compile` also
@@ -207,13 +208,19 @@ def exactness(name: str, config, device, dtype) -> dict:
         )
         mixed = model(input_ids=batch["input_ids"]).logits[0]
         leak = [losses(mixed[lo:hi], lo, hi) for lo, hi in itertools.pairwise(cu)]
+        # the dtype's noise: each sample alone through sdpa against eager (None where sdpa cannot honour the model)
+        noise = None
+        if arch.attention.softcap is None and not arch.attention.sinks:
+            sdpa = [losses(model(input_ids=ids[None, lo:hi]).logits[0], lo, hi) for lo, hi in itertools.pairwise(cu)]
+            noise = max(float((a - b).abs().max()) for a, b in zip(alone, sdpa, strict=True))
     diffs = torch.cat([(a - b).abs() for a, b in zip(alone, together, strict=True)])
     diff = float(diffs.max())
     leak_diff = max(float((a - b).abs().max()) for a, b in zip(alone, leak, strict=True))
     del model
     return {"backend": backend, "needs": arch.attention.needs(), "max_token_loss_diff": diff,
             "median_token_loss_diff": float(diffs.median()), "tokens_over_0.1": int((diffs > 0.1).sum()),
-            "mixed_samples_max_token_loss_diff": leak_diff, "samples": list(lengths)}  # fmt: skip
+            "mixed_samples_max_token_loss_diff": leak_diff, "alone_sdpa_vs_eager_max_token_loss_diff": noise,
+            "samples": list(lengths)}  # fmt: skip
 
 
 VARIANTS = {"plain": (False, False, False), "liger": (True, False, False), "fp8": (False, True, False),

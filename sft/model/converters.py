@@ -166,8 +166,8 @@ def _linear_attention(model, plan) -> None:
                     plan.arch.family, count)  # fmt: skip
     else:
         logger.info("Linear attention (%s): %d Gated DeltaNet layers run one sample at a time over packed rows, each "
-                    "from a zero state (flash-linear-attention not installed; `pip install 'sft[fla]'` runs whole "
-                    "rows through its varlen kernels on GPU)", plan.arch.family, count)  # fmt: skip
+                    "from a zero state, on transformers' torch kernels (not flash-linear-attention's varlen ones: "
+                    "%s)", plan.arch.family, count, linear_attention.fla_cannot_train())  # fmt: skip
 
 
 def _args(*names: str) -> Callable:

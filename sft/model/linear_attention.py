@@ -6,19 +6,23 @@ kernels (flash-linear-attention's `chunk_gated_delta_rule(cu_seqlens=...)`, `cau
 installed, and refuses a packed row on its torch fallback ("can't keep packed sequences apart without
 causal_conv1d"), and passes none to the torch convolution it falls back to. Two paths, both exact:
 
-- **varlen** (on a GPU with flash-linear-attention installed: `pip install 'sft[fla]'`): the layer's own forward on the
-  whole row, given the boundaries: transformers hands them to fla's `chunk_gated_delta_rule(cu_seqlens=...)`, and the
-  module's short convolution is fla's `causal_conv1d(cu_seqlens=...)` (its torch fallback would slide its window over
-  the boundary). Measured on GPU against the per-sample path and eager (benchmarks/linear_attention.py).
+- **varlen** (on a GPU with flash-linear-attention installed, `pip install 'sft[fla]'`, where fla can train): the
+  layer's own forward on the whole row, given the boundaries: transformers hands them to fla's
+  `chunk_gated_delta_rule(cu_seqlens=...)`, and the module's short convolution is fla's `causal_conv1d(cu_seqlens=...)`
+  (its torch fallback would slide its window over the boundary). Forward measured on an H200 against the per-sample
+  path (benchmarks/linear_attention.py); its training speed not yet (see `fla_cannot_train`).
 - **per sample** (anywhere else): each such layer run once per sample of the row (the layer's own forward on the
   sample's slice, which starts from a zero state and a zero-padded convolution, as the sample alone would): one
-  forward per sample (tests/test_linear_attention.py: packed rows equal their samples one by one).
+  forward per sample (tests/test_linear_attention.py: packed rows equal their samples one by one). Where fla is
+  installed but cannot train, the layers get transformers' torch functions back (transformers picks fla's at import,
+  and fla would stop the first backward).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import itertools
 import sys
 
@@ -35,9 +39,34 @@ BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", 
 FLA = importlib.util.find_spec("fla") is not None
 
 
+# fla-core 0.6's gated delta rule stops its backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, whose kernels
+# give it wrong gradients there (fla's issue #640; torch 2.11's Triton on the H200 measured, 2026-11-29)
+BAD_TRITON = ("3.4.0", "3.7.1")
+
+
+def fla_cannot_train() -> str | None:
+    """Why flash-linear-attention's kernels cannot train on this machine, or None where they can."""
+    if not FLA:
+        return "flash-linear-attention is not installed (`pip install 'sft[fla]'`)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here (its kernels are Triton's)"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return None
+    import triton
+    from packaging.version import Version
+
+    low, high = (Version(v) for v in BAD_TRITON)
+    if low <= Version(triton.__version__) < high:
+        return (f"Triton {triton.__version__} on a Hopper GPU: flash-linear-attention refuses its gated delta rule's "
+                f"backward there (wrong gradients below Triton {BAD_TRITON[1]}, fla issue #640); upgrade Triton to "
+                "use it")  # fmt: skip
+    return None
+
+
 def path(varlen: bool | None = None) -> str:
-    """Which path a packed row takes on a GPU: "varlen" (fla installed, or `varlen` forced) or "per sample"."""
-    return "varlen" if (FLA if varlen is None else varlen) else "per sample"
+    """Which path a packed row takes on a GPU: "varlen" (fla installed and able to train, or `varlen` forced) or
+    "per sample"."""
+    return "varlen" if (fla_cannot_train() is None if varlen is None else varlen) else "per sample"
 
 
 def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,8 +81,12 @@ def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
     found = layers(model)
     varlen = path(varlen) == "varlen"
     for layer in found:
+        module = sys.modules[type(layer).__module__]
         if varlen:
-            _convolution_by_sample(sys.modules[type(layer).__module__])
+            _convolution_by_sample(module)
+        elif FLA:  # fla installed but not used: transformers' own torch path (see the module's docstring)
+            for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+                setattr(module, name, inspect.unwrap(getattr(module, name)))
         layer.forward = _per_sample(layer.forward, varlen)
     for parent in model.modules():
         if any(child in found for child in parent.children()):
