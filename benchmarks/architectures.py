@@ -424,9 +424,10 @@ def main() -> None:
 def table(results: dict) -> str:
     lines = [f"GPU: {results['environment'].get('gpu', '?')}; {results['layers']} layers, rows of "
              f"{results['tokens_per_row']} tokens, vocab {results['vocab']}, windows {results['window']}", "",
-             "| family | backend | packed vs eager (max token loss diff) | mixed-sample diff | variant | finite | "
-             "max rel loss diff vs plain | speed vs plain | tokens/s | MFU (active) | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| family | backend | packed vs eager (max token loss diff) | alone: sdpa vs eager (bf16's noise) | "
+             "mixed-sample diff | variant | finite | max rel loss diff vs plain | speed vs plain | tokens/s | "
+             "MFU (active) | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, entry in results["families"].items():
         ex = entry.get("exactness", {})
         for run in entry.get("runs", []):
@@ -440,6 +441,7 @@ def table(results: dict) -> str:
                 cells = [str(v)[:80], "-", "-", "-", "-", "-"]
             lines.append(f"| {name} | {ex.get('backend', ex.get('error', '-'))[:40]} | "
                          f"{ex.get('max_token_loss_diff', float('nan')):.4f} | "
+                         f"{ex.get('alone_sdpa_vs_eager_max_token_loss_diff') or float('nan'):.4f} | "
                          f"{ex.get('mixed_samples_max_token_loss_diff', float('nan')):.4f} | {run['variant']} | "
                          + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
