@@ -122,8 +122,8 @@ def test_packing_and_sequence_parallelism_with_linear_attention():
 
 
 def test_the_varlen_path_keeps_cpu_rows_on_the_per_sample_path(models):
-    """With fla's varlen path asked for (as where fla is installed), a CPU row still runs one sample at a time and the
-    module's convolution, wrapped to take the boundaries on a GPU, is transformers' own here: packed equals alone."""
+    """With fla's varlen path asked for (as where fla is installed), a CPU row still runs its kernels one sample at a
+    time (fla's are Triton's, for GPUs): packed equals alone."""
     import sys
 
     batch = packed()

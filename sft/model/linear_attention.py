@@ -1,21 +1,21 @@
-"""Gated DeltaNet linear-attention layers (Qwen3-Next, Qwen3.5) over packed rows, one sample at a time.
+"""Gated DeltaNet linear-attention layers (Qwen3-Next, Qwen3.5) over packed rows, each sample from a zero state.
 
 A linear-attention layer carries a recurrent state along the sequence, and its short causal convolution a window of
 the last tokens: over a packed row both must restart at every sample. transformers passes the boundaries to the fast
 kernels (flash-linear-attention's `chunk_gated_delta_rule(cu_seqlens=...)`, `causal_conv1d`'s `seq_idx`) where they are
-installed, and refuses a packed row on its torch fallback ("can't keep packed sequences apart without
-causal_conv1d"), and passes none to the torch convolution it falls back to. Two paths, both exact:
+installed, refuses a packed row on its torch fallback ("can't keep packed sequences apart without causal_conv1d"), and
+passes none to the torch convolution it falls back to. sft runs each layer's own forward once on the whole row with
+the boundaries (`cu_seq_lens_q`), its projections and norm over every token, and gives the layer's module two kernels
+that restart at each boundary:
 
-- **varlen** (on a GPU with flash-linear-attention installed, `pip install 'sft[fla]'`, where fla can train): the
-  layer's own forward on the whole row, given the boundaries: transformers hands them to fla's
-  `chunk_gated_delta_rule(cu_seqlens=...)`, and the module's short convolution is fla's `causal_conv1d(cu_seqlens=...)`
-  (its torch fallback would slide its window over the boundary). Forward measured on an H200 against the per-sample
-  path (benchmarks/linear_attention.py); its training speed not yet (see `fla_cannot_train`).
-- **per sample** (anywhere else): each such layer run once per sample of the row (the layer's own forward on the
-  sample's slice, which starts from a zero state and a zero-padded convolution, as the sample alone would): one
-  forward per sample (tests/test_linear_attention.py: packed rows equal their samples one by one). Where fla is
-  installed but cannot train, the layers get transformers' torch functions back (transformers picks fla's at import,
-  and fla would stop the first backward).
+- **varlen** (on a GPU with flash-linear-attention installed, `pip install 'sft[fla]'`, where fla can train): fla's
+  `chunk_gated_delta_rule(cu_seqlens=...)` (transformers resolves it at import) and fla's
+  `causal_conv1d(cu_seqlens=...)`. Forward measured on an H200 against the per-sample path
+  (benchmarks/linear_attention.py); its training speed not yet (see `fla_cannot_train`).
+- **per sample** (anywhere else): transformers' torch recurrence and convolution once per sample's slice, each from a
+  zero state and a zero-padded window, as the sample alone (tests/test_linear_attention.py: packed rows equal their
+  samples one by one, gradients too). Where fla is installed but cannot train, transformers' torch functions are used
+  for single samples too (transformers picks fla's at import, and fla would stop the first backward).
 """
 
 from __future__ import annotations
@@ -74,20 +74,17 @@ def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
-    """Each Gated DeltaNet layer of `model` given the boundaries of a packed row: on a GPU through fla's varlen kernels
-    where fla is installed (`varlen` None) or asked for (True), else once per sample; returns how many layers. A
-    decoder layer given only the row's positions (transformers keeps `position_ids` from its linear-attention layer)
-    hands that layer the boundaries they mark."""
+    """Each Gated DeltaNet layer of `model` given the boundaries of a packed row (returns how many layers): the
+    layer's forward runs once on the whole row with `cu_seq_lens_q`, and its module's two sequence kernels restart at
+    each boundary: fla's varlen kernels on a GPU where fla can train (`varlen` None) or where asked (True), else
+    transformers' torch kernels once per sample. One forward per layer keeps the module calls the same on every process
+    (DeepSpeed ZeRO-3 gathers each submodule's weights as it is called: a forward per sample made the processes'
+    collectives differ). A decoder layer given only the row's positions (transformers keeps `position_ids` from its
+    linear-attention layer) hands that layer the boundaries they mark."""
     found = layers(model)
-    varlen = path(varlen) == "varlen"
     for layer in found:
-        module = sys.modules[type(layer).__module__]
-        if varlen:
-            _convolution_by_sample(module)
-        elif FLA:  # fla installed but not used: transformers' own torch path (see the module's docstring)
-            for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-                setattr(module, name, inspect.unwrap(getattr(module, name)))
-        layer.forward = _per_sample(layer.forward, varlen)
+        _kernels_by_sample(sys.modules[type(layer).__module__], path(varlen) == "varlen")
+        layer.forward = _with_boundaries(layer.forward)
     for parent in model.modules():
         if any(child in found for child in parent.children()):
             parent.register_forward_pre_hook(_boundaries_from_positions, with_kwargs=True)
@@ -109,42 +106,64 @@ def _bounds(kwargs: dict) -> list[int] | None:
     return None
 
 
-def _per_sample(forward, varlen: bool):
+def _with_boundaries(forward):
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
+        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds else kwargs
         if bounds is None or len(bounds) <= 2:  # one sample (or a cache: generation), as transformers runs it
-            rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds else kwargs
             return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
-        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES}
-        if varlen and hidden_states.is_cuda:
-            cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
-            return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
-        outputs = [forward(hidden_states[:, lo:hi], **rest) for lo, hi in itertools.pairwise(bounds)]
-        return torch.cat(outputs, dim=1)
+        cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
+        return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
 
     return run
 
 
-def _convolution_by_sample(module) -> None:
-    """The short convolution of transformers' `module` (its `causal_conv1d_fn`, called with the layer's keyword
-    arguments) restarted at each boundary of `cu_seq_lens_q` on a GPU through fla's `causal_conv1d`; as before
-    elsewhere. Once per module."""
-    original = module.causal_conv1d_fn
-    if getattr(original, "sft_by_sample", False):
-        return
+# per transformers module: whether its kernels take fla's varlen path (the last `by_sample`'s decision)
+_VARLEN: dict[str, bool] = {}
 
-    @functools.wraps(original)
+
+def _kernels_by_sample(module, varlen: bool) -> None:
+    """transformers' `module`'s short convolution (`causal_conv1d_fn`, called with the layer's keyword arguments) and
+    recurrence (`torch_chunk_gated_delta_rule`, given `cu_seqlens`) restarted at each boundary: through fla's varlen
+    kernels on a GPU where `varlen`, else transformers' torch functions once per sample. Without boundaries, as
+    transformers runs them (its torch functions where fla is installed but not used: fla's backward may refuse).
+    Replaced once per module; every model of that family in the process gets them."""
+    _VARLEN[module.__name__] = varlen
+    if getattr(module.causal_conv1d_fn, "sft_by_sample", False):
+        return
+    conv, chunk = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
+    torch_conv, torch_chunk = inspect.unwrap(conv), inspect.unwrap(chunk)
+
+    def fast(tensor) -> bool:
+        return _VARLEN[module.__name__] and tensor.is_cuda
+
+    @functools.wraps(conv)
     def convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
-        if cu is None or not hidden_states.is_cuda:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        from fla.modules.causal_conv1d import causal_conv1d
+        if cu is None:
+            return conv(hidden_states, weight, bias, activation=activation, **kwargs)
+        if fast(hidden_states):
+            from fla.modules.causal_conv1d import causal_conv1d
 
-        # transformers' layout is [batch, channels, tokens], fla's [batch, tokens, channels]; weight [channels, width]
-        out, _ = causal_conv1d(hidden_states.transpose(1, 2).contiguous(), weight=weight, bias=bias,
-                               activation=activation, cu_seqlens=cu.long())  # fmt: skip
-        return out.transpose(1, 2)
+            # transformers' layout is [batch, channels, tokens], fla's [batch, tokens, channels]
+            out, _ = causal_conv1d(hidden_states.transpose(1, 2).contiguous(), weight=weight, bias=bias,
+                                   activation=activation, cu_seqlens=cu.long())  # fmt: skip
+            return out.transpose(1, 2)
+        return torch.cat([torch_conv(hidden_states[..., lo:hi], weight, bias, activation=activation)
+                          for lo, hi in itertools.pairwise(cu.tolist())], dim=-1)  # fmt: skip
+
+    @functools.wraps(chunk)
+    def recurrence(query, key, value, g, beta, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None:
+            return (chunk if fast(query) or not FLA else torch_chunk)(query, key, value, g=g, beta=beta, **kwargs)
+        if fast(query):
+            return chunk(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise ValueError("a packed row's linear attention runs from a zero state and keeps none (no cache)")
+        outputs = [torch_chunk(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
+                               **kwargs)[0] for lo, hi in itertools.pairwise(cu_seqlens.tolist())]  # fmt: skip
+        return torch.cat(outputs, dim=1), None
 
     convolution.sft_by_sample = True
-    module.causal_conv1d_fn = convolution
+    module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = convolution, recurrence

@@ -1,7 +1,9 @@
 """Families other than Llama through the real CLI under ZeRO-3 with 2 gloo processes: a tiny Qwen3-MoE (experts), a
-tiny Gemma 3 (sliding-window layers mixed with global ones, windows shorter than the demo's packed samples) and a tiny
-gpt-oss (sinks, windows, experts through sft's experts implementation); the MoE and the sliding-window family under
-FSDP2 too. The loss falls, the log names the family and its fast paths, and the saved model reloads and generates."""
+tiny Gemma 3 (sliding-window layers mixed with global ones, windows shorter than the demo's packed samples), a tiny
+gpt-oss (sinks, windows, experts through sft's experts implementation), a tiny Gemma 4 and a tiny Qwen3.5 (linear
+attention); the MoE and the sliding-window family under FSDP2 too. The loss falls, the log names the family and its
+fast paths, and the saved model reloads and generates; Gemma 4 and Qwen3.5 SIGKILLed and run again are
+bit-identical."""
 
 from __future__ import annotations
 
@@ -28,11 +30,24 @@ MODELS = {
     # (`sft.model.experts`)
     "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_local_experts": 4,
                 "num_experts_per_tok": 2, "sliding_window": 16},
+    # Gemma 4: head dim 32 on its full layers, the last two reusing earlier layers' keys and values (MLP twice as
+    # wide), per-layer input embeddings
+    "gemma4": {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "sliding_window": 16,
+               "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"] * 2,
+               "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+               "vocab_size_per_layer_input": 104},
+    # Qwen3.5: Gated DeltaNet linear attention on layers 1 and 3, run one sample at a time over packed rows
+    "qwen3_5": {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+                "layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_value_heads": 4,
+                "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
 }  # fmt: skip
 STEPS = 16
 # the runs: every family under ZeRO-3; the MoE and the sliding-window family under FSDP2 too (`engine: fsdp2`)
 RUNS = [(name, "zero3") for name in MODELS] + [("qwen3_moe", "fsdp2"), ("gemma3", "fsdp2")]
 ENGINES = {"zero3": ["--deepspeed", "ds_configs/zero3.json"], "fsdp2": ["--engine", "fsdp2", "--deepspeed", "none"]}
+# the newest families are also SIGKILLed after their checkpoint-8 and run again with the same command
+KILLED = ("gemma4", "qwen3_5")
+SAVES = ["--save_strategy", "steps", "--save_steps", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +59,35 @@ def runs(tmp_path_factory):
             if f.name != "config.json":
                 shutil.copy(f, model)
         (model / "config.json").write_text(json.dumps({**TOKENS, **WIDTHS, **MODELS[name]}))
-        result = run_cli(
-            DEMO + ["--model_name_or_path", str(model), "--output_dir", str(model / "out")]
-            + ENGINES[engine] + ["--max_steps", str(STEPS), "--logging_steps", "4"]
-            + ["--eval_strategy", "no", "--report", "false"],
-            nproc=2,
-        )  # fmt: skip
+        result = run_cli(command(model, engine, model / "out"), nproc=2)
         assert result.returncode == 0, result.stderr[-6000:]
         out[name, engine] = (model / "out", result.stdout + result.stderr)
     return out
+
+
+def command(model, engine: str, out) -> list[str]:
+    return (DEMO + ["--model_name_or_path", str(model), "--output_dir", str(out)] + ENGINES[engine]
+            + ["--max_steps", str(STEPS), "--logging_steps", "4", "--eval_strategy", "no", "--report", "false"]
+            + SAVES)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", KILLED)
+def test_the_newest_families_resume_bit_identically_after_a_kill(runs, name, tmp_path):
+    """Gemma 4 and Qwen3.5 (2 processes, ZeRO-3): SIGKILLed once checkpoint-8 is complete and run again with the same
+    command, the logged losses and the final weights equal the uninterrupted run's bit for bit."""
+    import safetensors.torch
+
+    from tests.multiproc.test_resume import kill_after_checkpoint
+
+    reference = runs[name, "zero3"][0]
+    model, out = reference.parent, tmp_path / "out"
+    kill_after_checkpoint(command(model, "zero3", out), out, step=8)
+    result = run_cli(command(model, "zero3", out), nproc=2)
+    assert result.returncode == 0 and "checkpoint-8" in result.stderr, result.stderr[-5000:]
+    losses = [[r["loss"] for r in read_jsonl(o / "metrics.jsonl") if "loss" in r] for o in (reference, out)]
+    assert len(losses[0]) == STEPS // 4 and losses[1] == losses[0], losses
+    a, b = (safetensors.torch.load_file(o / "model.safetensors") for o in (reference, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize(("name", "engine"), RUNS)
