@@ -20,6 +20,7 @@ that restart at each boundary:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.util
 import inspect
@@ -83,8 +84,8 @@ def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
     linear-attention layer) hands that layer the boundaries they mark."""
     found = layers(model)
     for layer in found:
-        _kernels_by_sample(sys.modules[type(layer).__module__], path(varlen) == "varlen")
-        layer.forward = _with_boundaries(layer.forward)
+        _kernels_by_sample(sys.modules[type(layer).__module__])
+        layer.forward = _with_boundaries(layer.forward, path(varlen) == "varlen")
     for parent in model.modules():
         if any(child in found for child in parent.children()):
             parent.register_forward_pre_hook(_boundaries_from_positions, with_kwargs=True)
@@ -106,42 +107,45 @@ def _bounds(kwargs: dict) -> list[int] | None:
     return None
 
 
-def _with_boundaries(forward):
+# inside a converted layer's forward: whether its kernels take fla's varlen path; None elsewhere (transformers' own)
+_VARLEN: contextvars.ContextVar[bool | None] = contextvars.ContextVar("sft_linear_attention_varlen", default=None)
+
+
+def _with_boundaries(forward, varlen: bool):
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
         rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds else kwargs
-        if bounds is None or len(bounds) <= 2:  # one sample (or a cache: generation), as transformers runs it
-            return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
-        cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
-        return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
+        token = _VARLEN.set(varlen)
+        try:
+            if bounds is None or len(bounds) <= 2:  # one sample (or a cache: generation), as transformers runs it
+                return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
+            cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
+            return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
+        finally:
+            _VARLEN.reset(token)
 
     return run
 
 
-# per transformers module: whether its kernels take fla's varlen path (the last `by_sample`'s decision)
-_VARLEN: dict[str, bool] = {}
-
-
-def _kernels_by_sample(module, varlen: bool) -> None:
+def _kernels_by_sample(module) -> None:
     """transformers' `module`'s short convolution (`causal_conv1d_fn`, called with the layer's keyword arguments) and
-    recurrence (`torch_chunk_gated_delta_rule`, given `cu_seqlens`) restarted at each boundary: through fla's varlen
-    kernels on a GPU where `varlen`, else transformers' torch functions once per sample. Without boundaries, as
-    transformers runs them (its torch functions where fla is installed but not used: fla's backward may refuse).
-    Replaced once per module; every model of that family in the process gets them."""
-    _VARLEN[module.__name__] = varlen
+    recurrence (`torch_chunk_gated_delta_rule`, given `cu_seqlens`) restarted at each boundary inside a converted
+    layer: through fla's varlen kernels on a GPU where its `by_sample` chose them, else transformers' torch functions
+    once per sample; without boundaries transformers' torch functions where fla is installed but not used (fla's
+    backward may refuse). Outside a converted layer, exactly transformers' own. Replaced once per module."""
     if getattr(module.causal_conv1d_fn, "sft_by_sample", False):
         return
     conv, chunk = module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule
     torch_conv, torch_chunk = inspect.unwrap(conv), inspect.unwrap(chunk)
 
     def fast(tensor) -> bool:
-        return _VARLEN[module.__name__] and tensor.is_cuda
+        return bool(_VARLEN.get()) and tensor.is_cuda
 
     @functools.wraps(conv)
     def convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
-        if cu is None:
+        if cu is None or _VARLEN.get() is None:
             return conv(hidden_states, weight, bias, activation=activation, **kwargs)
         if fast(hidden_states):
             from fla.modules.causal_conv1d import causal_conv1d
@@ -155,6 +159,8 @@ def _kernels_by_sample(module, varlen: bool) -> None:
 
     @functools.wraps(chunk)
     def recurrence(query, key, value, g, beta, cu_seqlens=None, **kwargs):
+        if _VARLEN.get() is None:
+            return chunk(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
         if cu_seqlens is None:
             return (chunk if fast(query) or not FLA else torch_chunk)(query, key, value, g=g, beta=beta, **kwargs)
         if fast(query):
