@@ -815,3 +815,42 @@ def test_gemma4_layers_are_counted_as_autograd_saves_them(tmp_path, extra):
         return plan.activation_bytes_per_token(shapes.load_shape(str(tmp_path / str(layers))), plan.Setting())
 
     assert abs((measured(4) - measured(2)) - (planned(4) - planned(2))) <= 2 * 128
+
+
+def test_qwen3_5_layers_are_counted_as_autograd_saves_them(tmp_path):
+    """Qwen3.5 at small widths other than those its Gated DeltaNet term was fitted on (3 key heads of 40, 6 value heads
+    of 40): the plan's bytes per token for a pair of full-attention layers (gated output, Gemma's fp32 norms) and for a
+    pair of linear-attention layers (transformers' torch recurrence, run per sample over a packed row of two samples)
+    equal the saved tensors' within 128 bytes (of 31-75 KB). Before, the linear layers were planned as attention
+    layers: 3.7x low."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.layer_activations import TINY, saved_bytes
+    from sft.model import linear_attention
+
+    full, linear = "full_attention", "linear_attention"
+
+    def config(types):
+        return AutoConfig.for_model("qwen3_5_text", **TINY, num_hidden_layers=len(types), layer_types=types,
+                                    linear_num_key_heads=3, linear_key_head_dim=40, linear_num_value_heads=6,
+                                    linear_value_head_dim=40, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=2)  # fmt: skip
+
+    def measured(types, tokens=512):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config(types), attn_implementation="sft_counting",
+                                                 dtype=torch.bfloat16).train()  # fmt: skip
+        linear_attention.by_sample(model)
+        ids = torch.randint(3, 500, (1, tokens))
+        positions = torch.cat([torch.arange(tokens // 2)] * 2)[None]  # two samples packed
+        return saved_bytes(lambda: model.model(input_ids=ids, position_ids=positions), *model.parameters()) / tokens
+
+    def planned(types):
+        path = tmp_path / "-".join(t[0] for t in types)
+        config(types).save_pretrained(path)
+        return plan.activation_bytes_per_token(shapes.load_shape(str(path)), plan.Setting())
+
+    for more, fewer in (([full] * 3, [full]), ([linear] * 3 + [full], [linear, full])):
+        pair = measured(more) - measured(fewer)
+        assert abs(pair - (planned(more) - planned(fewer))) <= 128, (more, pair, planned(more) - planned(fewer))

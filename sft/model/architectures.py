@@ -463,6 +463,11 @@ class LayerKeeps(NamedTuple):
     # liger-kernel 0.8.5's `apply_liger_kernel_to_olmo2` patches only the post-norms; transformers' stay)
     v_norm: bool = False  # an RMSNorm without scale per head on the values too (Gemma 4)
     per_layer_input: int = 0  # the width of Gemma 4's per-layer input embeddings (PLE) that each layer gates in
+    output_gate: bool = False  # the attention's output times a sigmoid gate from the query projection (Qwen3.5,
+    # Qwen3-Next): the gate and the gated output kept besides the attention's output
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): (such layers, key heads, key head dim, value heads, value head dim);
+    # () where none
+    linear: tuple[int, ...] = ()
 
 
 LAYER_KEEPS = {
@@ -474,6 +479,11 @@ LAYER_KEEPS = {
     "olmo2": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),
     "olmo3": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),  # OLMo 2's layer, windowed
     "phi3": LayerKeeps(fused_qkv=True, residual_dropout=True),
+    # Gemma's norm (1 + weight, in fp32) on the residual stream and per head; the gated attention output; their linear
+    # layers read from the config (`layer_keeps`)
+    "qwen3_5_text": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
+    "qwen3_5_moe_text": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
+    "qwen3_next": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
 }
 
 
@@ -484,7 +494,8 @@ def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
     """The family's row of `LAYER_KEEPS`; a family without one: Llama's layer, with a per-head query and key norm where
     its layers have a `q_norm` (`module_names`: a decoder layer's modules). Gemma 4's layer is read from its modules
     and `text` config: the norms on the residual stream outside the attention (4, one more with per-layer inputs, four
-    more with its experts), the values' norm, the per-layer input's width."""
+    more with its experts), the values' norm, the per-layer input's width; Gated DeltaNet layers' count and widths from
+    the config's `layer_types`."""
     has_qk_norm = any(n.split(".")[-1] == "q_norm" for n in module_names)
     row = LAYER_KEEPS.get(family) or LayerKeeps(qk_norm="head" if has_qk_norm else None)
     if family in NORMS_FROM_MODULES:
@@ -493,6 +504,10 @@ def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
         )
         row = row._replace(norms=norms, v_norm="self_attn.v_norm" in module_names,
                            per_layer_input=getattr(text, "hidden_size_per_layer_input", 0) or 0)  # fmt: skip
+    linear = sum(1 for t in getattr(text, "layer_types", None) or () if t == LINEAR)
+    if linear:
+        row = row._replace(linear=(linear, text.linear_num_key_heads, text.linear_key_head_dim,
+                                   text.linear_num_value_heads, text.linear_value_head_dim))  # fmt: skip
     return row
 
 

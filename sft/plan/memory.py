@@ -326,6 +326,14 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     attention = b * (2 * hq + 2 * kv) + 4 * shape.heads  # q, k, v and the output; fp32 log-sum-exp per head
     if keeps.fused_qkv:  # the fused projection's output, alive through v's view (q and k are rotated copies)
         attention += b * (hq + kv)
+    if keeps.output_gate:  # the gate's sigmoid, the attention's output made contiguous, and their product (what the
+        # output projection reads)
+        attention += 3 * b * hq
+    if keeps.linear:  # Gated DeltaNet layers in place of some attention layers: the average over the layers
+        linear = keeps.linear[0]
+        attention = ((shape.layers - linear) * attention + linear * linear_attention_bytes_per_token(shape, s)) / (
+            shape.layers
+        )
     # The attention's and the MLP's inputs, kept by the projections that read them (a norm's output or the residual).
     # Each RMSNorm on the residual stream: Liger's keeps its input and an fp32 rstd; transformers' an fp32 copy of its
     # input, the rstd and the normalised 16-bit input it scales, or the fp32 one where it scales in fp32 (Gemma, OLMo)
@@ -344,6 +352,20 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     return layer
 
 
+def linear_attention_bytes_per_token(shape: ModelShape, s: Setting) -> float:
+    """Bytes per token that a Gated DeltaNet layer's token mixer keeps (its input apart) through transformers' torch
+    recurrence (chunks of 64 tokens) and convolution, bf16 weights: fitted exactly (to the byte, but for the
+    convolution's padding per sample) to autograd's saved-tensor hooks over 20 widths, and checked on others in
+    tests/test_plan.py. The convolution's input and pre-activation output (16-bit, key heads x key dim twice plus value
+    heads x value dim); per value head, fp32: q, k, v and their products (32 B per key dim, 30 per value dim beside the
+    convolution's 4), the chunks' 64 x 64 matrices and per-head scalars (1,318 B), a state per chunk (4 B x key dim x
+    value dim / 64). fla's kernels keep fewer (not measured)."""
+    k_heads, k_dim, v_heads, v_dim = shape.keeps.linear[1:]
+    b = s.dtype_bytes
+    conv = 2 * k_heads * k_dim + v_heads * v_dim
+    return 2 * b * conv + v_heads * ((34 - 2 * b) * v_dim + 32 * k_dim + 1318 + 4 * k_dim * v_dim / 64)
+
+
 def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     """Bytes per token and layer that RMSNorms on the queries and keys keep (`LayerKeeps.qk_norm`). transformers': an
     fp32 copy of the input, the normalised input it scales (fp32 where it scales in fp32: Gemma 3, OLMo 2) and an fp32
@@ -354,12 +376,14 @@ def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     keeps, b = shape.keeps, s.dtype_bytes
     if keeps.qk_norm is None:
         return 0.0
+    # averaged over the layers: Gated DeltaNet layers (`LayerKeeps.linear`) have none
+    share = 1 - (keeps.linear[0] / shape.layers if keeps.linear else 0)
     width = (shape.heads + shape.kv_heads) * shape.head_dim
     if s.liger and keeps.liger_qk_norm:
-        return 2 * b * width
+        return share * 2 * b * width
     rows = shape.heads + shape.kv_heads if keeps.qk_norm == "head" else 2
     values = 4 * (shape.kv_heads * shape.head_dim + shape.kv_heads) if keeps.v_norm else 0  # no scale: input, rstd
-    return (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values
+    return share * ((4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values)
 
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
