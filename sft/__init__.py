@@ -9,6 +9,3 @@ import logging as _logging
 # kernel from the hub (`kernels-community`); its own kernels run instead.
 for _name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
-
-# The engines register their specs (`sft.core.engine.SPECS`) before the configuration reads them by name
-import sft.engines  # noqa: E402, F401

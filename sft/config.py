@@ -23,7 +23,7 @@ import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from sft.core import engine as engines
+from sft import engines
 from sft.core import logs
 from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
@@ -277,7 +277,7 @@ class TrainConfig(SFTConfig):
             "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded), "
             "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it), or `auto`: DeepSpeed, "
             "except FSDP2 in place of ZeRO-3 where the plan estimates it faster on a GPU.",
-            "choices": [*engines.names(), "auto"],
+            "choices": [*engines.NAMES, "auto"],
         },  # fmt: skip
     )
     optim: str = field(
@@ -360,13 +360,12 @@ class TrainConfig(SFTConfig):
         engines.spec(self.engine).check_agrees(self)
 
     def _prepare_engine(self, launch: ParallelDims) -> None:
-        """The `engine` checked and its configuration written by the engine's spec (the registry, `sft.core.engine`,
-        which `sft.engines` fills): DeepSpeed's
+        """The `engine` checked and its configuration written by the engine's spec (`sft.engines.SPECS`): DeepSpeed's
         config resolved, or FSDP2's `fsdp` and `fsdp_config`."""
         self.engine = str(self.engine).strip().lower()
         if self.engine == "auto":  # the registry's first engine until the plan decides (`sft.plan.preflight`)
             self.auto_settings.add("engine")
-            self.engine = engines.names()[0]
+            self.engine = engines.NAMES[0]
         engines.spec(self.engine).prepare(self, launch)
 
     def _parse_sizes(self) -> None:
@@ -508,10 +507,10 @@ class TrainConfig(SFTConfig):
         return ParallelDims.of(self)
 
     @functools.cached_property
-    def run_engine(self):
-        """The run's engine (`sft.engines.base.Engine`: the `engine` field's spec's), built once from these arguments'
-        resolved configuration."""
-        return engines.spec(self.engine).build(self)
+    def run_engine(self) -> engines.Engine:
+        """The run's engine (`sft.engines`: the `engine` field's), built once from these arguments' resolved
+        configuration."""
+        return engines.build(self)
 
 
 DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)

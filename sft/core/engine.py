@@ -1,7 +1,6 @@
 """What an engine declares about itself, and how it splits a run's training state: the plan, the model build and the
 trainer read these, never an engine's name or its library's settings (issue #66). Each engine folder of
-`sft/engines/` exports one spec holding its `Traits`; `sft.engines` registers them here (`register`) when sft is
-imported, so that the configuration (`sft.config`) finds an engine by name without importing any (`spec`, `names`)."""
+`sft/engines/` exports one spec holding its `Traits` (`sft.engines.SPECS`, the registry)."""
 
 from __future__ import annotations
 
@@ -74,24 +73,3 @@ class Sharding:
     def label(self) -> str:
         """The layout in logs and plans."""
         return "no DeepSpeed" if self.stage is None else f"ZeRO-{self.stage}"
-
-
-# The registry: every engine sft can run, by the `engine` field's value, in registration order (the first is the
-# default); filled by `sft.engines` (imported by `sft/__init__.py`). Values are `sft.engines.base.Spec`s.
-SPECS: dict[str, object] = {}
-
-
-def register(spec) -> None:
-    """Adds an engine's spec (`sft.engines.base.Spec`) under its traits' name."""
-    SPECS[spec.traits.name] = spec
-
-
-def names() -> tuple[str, ...]:
-    return tuple(SPECS)
-
-
-def spec(name: str):
-    """The registered engine called `name` (the `engine` field's value), else a ConfigError naming the choices."""
-    if name not in SPECS:
-        raise ConfigError(f"`engine` must be one of {', '.join(SPECS)} or auto, got {name!r}.")
-    return SPECS[name]

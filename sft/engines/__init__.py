@@ -17,20 +17,23 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from sft.core import engine as registry
 from sft.engines import deepspeed, fsdp2
 from sft.engines.base import Engine, Sharding, Spec, Traits
+from sft.errors import ConfigError
 
 __all__ = ["Engine", "Sharding", "Spec", "Traits", "SPECS", "NAMES", "spec", "written_by", "build", "tiled_mlp",
            "model_states", "bucket_elements", "outside_sharded_init", "lora_state"]  # fmt: skip
 
-# The registry (`sft.core.engine.SPECS`): every engine sft can run, by the `engine` field's value; the first is the
-# default. A third engine is one more folder and its spec in this line.
-for _spec in (deepspeed.SPEC, fsdp2.SPEC):
-    registry.register(_spec)
-SPECS: dict[str, Spec] = registry.SPECS
-NAMES = registry.names()
-spec = registry.spec
+# The registry: every engine sft can run, by the `engine` field's value; the first is the default
+SPECS: dict[str, Spec] = {s.name: s for s in (deepspeed.SPEC, fsdp2.SPEC)}
+NAMES = tuple(SPECS)
+
+
+def spec(name: str) -> Spec:
+    """The registered engine called `name` (the `engine` field's value), else a ConfigError naming the choices."""
+    if name not in SPECS:
+        raise ConfigError(f"`engine` must be one of {', '.join(NAMES)} or auto, got {name!r}.")
+    return SPECS[name]
 
 
 def written_by(checkpoint) -> Spec | None:
