@@ -82,10 +82,10 @@ def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
     (DeepSpeed ZeRO-3 gathers each submodule's weights as it is called: a forward per sample made the processes'
     collectives differ). A decoder layer given only the row's positions (transformers keeps `position_ids` from its
     linear-attention layer) hands that layer the boundaries they mark."""
-    found = layers(model)
+    found, varlen = layers(model), path(varlen) == "varlen"
     for layer in found:
         _kernels_by_sample(sys.modules[type(layer).__module__])
-        layer.forward = _with_boundaries(layer.forward, path(varlen) == "varlen")
+        layer.forward = _with_boundaries(layer.forward, varlen)
     for parent in model.modules():
         if any(child in found for child in parent.children()):
             parent.register_forward_pre_hook(_boundaries_from_positions, with_kwargs=True)
@@ -99,11 +99,12 @@ def _boundaries_from_positions(module, args, kwargs):
     return args, kwargs
 
 
-def _bounds(kwargs: dict) -> list[int] | None:
+def _bounds(kwargs: dict) -> torch.Tensor | None:
+    """The row's sample boundaries (`cu_seq_lens_q`, else from its positions), as a tensor on the row's device."""
     if kwargs.get("cu_seq_lens_q") is not None:
-        return kwargs["cu_seq_lens_q"].tolist()
+        return kwargs["cu_seq_lens_q"]
     if kwargs.get("position_ids") is not None:
-        return boundaries_from_positions(kwargs["position_ids"]).tolist()
+        return boundaries_from_positions(kwargs["position_ids"])
     return None
 
 
@@ -115,12 +116,12 @@ def _with_boundaries(forward, varlen: bool):
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
-        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds else kwargs
+        rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds is not None else kwargs
         token = _VARLEN.set(varlen)
         try:
-            if bounds is None or len(bounds) <= 2:  # one sample (or a cache: generation), as transformers runs it
+            if bounds is None or bounds.numel() <= 2:  # one sample (or a cache: generation), as transformers runs it
                 return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
-            cu = torch.tensor(bounds, dtype=torch.long, device=hidden_states.device)
+            cu = bounds.to(device=hidden_states.device, dtype=torch.long)
             return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
         finally:
             _VARLEN.reset(token)
