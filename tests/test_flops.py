@@ -117,12 +117,13 @@ def test_vision_encoder_flops_equal_torchs_count_of_its_forward(family):
     assert text == everything - in_encoder
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "smolvlm"])
 def test_encoder_and_projector_beside_it_count_as_torch_counts_their_forward(family, tmp_path):
-    """Gemma 3 (SigLIP encoder, a projector beside it pooling each image into `mm_tokens_per_image` tokens) and SmolVLM
-    (tiles, a connector shuffling 4 patches into one token), frozen: sft's count for a batch's images (from
-    `pixel_values`: all one size) equals torch's count of `get_image_features` (encoder and projector), and the
-    per-token count leaves both out."""
+    """Gemma 3 (SigLIP encoder, a projector beside it pooling each image into `mm_tokens_per_image` tokens), Gemma 4
+    (its own encoder, `embed_vision` beside it; images of their own sizes, counted from `image_position_ids`: here two
+    whose patches fill its 280 without padding, which sft does not count) and SmolVLM (tiles, a connector shuffling 4
+    patches into one token), frozen: sft's count for a batch's images equals torch's count of `get_image_features`
+    (encoder and projector), and the per-token count leaves both out."""
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -136,18 +137,27 @@ def test_encoder_and_projector_beside_it_count_as_torch_counts_their_forward(fam
     model = AutoModelForImageTextToText.from_config(config).eval()
     model.requires_grad_(False)  # encoder and projector forward only
     pixels = torch.randn(3, 3, 56, 56) if family == "gemma3" else torch.randn(1, 5, 3, 32, 32)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model.model.get_image_features(pixels)
-    counted = FlopCounter(model)
     inputs = {"pixel_values": pixels, "input_ids": torch.zeros(1, 0, dtype=torch.long)}
+    if family == "gemma4":  # 160 x 112 and 112 x 160 pixels: 20 x 14 and 14 x 20 patches of 8, no padding
+        from PIL import Image
+        from transformers import AutoImageProcessor
+
+        processed = AutoImageProcessor.from_pretrained(tmp_path)([Image.new("RGB", (160, 112)),
+                                                                  Image.new("RGB", (112, 160))], return_tensors="pt")
+        inputs = {k: processed[k] for k in ("pixel_values", "image_position_ids")}
+        assert (inputs["image_position_ids"] >= 0).all()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.model.get_image_features(*inputs.values() if family == "gemma4" else [pixels])
+    counted = FlopCounter(model)
     assert float(counted.vision.flops(counted.vision.grids(inputs))) == pytest.approx(counter.get_total_flops(),
                                                                                          rel=1e-9)  # fmt: skip
     encoder, projector = architectures.vision_encoder(model), architectures.vision_projector(model)
-    assert type(encoder).__name__ == {"gemma3": "SiglipVisionModel", "smolvlm": "SmolVLMVisionTransformer"}[family]
+    assert type(encoder).__name__ == {"gemma3": "SiglipVisionModel", "gemma4": "Gemma4VisionModel",
+                                      "smolvlm": "SmolVLMVisionTransformer"}[family]  # fmt: skip
     frozen = [n for n, _ in architectures.vision_tower_parameters(model)]
-    inside = {"gemma3": ".vision_tower.", "smolvlm": ".vision_model."}[family]
-    assert frozen and all(inside in f".{n}" for n in frozen) and not any("projector" in n or "connector" in n
-                                                                         for n in frozen)  # fmt: skip
+    inside = {"gemma3": ".vision_tower.", "gemma4": ".vision_tower.", "smolvlm": ".vision_model."}[family]
+    assert frozen and all(inside in f".{n}" for n in frozen) and not any(
+        part in n for n in frozen for part in ("projector", "connector", "embed_vision"))  # fmt: skip
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # all frozen here: 4 x (no weight grad)
     beside = {id(m) for part in (encoder, projector) for m in part.modules()}
     assert counted.per_token == sum(4 * m.in_features * m.out_features for m in linears if id(m) not in beside)

@@ -503,3 +503,94 @@ def test_gemma3_records_are_what_its_processor_makes(tmp_path):
         every = vision.encode(record, tokenizer, images, source.parent, assistant_only=False)
         untrained = every.input_ids[every.labels == vision.IGNORE]
         assert set(untrained.tolist()) == images.image_ids and len(untrained) == 4 + 2  # the image's tokens only
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """The tiny Gemma 4 of `sft.tools.demo_vlm` (sliding and full layers, shared keys and values, per-layer inputs,
+    images both ways in the sliding layers; 8-pixel patches pooled 2 x 2, at most 70 image tokens an image), random
+    weights, fp32, with its tokenizer and image processor; and four records: images of three sizes (64, 66 and 56
+    image tokens) and a text-only chat."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from sft.tools import demo_vlm
+
+    model_dir = demo_vlm.write_model(tmp_path_factory.mktemp("gemma4"), "gemma4")
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    tokenizer, processor = AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir)
+
+    def chat(size, question: str, answer: str) -> dict:
+        user = [{"type": "image"}, {"type": "text", "text": question}] if size else question
+        return {"messages": [{"role": "user", "content": user},
+                             {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                "images": [Image.new("RGB", size, (200, 30, 30))] if size else []}  # fmt: skip
+
+    records = [chat((56, 56), "What colour?", "red"), chat(None, "hello there, how are you today?", "fine"),
+               chat((40, 72), "Shape?", "a tall one"), chat((90, 30), "Describe it", "wide")]  # fmt: skip
+    return model_dir, model, tokenizer, processor, records
+
+
+def test_gemma4_packs_exactly_with_sfts_own_masks(gemma4):
+    """Gemma 4's image tokens attend to their image both ways in its sliding layers only, its images come in their own
+    sizes: a row of the records (`vision.encode`, packed by `BlockMaskPacker`, sft's masks from `block_masks`) equals
+    each record alone through transformers' own masks within 1e-5, through eager and sdpa, the images' tokens included;
+    transformers' masks on the packed row do not (its samples see each other), and neither do masks that keep the
+    images causal (what the sliding layers' both-ways attention changes)."""
+    model_dir, model, tokenizer, processor, records = gemma4
+    images = vision.Images(model.config, tokenizer, processor)
+    samples = [vision.encode(r, tokenizer, images, model_dir) for r in records]
+    image = model.config.image_token_id
+    assert [int((s.input_ids == image).sum()) for s in samples] == [64, 0, 66, 56]
+    with torch.no_grad():
+        alone = []
+        for s in samples:
+            inputs = {"input_ids": s.input_ids[None], "mm_token_type_ids": (s.input_ids == image).long()[None]}
+            if s.pixel_values is not None:
+                inputs |= {"pixel_values": s.pixel_values, "image_position_ids": s.image_position_ids}
+            alone.append(model(**inputs, use_cache=False).logits[0])
+        alone = torch.cat(alone)
+        hook = vision_hooks.block_masks(model)
+        for backend in ("eager", "sdpa"):
+            model.set_attn_implementation(backend)
+            batch = vision.packer(model)(samples)
+            assert "attention_mask" not in batch and batch["image_position_ids"].shape[0] == 3
+            packed = model(**batch, use_cache=False).logits[0]
+            assert torch.allclose(packed, alone, rtol=0, atol=1e-5), (backend, (packed - alone).abs().max())
+        hook.remove()
+        theirs = model(**batch, use_cache=False).logits[0]
+        text = model.config.text_config
+        causal = vision_hooks.masks(batch["position_ids"], batch["mm_token_type_ids"], text.sliding_window,
+                                    text.layer_types, both_ways=())  # fmt: skip
+        images_causal = model(**batch, attention_mask=causal, use_cache=False).logits[0]
+    assert (theirs - alone).abs().max() > 1e-2 and (images_causal - alone).abs().max() > 1e-2
+
+
+def test_gemma4_records_are_what_its_processor_makes(gemma4, monkeypatch):
+    """A Gemma 4 record's ids, token types, pixels and patch positions equal Gemma4Processor's on its rendered chat
+    (each image token replaced by begin, the image's soft tokens for its size, end), for images of three sizes; the
+    length from the sizes alone equals the encoding; the labels are the answer's tokens and never an image's."""
+    from transformers import Gemma4Processor
+
+    model_dir, model, tokenizer, processor, records = gemma4
+    # its audio and video processors left out (the video one needs torchvision, not installed): only its image and text
+    # steps run, on text and images
+    monkeypatch.setattr(Gemma4Processor, "check_argument_for_proper_class", lambda self, name, argument: argument)
+    theirs_processor = Gemma4Processor(None, processor, tokenizer, None)
+    images = vision.Images(model.config, tokenizer, processor)
+    for record in records:
+        sample = vision.encode(record, tokenizer, images, model_dir)
+        text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+        theirs = theirs_processor(text=text, images=record["images"] or None, return_tensors="pt")
+        assert sample.input_ids.tolist() == theirs["input_ids"][0].tolist()
+        types = vision.packer(model)([sample])["mm_token_type_ids"][0]
+        assert types.tolist() == theirs["mm_token_type_ids"][0].tolist()
+        if record["images"]:
+            assert torch.equal(sample.pixel_values, theirs["pixel_values"])
+            assert torch.equal(sample.image_position_ids, theirs["image_position_ids"])
+        assert vision.length(record, tokenizer, images, model_dir) == len(sample.input_ids)
+        answer = record["messages"][1]["content"][0]["text"]
+        assert tokenizer.decode(sample.labels[sample.labels != vision.IGNORE]) == answer + "<|end|>"

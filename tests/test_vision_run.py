@@ -260,14 +260,16 @@ def test_a_frozen_encoder_under_checkpointing_keeps_nothing_and_gets_no_backward
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
-def test_the_newer_image_text_configs_train_on_text_and_qwen3_5_on_images(tmp_path, family):
+def test_the_newer_image_text_configs_train_on_text_and_on_images(tmp_path, family):
     """Gemma 4's and Qwen3.5's checkpoints are image+text configs. On the text demo's records: a text run of their
     text model (gemma4_text, packed exactly: tests/test_architectures.py; qwen3_5_text's linear attention one sample at
-    a time: tests/test_linear_attention.py). On the image demo's records: Qwen3.5 an image+text run, packed by its
-    M-RoPE rows (tests/test_vision_packing.py: exact); Gemma 4 refused before any work, naming the family and the
-    image+text families sft packs."""
+    a time: tests/test_linear_attention.py). On the image demo's records: an image+text run of the image+text class,
+    Qwen3.5 packed by its M-RoPE rows, Gemma 4 by sft's masks on sdpa (both exact: tests/test_vision_packing.py);
+    Gemma 4's audio encoder (no audio row is built) frozen and counted frozen by the memory plan."""
     from transformers import AutoConfig
 
+    from sft.model import shapes
+    from sft.model.build import load_model
     from tests.test_architectures import BASE, FAMILIES
 
     text = {
@@ -275,35 +277,48 @@ def test_the_newer_image_text_configs_train_on_text_and_qwen3_5_on_images(tmp_pa
         "qwen3_5": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"] * 2},
     }
     vision = {
-        "gemma4": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-        },
+        "gemma4": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                   "num_key_value_heads": 2, "head_dim": 16},
         "qwen3_5": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64},
-    }
-    config = AutoConfig.for_model(family, text_config={**BASE, **text[family]}, vision_config=vision[family])
+    }  # fmt: skip
+    audio = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "output_proj_dims": 32}
+    extra = {"audio_config": audio} if family == "gemma4" else {}
+    config = AutoConfig.for_model(family, text_config={**BASE, **text[family]}, vision_config=vision[family], **extra)
     config.save_pretrained(tmp_path / family)
     plan, _, _ = planned(tmp_path, "--config", str(ROOT / "recipes" / "demo.yaml"), "--model_name_or_path",
                          str(tmp_path / family))  # fmt: skip
     assert plan.vision is None and plan.arch.family == f"{family}_text" and plan.training_args.packing
+    if family == "gemma4":  # the text run builds the audio encoder too (transformers' class for the config): frozen
+        text_model = load_model(planned(tmp_path, "--config", str(ROOT / "recipes" / "demo.yaml"),
+                                        "--model_name_or_path", str(tmp_path / family))[2], plan)  # fmt: skip
+        assert not any(p.requires_grad for n, p in text_model.named_parameters() if "audio" in n)
+    images, _, model_args = planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
+    packing = {"gemma4": "masks", "qwen3_5": "mrope"}[family]
+    assert images.vision is not None and images.vision.packing == packing and images.attn_implementation == "sdpa"
+    model = load_model(model_args, images)  # the image+text class (its causal-LM class is the text model alone)
+    assert type(model).__name__ == {"gemma4": "Gemma4", "qwen3_5": "Qwen3_5"}[family] + "ForConditionalGeneration"
     if family == "qwen3_5":
-        from sft.model.build import load_model
-
-        images, _, model_args = planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
-        assert images.vision is not None and images.vision.packing == "mrope" and images.attn_implementation == "sdpa"
-        model = load_model(model_args, images)  # the image+text class (its causal-LM class is the text model alone)
-        assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
         layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
         assert len(layers) == 2 and all(m.forward.__name__ == "forward" and hasattr(m.forward, "__wrapped__")
                                         for m in layers)  # fmt: skip
         return
-    with pytest.raises(
-        ConfigError,
-        match=f"{family} is an image\\+text model, and the data's records hold images: sft "
-        f"trains {family} on text only so far .*image\\+text families: gemma3, ",
-    ):
-        planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
+    audio_tower = [p for n, p in model.named_parameters() if "audio" in n]
+    assert audio_tower and not any(p.requires_grad for p in audio_tower)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "language_model" in n or "embed_vision" in n)
+    frozen = shapes.load_shape(str(tmp_path / family), config=images.model_config, arch=images.arch,
+                               frozen_vision=True).frozen_params  # fmt: skip
+    tower = sum(p.numel() for n, p in model.named_parameters() if ".vision_tower." in f".{n}")
+    assert frozen == sum(p.numel() for p in audio_tower) + tower
+
+
+def test_an_image_text_config_sft_does_not_pack_is_refused_on_image_data_before_any_work(tmp_path):
+    """A multimodal config outside sft's image+text table (LLaVA) trains on text records; on image records it is
+    refused before any work, naming the family and the families sft packs."""
+    from transformers import AutoConfig
+
+    from tests.test_architectures import BASE
+
+    AutoConfig.for_model("llava", text_config={**BASE, "model_type": "llama"}).save_pretrained(tmp_path / "llava")
+    with pytest.raises(ConfigError, match="llava is an image\\+text model, and the data's records hold images: sft "
+                       "trains llava on text only so far .*image\\+text families: gemma3, gemma4, "):  # fmt: skip
+        planned(tmp_path, "--model_name_or_path", str(tmp_path / "llava"))

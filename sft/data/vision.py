@@ -32,6 +32,12 @@ window or full), on the model's device at every forward, and the run takes sdpa 
 checkpoints train on text too: a run of a `gemma3` config is image+text where its data's records hold images
 (`sources_have_images`), a text run otherwise.
 
+Gemma 4 packs the same way, by sft's masks (`mm_token_type_ids`), with two differences its model has: an image's
+tokens attend to each other both ways only in the sliding-window layers (its full layers are causal), and only where
+its text config says `use_bidirectional_attention: vision`; and its images come in their own sizes (patches padded to
+the processor's `max_soft_tokens`, encoded one image per batch entry). transformers' own masks let its packed samples
+see each other too (measured: tests/test_vision_packing.py).
+
 SmolVLM and Idefics3 pack by positions (`TiledPacker`): their text model is a Llama (1-D positions restarting at each
 sample keep packed samples apart, as for text), their encoder takes each tile of an image alone (all one size), and a
 record's image part becomes its processor's prompt of that image's tiles (`Images`).
@@ -86,7 +92,8 @@ def mask_attention(requested: str | None, config) -> str:
     mask; varlen and flash backends take only sample boundaries and would drop the images' attention both ways."""
     if requested in (None, "auto"):
         logger.info("Attention backend: sdpa (image+text rows of %s carry sft's attention masks: each sample's "
-                    "tokens causally, its images both ways)", config.model_type)  # fmt: skip
+                    "tokens causally, its images both ways where its own masks have them)",
+                    config.model_type)  # fmt: skip
         return "sdpa"
     if requested not in ("sdpa", "eager"):
         raise ConfigError(
@@ -216,6 +223,18 @@ def image_tokens(image_processor, width: int, height: int) -> int:
     return patches // image_processor.merge_size**2
 
 
+def framed_tokens(image_processor, width: int, height: int) -> int:
+    """The image tokens of a `width` x `height` image for Gemma 4's processor: its patches after the resize that keeps
+    the aspect ratio within `max_soft_tokens` (transformers' `get_aspect_ratio_preserving_size`), one token per
+    `pooling_kernel_size`^2 of them. From the size alone: no pixel is processed."""
+    from transformers.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+
+    patch, pool = image_processor.patch_size, image_processor.pooling_kernel_size
+    side_h, side_w = get_aspect_ratio_preserving_size(height, width, patch, image_processor.max_soft_tokens * pool**2,
+                                                      pool)  # fmt: skip
+    return (side_h // patch) * (side_w // patch) // pool**2
+
+
 class Images:
     """How a family's chat turns an image part into the tokens and pixels its model reads, as its processor does.
 
@@ -226,6 +245,10 @@ class Images:
       soft image tokens, `<end_of_image>\\n\\n` (Gemma3Processor's `full_image_sequence`) in the rendered text, and the
       whole text is tokenized as the processor does (its newlines merge with the text's beside them:
       `_expanded_template`); every image is resized to one size. Pan-and-scan crops are not built (refused).
+    - Gemma 4: the template writes its image token, which becomes the begin-of-image token, the image's soft tokens
+      (their count from its size: `framed_tokens`) and the end-of-image token (Gemma4Processor's
+      `replace_image_token`; special tokens, so nothing merges with the text beside them); the pixels are each
+      image's patches padded to one length, with their positions (`image_position_ids`).
     - SmolVLM, Idefics3: the template writes `<image>`, which becomes the processor's prompt of that image's tiles
       (`get_image_prompt_string`: per tile `<fake_token_around_image><row_r_col_c>` and `image_seq_len` image tokens,
       then the global image), its rows and columns from the image's size (`get_number_of_image_patches`); the pixels
@@ -249,6 +272,12 @@ class Images:
             self.text = boi, f"\n\n{boi}{image * config.mm_tokens_per_image}{eoi}\n\n"  # placeholder, its expansion
         else:
             self.placeholder = config.image_token_id
+        if self.vision.framed:
+            if getattr(config, "vision_config", None) is None:
+                raise ConfigError(f"`{self.family}` config without a `vision_config`: this checkpoint has no image "
+                                  "encoder, so its image records cannot train. Train it on text records.")  # fmt: skip
+            self.frame = config.boi_token_id, config.eoi_token_id
+            self.image_ids = {config.boi_token_id, config.image_token_id, config.eoi_token_id}
         if self.vision.tiles:
             encoder = config.vision_config
             self.seq_len = (encoder.image_size // encoder.patch_size) ** 2 // config.scale_factor**2
@@ -263,7 +292,14 @@ class Images:
             prompt = get_image_prompt_string(rows, cols, self.seq_len, "<fake_token_around_image>", image,
                                              "<global-img>")  # fmt: skip
             return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if self.vision.framed:
+            return self._framed(framed_tokens(self.processor, width, height))
         return [self.placeholder] * image_tokens(self.processor, width, height)
+
+    def _framed(self, n: int) -> list[int]:
+        """Gemma 4's tokens of an image of `n` soft tokens: begin, `n` image tokens, end (Gemma4Processor's
+        `replace_image_token`)."""
+        return [self.frame[0], *[self.placeholder] * n, self.frame[1]]
 
     def process(self, images: list) -> tuple[dict, list[list[int]]]:
         """The processor's pixels of these (RGB) images as `Sample` fields (Qwen-VL: with their grids; SmolVLM and
@@ -274,6 +310,9 @@ class Images:
                       for key in ("pixel_values", "pixel_attention_mask")}  # fmt: skip
             return fields, [self.tokens(*image.size) for image in images]
         processed = self.processor(images=images, return_tensors="pt")
+        if self.vision.framed:  # Gemma 4: every image's patches padded to one length, with their 2-D positions
+            fields = {key: processed[key] for key in ("pixel_values", "image_position_ids")}
+            return fields, [self._framed(int(n)) for n in processed["num_soft_tokens_per_image"]]
         grid = processed.get("image_grid_thw")
         if grid is None:
             return {"pixel_values": processed["pixel_values"]}, []  # Gemma 3: its tokens from its text
@@ -368,6 +407,7 @@ class Sample:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     pixel_attention_mask: torch.Tensor | None = None
+    image_position_ids: torch.Tensor | None = None  # Gemma 4: each patch's (x, y), (-1, -1) on padding
 
 
 class MRopePacker:
@@ -414,16 +454,21 @@ def _row(samples: list[Sample]) -> dict:
 
 
 class BlockMaskPacker:
-    """Packs Gemma 3 samples into one row: the `_row` (positions restart at each sample: 1-D RoPE; each image is
-    encoded on its own by the vision tower) with `token_type_ids` (1 on image tokens). Its attention masks are built
-    on the model's device by `sft.model.vision_hooks.block_masks`, from the row's positions and token types."""
+    """Packs Gemma 3 or Gemma 4 samples into one row: the `_row` (positions restart at each sample: 1-D RoPE; each
+    image is encoded on its own by the vision tower; Gemma 4's with its patches' positions) with the token types (1 on
+    image tokens: Gemma 3's `token_type_ids`, Gemma 4's `mm_token_type_ids`). Its attention masks are built on the
+    model's device by `sft.model.vision_hooks.block_masks`, from the row's positions and token types."""
 
     def __init__(self, model: torch.nn.Module):
         self.image_token_id = model.config.image_token_id
+        self.key = VISION[model.config.model_type].type_ids
 
     def __call__(self, samples: list[Sample]) -> dict:
         batch = _row(samples)
-        batch["token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
+        batch[self.key] = (batch["input_ids"] == self.image_token_id).long()
+        positions = [s.image_position_ids for s in samples if s.image_position_ids is not None]
+        if positions:
+            batch["image_position_ids"] = torch.cat(positions)
         return batch
 
 

@@ -534,6 +534,13 @@ class Vision:
     always: bool
     tiles: bool = False  # images cut into tiles, each image's prompt from its rows and columns (SmolVLM, Idefics3)
     text_expansion: bool = False  # its image tokens written into the rendered text (begin/end of image: Gemma 3)
+    # "masks" only: the layer types in which an image's tokens attend to each other both ways (Gemma 3: every layer;
+    # Gemma 4: the sliding ones), only where the text config's (field, value) of `both_ways_if` holds (Gemma 4's
+    # `use_bidirectional_attention: vision`), and the batch key of the token types the model takes (1 on image tokens)
+    both_ways: tuple[str, ...] = ("full_attention", "sliding_attention")
+    both_ways_if: tuple[str, str] | None = None
+    type_ids: str = "token_type_ids"
+    framed: bool = False  # each image's tokens between its begin and end tokens, counted from its size (Gemma 4)
 
 
 VISION = {
@@ -543,6 +550,15 @@ VISION = {
     "smolvlm": Vision("positions", always=True, tiles=True),
     "idefics3": Vision("positions", always=True, tiles=True),
     "gemma3": Vision("masks", always=False, text_expansion=True),  # Gemma 3's 4B-27B checkpoints are `gemma3` configs
+    # Gemma 4 (dense, MoE): image tokens per image from its size, both ways in the sliding layers only
+    "gemma4": Vision(
+        "masks",
+        always=False,
+        both_ways=("sliding_attention",),
+        type_ids="mm_token_type_ids",
+        both_ways_if=("use_bidirectional_attention", "vision"),
+        framed=True,
+    ),
     # Qwen3.5 and Qwen3.6 (dense, MoE): image+text checkpoints often fine-tuned on text; their linear-attention layers
     # run one sample at a time (`sft.model.linear_attention`) in image rows too
     "qwen3_5": Vision("mrope", always=False),
@@ -553,8 +569,17 @@ VISION_FAMILIES = {family for family, v in VISION.items() if v.always}
 IMAGE_DATA_FAMILIES = {family for family, v in VISION.items() if not v.always}
 # the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`, SmolVLM's and Idefics3's `vision_model`
 _ENCODERS = ("visual", "vision_tower", "vision_model")
-_PROJECTORS = ("merger", "multi_modal_projector", "connector")  # what maps its features into the language model
-_BESIDE = ("multi_modal_projector", "connector")  # projectors beside the encoder (Gemma 3; SmolVLM, Idefics3)
+_PROJECTORS = ("merger", "multi_modal_projector", "connector", "embed_vision")  # what maps its features into the text
+_BESIDE = ("multi_modal_projector", "connector", "embed_vision")  # beside the encoder (Gemma 3, 4; SmolVLM, Idefics3)
+
+
+_UNBUILT = ("audio_tower", "embed_audio")  # encoders of inputs sft builds no rows of (Gemma 4's audio): never trained
+
+
+def unbuilt_input_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The weights of an encoder whose inputs sft never builds (Gemma 4's audio tower and its projector): no row of an
+    sft run reaches them, so they are frozen (no gradient, no optimizer state) and the memory plan counts them so."""
+    return [(n, p) for n, p in model.named_parameters() if any(part in _UNBUILT for part in n.split("."))]
 
 
 def is_vision(config) -> bool:

@@ -433,6 +433,16 @@ def resolve_attn_implementation(
     return chosen
 
 
+def by_submodel(config, attn_implementation: str | None):
+    """The backend as transformers takes it for this config: one name, or per sub-model where one cannot take the
+    run's. Gemma 4's audio encoder supports only eager and sft never runs it (no audio rows: frozen by
+    `sft.model.converters`), so it gets eager and every other sub-model the run's backend."""
+    if getattr(config, "audio_config", None) is None or attn_implementation in (None, "eager"):
+        return attn_implementation
+    subs = {key: attn_implementation for key in ("text_config", "vision_config") if getattr(config, key, None)}
+    return {"": attn_implementation, **subs, "audio_config": "eager"}
+
+
 def check_packing(attn_implementation: str | None, padding_free: bool, model_init_kwargs: dict | None) -> None:
     """Refuse settings that would let packed samples attend to each other."""
     if not padding_free:

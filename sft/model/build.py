@@ -16,7 +16,7 @@ from transformers import set_seed as hf_set_seed
 from sft.config import ModelArguments, TrainConfig
 from sft.core.run import RunPlan
 from sft.errors import ConfigError
-from sft.model import architectures, converters, quantization
+from sft.model import architectures, attention, converters, quantization
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _build(
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": attn_implementation,
+        "attn_implementation": attention.by_submodel(config, attn_implementation),
         "dtype": _dtype(model_args),
     }
     if training_args.model_init_kwargs:

@@ -156,6 +156,17 @@ def _freeze_vision_tower(model, plan) -> None:
                 "the language model train", len(frozen), sum(p.numel() for _, p in frozen) / 1e6)  # fmt: skip
 
 
+def _freeze_unbuilt_inputs(model, plan) -> None:
+    from sft.model import architectures
+
+    frozen = architectures.unbuilt_input_parameters(model)
+    for _, param in frozen:
+        param.requires_grad_(False)
+    if frozen:
+        logger.info("Audio encoder frozen (sft builds image and text rows, no audio): %d tensors, %.1fM parameters",
+                    len(frozen), sum(p.numel() for _, p in frozen) / 1e6)  # fmt: skip
+
+
 def _linear_attention(model, plan) -> None:
     from sft.model import linear_attention
 
@@ -211,6 +222,12 @@ ORDER = (
         "build",
         lambda plan: plan.vision is not None and not plan.vision.train_tower,
         _freeze_vision_tower,
+    ),
+    Converter(
+        "unbuilt audio encoder",
+        "build",
+        lambda plan: getattr(plan.model_config, "audio_config", None) is not None,  # text runs build it too (Gemma 4)
+        _freeze_unbuilt_inputs,
     ),
     Converter("FP8", "build", _args("fp8"), _fp8),
     Converter("compiled layers", "build", _args("compile_decoder_layers"), _compile),

@@ -98,7 +98,9 @@ class VisionFlops:
     an image, pooled from its patches; SmolVLM, Idefics3: `scale_factor`^2 patches of a tile), the projectors
     (`merger`, Qwen3-VL's deepstack mergers, Gemma 3's `multi_modal_projector`, SmolVLM's `connector`). 2 x weights
     forward; 6 x where the encoder trains (a frozen weight under a trained one: 4 x); a trained projector over a
-    frozen encoder 4 x (no input gradient below it: the smaller count). Attention
+    frozen encoder 4 x (no input gradient below it: the smaller count); Gemma 4: its patches pooled
+    `pooling_kernel_size`^2 into a token by a matmul (2 x width x patches x tokens forward), projected by
+    `embed_vision`, counted over each image's own patches (not its padding to `max_soft_tokens`). Attention
     both ways, 4 x width x pairs forward (12 x where the encoder trains), pairs of patches within each frame of an
     image, and in Qwen2.5-VL's windowed layers within each window of `window_size` pixels. Gemma 3's images and
     SmolVLM's tiles are all one size (`image_size`), counted from the batch's `pixel_values`."""
@@ -123,11 +125,14 @@ class VisionFlops:
                     architectures._shape(weight))  # fmt: skip
         self.merge = getattr(config, "spatial_merge_size", None) or 1
         # Gemma 3: every image `side` x `side` patches, pooled into mm_tokens_per_image tokens; SmolVLM, Idefics3:
-        # every tile `side` x `side` patches, shuffled into 1 / scale_factor^2 as many; Qwen-VL: from the grids
-        self.side = config.image_size // config.patch_size if projector is not None else 0
+        # every tile `side` x `side` patches, shuffled into 1 / scale_factor^2 as many; Qwen-VL: from the grids;
+        # Gemma 4: each image its own patches (`image_position_ids`), pooled pooling_kernel_size^2 into a token
+        pool = getattr(config, "pooling_kernel_size", None)
+        self.side = config.image_size // config.patch_size if projector is not None and not pool else 0
         tokens = getattr(model.config, "mm_tokens_per_image", None)
         scale = getattr(model.config, "scale_factor", None) or self.merge
-        self.merged_per_patch = tokens / self.side**2 if tokens else 1 / scale**2
+        self.merged_per_patch = 1 / pool**2 if pool else tokens / self.side**2 if tokens else 1 / scale**2
+        self.pooling = (6 if trains else 2) if pool else 0  # Gemma 4 averages by a matmul: tokens x patches x width
         self.width = getattr(config, "embed_dim", None) or config.hidden_size
         self.attention = 12 if trains else 4
         layers = getattr(config, "depth", None) or config.num_hidden_layers
@@ -141,6 +146,9 @@ class VisionFlops:
         """The (frames, height, width) patch grid of every image of a batch, or None without images."""
         if inputs.get("image_grid_thw") is not None:
             return inputs["image_grid_thw"]
+        if inputs.get("image_position_ids") is not None:  # Gemma 4: each image's patch columns and rows, -1 padding
+            sides = inputs["image_position_ids"].amax(dim=1) + 1
+            return torch.cat([torch.ones_like(sides[:, :1]), sides], dim=-1)
         pixels = inputs.get("pixel_values")
         if not self.side or pixels is None:
             return None
@@ -166,6 +174,7 @@ class VisionFlops:
         if self.window_layers:
             pairs = pairs + self.window_layers * self._window_pairs(*grid_thw.long().unbind(-1)).double()
         linear = self.per_patch * patches + self.per_merged * patches * self.merged_per_patch
+        linear = linear + self.pooling * self.width * patches * patches * self.merged_per_patch
         return (linear + self.attention * self.width * pairs).sum()
 
 

@@ -175,7 +175,13 @@ def load_shape(
         expert_params=routed if arch.experts else 0,
         mlp_kept=arch.mlp_kept,
         param_sizes=tuple(unique.values()),
-        frozen_params=sum(p.numel() for _, p in architectures.vision_tower_parameters(built)) if frozen_vision else 0,
+        frozen_params=sum(
+            p.numel()
+            for _, p in [
+                *(architectures.vision_tower_parameters(built) if frozen_vision else ()),
+                *architectures.unbuilt_input_parameters(built),
+            ]
+        ),
         liger_speedup=arch.kernel("liger").speedup or 1.0,
         keeps=architectures.layer_keeps(arch.family, [n for n, _ in layer_modules], architectures.text_config(config)),
     )

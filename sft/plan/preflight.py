@@ -416,7 +416,8 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
     changes["packing"] = False  # the rows come packed from sft.data.vision; TRL's trainer collates none itself
     changes["assistant_only_loss"] = False  # sft.data.vision labels the assistant's tokens (the plan keeps the choice)
     packing = vision.packing(model_config)
-    how = {"masks": "sft's attention masks: each sample's tokens causally, its images both ways, the sliding window",
+    how = {"masks": "sft's attention masks: each sample's tokens causally, its images both ways where the model's own "
+                    "masks have them, the sliding window",
            "mrope": "per-sample M-RoPE positions, each sample's own attention",
            "positions": "positions restarting at each sample, each sample's own attention; images in tiles",
            }[packing]  # fmt: skip

@@ -35,8 +35,9 @@ CHAT_TEMPLATE = (
 TASKS = ("repeat", "upper", "reverse", "count")
 
 
-def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast``: one id per printable character, plus chat special tokens."""
+def build_tokenizer(named: dict[str, str] | None = None):
+    """A character-level ``PreTrainedTokenizerFast``: one id per printable character, plus chat special tokens (and
+    `named` special tokens, each an attribute of the tokenizer: `tokenizer.image_token`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,6 +53,7 @@ def build_tokenizer():
         eos_token="<|end|>",
         additional_special_tokens=SPECIAL_TOKENS[4:],
         model_max_length=1024,
+        **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -30,6 +30,8 @@ from sft.tools import demo
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]  # no video in the data
 GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]  # Gemma 3's: what its template writes,
 # the image's tokens, the end (Gemma3Processor's `full_image_sequence`)
+GEMMA4_TOKENS = ["<|image|>", "<|image>", "<image|>", "<|audio|>", "<|audio>", "<audio|>"]  # Gemma 4's: what its
+# template writes (the image's tokens), the begin and end of an image; its audio's, which its processor asks for
 TILES = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]  # SmolVLM's tile tokens: up to 4 x 4
 SMOLVLM_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", *TILES]
 
@@ -58,8 +60,10 @@ QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"
 
 
 def build_tokenizer(family: str = "qwen2_5_vl"):
-    tokenizer = demo.build_tokenizer()
-    tokens = {"gemma3": GEMMA3_TOKENS, "smolvlm": SMOLVLM_TOKENS}.get(family)
+    names = ("image_token", "boi_token", "eoi_token", "audio_token", "boa_token", "eoa_token")
+    named = dict(zip(names, GEMMA4_TOKENS, strict=True)) if family == "gemma4" else None  # Gemma4Processor reads them
+    tokenizer = demo.build_tokenizer(named)
+    tokens = {"gemma3": GEMMA3_TOKENS, "gemma4": GEMMA4_TOKENS, "smolvlm": SMOLVLM_TOKENS}.get(family)
     if tokens:
         tokenizer.add_tokens(tokens, special_tokens=True)
         tokenizer.chat_template = chat_template(tokens[0])
@@ -84,6 +88,7 @@ FAMILIES = (
     "qwen2_vl",
     "qwen3_vl",
     "gemma3",
+    "gemma4",
     "smolvlm",
     "qwen3_5",
 )  # the demo's model first; the others for tests
@@ -106,6 +111,30 @@ def gemma3_config(tokenizer) -> dict:
     return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
             "vision_config": vision, "mm_tokens_per_image": 4, "boi_token_index": boi, "image_token_index": soft,
             "eoi_token_index": eoi, "dtype": "float32"}  # fmt: skip
+
+
+def gemma4_config(tokenizer) -> dict:
+    """A tiny Gemma 4: 4 text layers of hidden 128 (sliding within a window of 32 tokens and full of a wider head, in
+    turn; the last two reuse the first two's keys and values; per-layer inputs of width 16), its images both ways in
+    the sliding layers; a 2-layer encoder of hidden 64 over patches of 8 pixels pooled 2 x 2 (a 56-pixel demo image is
+    resized to 128: 64 image tokens)."""
+    image, boi, eoi, audio, boa, eoa = tokenizer.convert_tokens_to_ids(GEMMA4_TOKENS)
+    text = {
+        "model_type": "gemma4_text", "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "global_head_dim": 64, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": len(tokenizer),
+        "use_bidirectional_attention": "vision", "max_position_embeddings": 1024,
+        "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    vision = {"model_type": "gemma4_vision", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "patch_size": 8,
+              "pooling_kernel_size": 2, "position_embedding_size": 64}  # fmt: skip
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": vision, "audio_config": None, "image_token_id": image, "boi_token_id": boi,
+            "eoi_token_id": eoi, "audio_token_id": audio, "boa_token_id": boa, "eoa_token_index": eoa,
+            "dtype": "float32"}  # fmt: skip
 
 
 def model_config(tokenizer, family: str = "qwen2_5_vl") -> dict:
@@ -175,6 +204,10 @@ def _image_processor(family: str):
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
         return Gemma3ImageProcessorPil(size={"height": PIXELS, "width": PIXELS}, do_pan_and_scan=False)
+    if family == "gemma4":
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        return Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2)
     if family == "smolvlm":
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
@@ -187,7 +220,7 @@ def write_model(model_dir: Path, family: str = "qwen2_5_vl") -> Path:
     tokenizer = build_tokenizer(family)
     tokenizer.save_pretrained(model_dir)
     _image_processor(family).save_pretrained(model_dir)
-    configs = {"gemma3": gemma3_config, "smolvlm": smolvlm_config}
+    configs = {"gemma3": gemma3_config, "gemma4": gemma4_config, "smolvlm": smolvlm_config}
     config = configs[family](tokenizer) if family in configs else model_config(tokenizer, family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return model_dir

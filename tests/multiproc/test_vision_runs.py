@@ -84,10 +84,10 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     assert out.shape == (1, 7)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3", "smolvlm"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "smolvlm"])
 def other_family(request, tmp_path_factory) -> tuple[str, Path]:
     """The demo's model for another family (`sft.tools.demo_vlm.write_model`: the M-RoPE ones, Gemma 3 packed by
-    sft's masks, SmolVLM in tiles), one random init on disk."""
+    sft's masks, Gemma 4 too, SmolVLM in tiles), one random init on disk."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from sft.tools import demo_vlm
@@ -99,8 +99,8 @@ def other_family(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def test_the_other_families_resume_bit_identically_and_save_under_zero3(other_family, tmp_path):
-    """Qwen2-VL, Qwen3-VL, Gemma 3 and SmolVLM on the demo's data under ZeRO-3 (2 processes, 8 steps): SIGKILLed
-    after checkpoint-4 and run again, bit-identical to the uninterrupted run; the loss falls, and the saved model
+    """Qwen2-VL, Qwen3-VL, Gemma 3, Gemma 4 and SmolVLM on the demo's data under ZeRO-3 (2 processes, 8 steps):
+    SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run; the loss falls, the saved model
     (ZeRO-3's shards gathered) loads with its family's class. (ZeRO-3 against ZeRO-2 on the demo's family above.)"""
     from transformers import AutoModelForImageTextToText
 
