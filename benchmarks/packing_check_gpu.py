@@ -4,9 +4,10 @@
 
 For each family of `benchmarks.architectures` (its widths, 2 layers, random weights, bf16): one packed row of four
 samples (300-1,500 tokens) through the backend sft's `auto` picks, against each sample alone, as the check runs at the
-start of a run: the mean relative difference of the last hidden states per sample, against the tolerance (2e-2). Then
-the same row through attention blind to the boundaries (sdpa, causal over the whole row, the masks dropped): the check
-must refuse it. Writes `packing_check_gpu.json` and prints a table.
+start of a run: the mean relative difference of the last hidden states per sample, against the tolerance (2e-2), and
+how far the later samples move when the first sample's tokens change (its influence: none where packing is exact).
+Then the same row through attention blind to the boundaries (sdpa, causal over the whole row, the masks dropped): the
+check must refuse it. Writes `packing_check_gpu.json` and prints a table.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def main() -> None:
             exact = compare(model, batch)
             model.set_attn_implementation("blind")
             leaky = compare(model, batch)
-            entry = {"backend": backend, "differences": exact.differences, "passes": not exact.leaks,
-                     "blind_differences": leaky.differences, "blind_refused": leaky.leaks,
-                     "tolerance": exact.tolerance, "seconds": exact.seconds}  # fmt: skip
+            entry = {"backend": backend, "differences": exact.differences, "influence": exact.influence,
+                     "passes": not exact.leaks, "blind_differences": leaky.differences,
+                     "blind_influence": leaky.influence, "blind_refused": leaky.leaks, "tolerance": exact.tolerance,
+                     "influence_tolerance": exact.influence_tolerance, "seconds": exact.seconds}  # fmt: skip
         except Exception as e:  # noqa: BLE001  (one family's failure is a result)
             entry = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         results["families"][name] = entry
@@ -73,13 +75,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packing_check_gpu.json").write_text(json.dumps(results, indent=1))
     tolerance = next((e["tolerance"] for e in results["families"].values() if "tolerance" in e), float("nan"))
-    print(f"| family | backend | worst packed (tolerance {tolerance:.0e}) | passes | best blind | refused |")
+    print(f"| family | backend | worst packed (tolerance {tolerance:.0e}) | worst influence | passes | best blind | "
+          "least blind influence | refused |")  # fmt: skip
     for name, e in results["families"].items():
         if "error" in e:
-            print(f"| {name} | {e['error'][:80]} | | | | |")
+            print(f"| {name} | {e['error'][:80]} | | | | | | |")
             continue
-        print(f"| {name} | {e['backend']} | {max(e['differences']):.1e} | {e['passes']} | "
-              f"{min(e['blind_differences'][1:]):.1e} | {e['blind_refused']} |")  # fmt: skip
+        exact = f"{max(e['differences']):.1e} | {max(e['influence']):.1e} | {e['passes']}"
+        leaky = f"{min(e['blind_differences'][1:]):.1e} | {min(e['blind_influence']):.1e} | {e['blind_refused']}"
+        print(f"| {name} | {e['backend']} | {exact} | {leaky} |")
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def test_encoder_and_projector_beside_it_count_as_torch_counts_their_forward(fam
         from PIL import Image
         from transformers import AutoImageProcessor
 
-        processed = AutoImageProcessor.from_pretrained(tmp_path)([Image.new("RGB", (160, 112)),
-                                                                  Image.new("RGB", (112, 160))], return_tensors="pt")
+        processed = AutoImageProcessor.from_pretrained(tmp_path)(
+            [Image.new("RGB", (160, 112)), Image.new("RGB", (112, 160))], return_tensors="pt"
+        )
         inputs = {k: processed[k] for k in ("pixel_values", "image_position_ids")}
         assert (inputs["image_position_ids"] >= 0).all()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:

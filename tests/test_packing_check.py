@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AttentionInterface, AutoConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft.errors import ConfigError
@@ -29,7 +30,16 @@ def leaky_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
 
+def long_rows_doubled(module, query, key, value, attention_mask, **kwargs):
+    """sdpa with the row's own mask (no sample sees another), its output doubled in a sequence longer than 64 tokens:
+    a packed sample computes something else than alone without reading any other sample."""
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return out * (2.0 if query.shape[-2] > 64 else 1.0), weights
+
+
 AttentionInterface.register(LEAKY, leaky_attention)
+AttentionInterface.register("sft_test_long_rows_doubled", long_rows_doubled)
+ALL_MASK_ATTENTION_FUNCTIONS.register("sft_test_long_rows_doubled", sdpa_mask)  # the packed row's mask, as sdpa's
 register_varlen()
 
 
@@ -42,23 +52,46 @@ def rows_batch(vocab: int) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_check_passes_exact_backends_and_catches_a_leak(dtype):
-    """Per sample, the mean relative difference of the last hidden states: sdpa (positions) and sft_varlen within
-    the dtype's noise; attention blind to the boundaries far above it for every sample after the first, and the
-    first (nothing before it) equal."""
+    """Per sample, the mean relative difference of the last hidden states from the sample alone, and for the later
+    samples their move when the first sample's tokens change: sdpa (positions) and sft_varlen within the dtype's
+    noise, and not moved at all; attention blind to the boundaries far above both for every sample after the first,
+    and the first (nothing before it) equal. The blind backend is refused by its influence alone in 16 bits, where
+    the tolerance of the difference is loose (rounding with flipping experts: benchmarks/results/packing_check_gpu)."""
     model = tiny_model("llama").to(dtype)
     batch = rows_batch(model.config.vocab_size)
     for backend in ("sdpa", VARLEN):
         model.set_attn_implementation(backend)
         result = packing_check.compare(model, batch, rows=2)
-        assert result.samples == 5 and not result.leaks, (backend, result.sentence())
+        assert result.samples == 5 and len(result.influence) == 4 and not result.leaks, (backend, result.sentence())
         assert result.worst < (1e-6 if dtype == torch.float32 else 5e-3), result.sentence()
+        assert max(result.influence) == 0.0, result.sentence()  # a later sample does not read the first one's tokens
     model.set_attn_implementation(LEAKY)
     result = packing_check.compare(model, batch, rows=2)
     assert result.leaks and result.tolerance == packing_check.TOLERANCE.get(dtype, packing_check.TOLERANCE_16BIT)
     # padding-free, both rows are one flattened sequence: only its first sample has nothing before it
     first, *later = result.differences
-    assert first < 1e-2 and min(later) > 0.1, result.sentence()
+    assert first < 1e-2 and min(later) > 0.1 and min(result.influence) > 0.05, result.sentence()
+    assert max(result.influence) > result.influence_tolerance * 50
     assert model.training  # put back as it was
+
+
+def test_a_sample_unlike_itself_alone_without_a_leak_is_refused_as_such():
+    """A backend that keeps the samples apart but computes a long row differently: no later sample moves when the
+    first one's tokens change, every sample is far from itself alone: refused, saying that no sample reads another."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    model.set_attn_implementation("sft_test_long_rows_doubled")
+    torch.manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, model.config.vocab_size, (sum(n),)).tolist(), "seq_lengths": list(n)}
+            for n in ((13, 21, 5), (17, 30))]  # fmt: skip
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    result = packing_check.compare(model, collator(rows), rows=2)
+    assert result.leaks and max(result.influence) == 0.0 and min(result.differences) > 0.1, result.sentence()
+    args = SimpleNamespace(device="cpu", bf16=False, fp16=False)
+    with pytest.raises(ConfigError, match="No sample reads another, but a packed sample computes something other "
+                                          "than itself alone .*Set packing: false"):  # fmt: skip
+        packing_check.check(model, model, rows, collator, args, "packing_check: true")
 
 
 def plan_for(tmp_path, model_type: str | None = None, **fields):
@@ -129,9 +162,12 @@ def test_a_leaking_model_is_refused_before_its_first_step(tmp_path, demo_rows, b
         assert trainer.state.global_step == 1 and check.result.samples >= 2 and not check.result.leaks
         return
     before = model.model.embed_tokens.weight.clone()
-    with pytest.raises(ConfigError, match=r"Packing check \(packing_check: true\): packed samples do not compute "
-                                          r"what they compute alone: \d+ samples of \d+ packed rows.*tolerance 2e-02"
-                                          r".*Set packing: false and padding_free: false"):  # fmt: skip
+    said = (
+        r"Packing check \(packing_check: true\): packed samples do not compute what they compute alone: \d+ "
+        r"samples of \d+ packed rows.*tolerance 2e-01.*moved by changing the first one's tokens: .*tolerance "
+        r"1e-03.*lets a packed sample see the one before it.*Set packing: false and padding_free: false"
+    )
+    with pytest.raises(ConfigError, match=said):
         trainer.train()
     assert trainer.state.global_step == 0 and torch.equal(model.model.embed_tokens.weight, before)
 
