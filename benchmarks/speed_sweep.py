@@ -561,7 +561,7 @@ def report(paths: list[Path]) -> str:
     return text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
@@ -593,7 +593,7 @@ def main() -> None:
     parser.add_argument("--source", help="With --fit: what the constants came from (default: the files)")
     parser.add_argument("--write", type=Path, help=f"With --fit: write here instead of {speed.CONSTANTS.name}")
     parser.add_argument("--report", nargs="*", type=Path, help="Plan vs measured of these runs.jsonl; run nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.fit:
         fit(args)
     elif args.report:

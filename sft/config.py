@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
 from sft import engines
 from sft.core import logs
 from sft.core.dims import ParallelDims
+from sft.core.recipe import read_recipe, recipe_path
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -647,44 +647,6 @@ def _check_flags(parser: TrlParser, args: list[str]) -> None:
         raise ConfigError(f"unknown flag `{flag}`: {fix} Every field of `python sft/train.py --help` is a flag.")
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key, first: int, again: int):
-        super().__init__(key)
-        self.key, self.first, self.again = key, first, again
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise _DuplicateKey(key, seen[key], line)
-            seen[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def read_recipe(path: Path) -> dict:
-    """The recipe's mapping; a missing file, invalid YAML, a key given twice or a non-mapping is a ConfigError."""
-    if not path.is_file():
-        raise ConfigError(f"`--config`: no such file {str(path)!r}. Recipes live in recipes/, e.g. recipes/demo.yaml.")
-    try:
-        recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except _DuplicateKey as e:
-        raise ConfigError(
-            f"{path}: key `{e.key}` is given twice (lines {e.first} and {e.again}); YAML would silently keep the "
-            "second. Keep one of them."
-        ) from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"`--config`: {path} is not valid YAML: {e}") from e
-    if not isinstance(recipe, dict):
-        raise ConfigError(f"`--config`: {path} must hold a YAML mapping of field: value, got {type(recipe).__name__}.")
-    return recipe
-
-
 SOURCE_KEYS = [f.name for f in dataclasses.fields(DatasetConfig)]
 
 
@@ -731,12 +693,9 @@ def _check_value(field: str, value, kind, where: str) -> None:
 def _check_recipe(parser: TrlParser, args: list[str]) -> None:
     """Reject a missing or malformed recipe, a key given twice, a key no dataclass knows, malformed data sources and
     number fields of the wrong kind, before TrlParser turns them into flags."""
-    if "--config" not in args:
+    path = recipe_path(args)
+    if path is None:
         return
-    index = args.index("--config")
-    if index + 1 >= len(args):
-        raise ConfigError("`--config` needs a path to a YAML recipe, e.g. --config recipes/demo.yaml.")
-    path = Path(args[index + 1])
     recipe = read_recipe(path)
     actions = {action.dest: action for action in parser._actions}
     known = set(actions) | {"env"}

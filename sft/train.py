@@ -202,12 +202,14 @@ def run(argv: list[str] | None = None) -> None:
     """The process entry point: train, then leave with the exit code (see `sft.parallel.distributed.leave`). With
     launcher flags (`--nproc-per-node N`, `sft.parallel.launch`), start that many worker processes that each run this
     instead."""
+    from sft.core.recipe import read_recipe, recipe_path
     from sft.parallel import launch
-    from sft.parallel.distributed import leave, lone_process_environment
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # the launcher's own errors: its flags, or this node cannot take part (sft.parallel.nodes)
         launcher_args, train_args = launch.split_args(argv)
+        if not {"-h", "--help", "--help-all"} & set(train_args) and recipe_path(train_args):
+            read_recipe(recipe_path(train_args))  # a missing or malformed recipe said before torch is imported
         if launcher_args:
             if "LOCAL_RANK" in os.environ:
                 raise ConfigError("--nproc-per-node starts worker processes; this already is one (under torchrun or "
@@ -216,6 +218,8 @@ def run(argv: list[str] | None = None) -> None:
     except SFTError as e:
         print(f"sft: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from sft.parallel.distributed import leave, lone_process_environment
+
     lone_process_environment()  # no launcher: the variables of a one-process launch (DeepSpeed needs them)
     try:
         code = cli(argv)

@@ -65,6 +65,11 @@ def test_sft_command_runs_each_tool():
     assert wrong.returncode == 2 and "did you mean 'train'?" in wrong.stderr
     train = sft("train", "--config", "nope.yaml")  # the training entry point, in-process argument checks first
     assert train.returncode == 2 and "`--config`: no such file 'nope.yaml'" in train.stderr
+    # the recipe is read before any library: a typo in its path costs no import of torch
+    probe = ("import sys, sft.train\ntry:\n    sft.train.run(['--config', 'nope.yaml'])\nexcept SystemExit as e:\n"
+             "    print(e.code, 'torch' in sys.modules)")  # fmt: skip
+    said = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert said.stdout.split() == ["2", "False"] and "no such file 'nope.yaml'" in said.stderr, said.stderr
 
 
 def test_no_sft_module_shadows_an_installed_one():

@@ -7,9 +7,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -286,7 +283,15 @@ def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_
     assert half.items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] == 16 * first and first >= 1e9
 
 
-def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path):
+def plan_command(args: list[str], capsys) -> tuple[int, str, str]:
+    """`sft plan` with these arguments, in this process (its entry point, `python -m sft.plan`, runs in the README
+    walk): exit code, stdout, stderr."""
+    code = plan_cli.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path, capsys, monkeypatch):
     """8B shape on one 80 GiB GPU with 125 GiB of host memory: its 16 bytes per parameter of optimizer states do not
     fit on either alone, so the longest row offloads a share of them and host memory binds (a longer row would fit
     the GPU with more host memory); with a 2 TB host the GPU binds and the row is longer. `sft plan --longest` prints
@@ -302,27 +307,26 @@ def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path):
     assert roomy.setting.seq_len > top.setting.seq_len
     assert plan.binding(shape, roomy, gpu, 0.1, 2048 * plan.GiB) == "GPU"
     args = ["--model", config, "--gpus", "1", "--zero", "3", "--liger", "--host-memory", "125"]
-    out = subprocess.run([sys.executable, "-m", "sft.plan", *args, "--gpu-memory", "80", "--longest"],
-                         capture_output=True, text=True).stdout  # fmt: skip
+    _, out, _ = plan_command([*args, "--gpu-memory", "80", "--longest"], capsys)
     assert f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()}" in out
     assert "(the last made it fit); host memory binds (a longer row would fit the GPU, not the host)" in out
-    table = subprocess.run([sys.executable, "-m", "sft.plan", *args, "--longest"], capture_output=True, text=True,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _, table, _ = plan_command([*args, "--longest"], capsys)
     assert f"| 80 | {top.setting.seq_len:,} | {top.setting.describe()} |" in table and "| 24 | none |" in table
 
 
-def test_plan_cli_reports_fit_and_suggestion(tmp_path):
+def test_plan_cli_reports_fit_and_suggestion(tmp_path, capsys):
     config = write_config(tmp_path, "8b", SHAPES["llama-8b"])
-    args = [sys.executable, "-m", "sft.plan", "--model", config, "--gpus", "2", "--zero", "2", "--seq-len", "4096"]
-    fits = subprocess.run([*args, "--gpu-memory", "141"], cwd=ROOT, capture_output=True, text=True)
-    assert fits.returncode == 0 and "fits:" in fits.stdout and "8.030B parameters" in fits.stdout
-    too_small = subprocess.run([*args, "--gpu-memory", "80"], cwd=ROOT, capture_output=True, text=True)
-    assert too_small.returncode == 1
+    args = ["--model", config, "--gpus", "2", "--zero", "2", "--seq-len", "4096"]
+    code, out, _ = plan_command([*args, "--gpu-memory", "141"], capsys)
+    assert code == 0 and "fits:" in out and "8.030B parameters" in out
+    code, out, _ = plan_command([*args, "--gpu-memory", "80"], capsys)
+    assert code == 1
     # fp32 Adam fits only ZeRO-3; 8-bit Adam moments stepped a group at a time (`optim: auto`) fit a lower stage
-    assert "does NOT fit" in too_small.stdout and "optim auto -> adamw_torch_8bit" in too_small.stdout
-    assert "fastest setting that fits: ZeRO-" in too_small.stdout and "8-bit Adam moments (peak" in too_small.stdout
-    missing = subprocess.run([*args[:4], str(tmp_path / "nope"), *args[5:]], cwd=ROOT, capture_output=True, text=True)
-    assert missing.returncode == 2 and "cannot read a model config" in missing.stderr
+    assert "does NOT fit" in out and "optim auto -> adamw_torch_8bit" in out
+    assert "fastest setting that fits: ZeRO-" in out and "8-bit Adam moments (peak" in out
+    code, _, err = plan_command([args[0], str(tmp_path / "nope"), *args[2:]], capsys)
+    assert code == 2 and "cannot read a model config" in err
 
 
 def demo_args(tmp_path, *extra):
