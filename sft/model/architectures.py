@@ -468,6 +468,10 @@ class LayerKeeps(NamedTuple):
     # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): (such layers, key heads, key head dim, value heads, value head dim);
     # () where none
     linear: tuple[int, ...] = ()
+    # layers that reuse an earlier layer's keys and values (Gemma 4's `num_kv_shared_layers`, the last ones): (such
+    # layers, their key-value heads x head dim summed, their key-value heads summed); () where none. They keep no key
+    # or value of their own, nor their norms' (tests/test_plan.py)
+    kv_shared: tuple[int, ...] = ()
 
 
 LAYER_KEEPS = {
@@ -494,8 +498,8 @@ def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
     """The family's row of `LAYER_KEEPS`; a family without one: Llama's layer, with a per-head query and key norm where
     its layers have a `q_norm` (`module_names`: a decoder layer's modules). Gemma 4's layer is read from its modules
     and `text` config: the norms on the residual stream outside the attention (4, one more with per-layer inputs, four
-    more with its experts), the values' norm, the per-layer input's width; Gated DeltaNet layers' count and widths from
-    the config's `layer_types`."""
+    more with its experts), the values' norm, the per-layer input's width, the layers that reuse earlier layers' keys
+    and values; Gated DeltaNet layers' count and widths from the config's `layer_types`."""
     has_qk_norm = any(n.split(".")[-1] == "q_norm" for n in module_names)
     row = LAYER_KEEPS.get(family) or LayerKeeps(qk_norm="head" if has_qk_norm else None)
     if family in NORMS_FROM_MODULES:
@@ -504,6 +508,10 @@ def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
         )
         row = row._replace(norms=norms, v_norm="self_attn.v_norm" in module_names,
                            per_layer_input=getattr(text, "hidden_size_per_layer_input", 0) or 0)  # fmt: skip
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    if shared:
+        dims, kv = (widths[-shared:] for widths in _layer_widths(text))
+        row = row._replace(kv_shared=(shared, sum(k * d for k, d in zip(kv, dims, strict=True)), sum(kv)))
     linear = sum(1 for t in getattr(text, "layer_types", None) or () if t == LINEAR)
     if linear:
         row = row._replace(linear=(linear, text.linear_num_key_heads, text.linear_key_head_dim,

@@ -329,6 +329,8 @@ def layer_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     if keeps.output_gate:  # the gate's sigmoid, the attention's output made contiguous, and their product (what the
         # output projection reads)
         attention += 3 * b * hq
+    if keeps.kv_shared:  # layers reading an earlier layer's keys and values keep no k or v of their own (averaged)
+        attention -= 2 * b * keeps.kv_shared[1] / shape.layers
     if keeps.linear:  # Gated DeltaNet layers in place of some attention layers: the average over the layers
         linear = keeps.linear[0]
         attention = ((shape.layers - linear) * attention + linear * linear_attention_bytes_per_token(shape, s)) / (
@@ -383,7 +385,13 @@ def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
         return share * 2 * b * width
     rows = shape.heads + shape.kv_heads if keeps.qk_norm == "head" else 2
     values = 4 * (shape.kv_heads * shape.head_dim + shape.kv_heads) if keeps.v_norm else 0  # no scale: input, rstd
-    return share * ((4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values)
+    per_layer = (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values
+    if keeps.kv_shared:  # layers reusing earlier keys and values norm no keys or values (averaged over the layers)
+        _, elements, kv_heads = keeps.kv_shared
+        reused = (4 + (4 if keeps.fp32_scale else b)) * elements + 4 * kv_heads
+        reused += 4 * (elements + kv_heads) if keeps.v_norm else 0
+        per_layer -= reused / shape.layers
+    return share * per_layer
 
 
 def mlp_bytes_per_token(shape: ModelShape, s: Setting) -> float:
