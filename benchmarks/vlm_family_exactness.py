@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from sft.model.architectures import VISION
+
 BOI, IMAGE, EOI = 255999, 262144, 256000
 SMOL_IMAGE, FAKE, GLOBAL, ROW = 49190, 49189, 49152, 49153  # SmolVLM2's <image>, <fake_token_around_image>, ...
 
@@ -155,12 +157,14 @@ def samples(model, tiny: bool):
     return out
 
 
-def gemma3(args, device) -> dict:
+def masked_rows(model, rows, device) -> tuple[dict, dict]:
+    """A family packed by sft's masks (Gemma 3, Gemma 4): each sample alone through eager fp32 (the reference) and sdpa
+    bf16 (transformers' own masks, its token types from the image token), the packed row through sdpa bf16 with
+    transformers' masks and with sft's (`block_masks`). The figures every such family reports, and the logits."""
     from sft.data import vision
     from sft.model import vision_hooks
 
-    model = build(args.tiny).to(device)
-    rows = samples(model, args.tiny)
+    key, image = VISION[model.config.model_type].type_ids, model.config.image_token_id
     batch = {k: v.to(device) for k, v in vision.BlockMaskPacker(model)(rows).items()}
 
     def alone(impl: str, dtype) -> torch.Tensor:
@@ -168,9 +172,11 @@ def gemma3(args, device) -> dict:
         logits = []
         for s in rows:
             ids = s.input_ids[None].to(device)
-            inputs = {"input_ids": ids, "token_type_ids": (ids == IMAGE).long(), "use_cache": False}
+            inputs = {"input_ids": ids, key: (ids == image).long(), "use_cache": False}
             if s.pixel_values is not None:
                 inputs["pixel_values"] = s.pixel_values.to(device, dtype)
+            if s.image_position_ids is not None:
+                inputs["image_position_ids"] = s.image_position_ids.to(device)
             logits.append(model(**inputs).logits[0].float())
         return torch.cat(logits)
 
@@ -182,7 +188,7 @@ def gemma3(args, device) -> dict:
         hook = vision_hooks.block_masks(model)
         packed = model(**packed_in, use_cache=False).logits[0].float()
         hook.remove()
-    return {
+    figures = {
         "tokens": int(batch["input_ids"].numel()), "samples": [len(s.input_ids) for s in rows],
         "images": int(batch["pixel_values"].shape[0]),
         "max_abs_logit_diff_packed_sft_masks_sdpa_bf16_vs_alone_sdpa_bf16": diff(packed, bf16),
@@ -191,6 +197,12 @@ def gemma3(args, device) -> dict:
         "max_abs_logit_diff_packed_transformers_masks_sdpa_bf16_vs_alone_eager_fp32": diff(theirs, fp32),
         "mean_abs_logit_fp32": float(fp32.abs().mean()),
     }  # fmt: skip
+    return figures, {"packed": packed, "bf16": bf16, "fp32": fp32, "theirs": theirs}
+
+
+def gemma3(args, device) -> dict:
+    model = build(args.tiny).to(device)
+    return masked_rows(model, samples(model, args.tiny), device)[0]
 
 
 def build_gemma4(tiny: bool):
@@ -248,43 +260,14 @@ def gemma4_samples(model, tiny: bool):
 
 
 def gemma4(args, device) -> dict:
-    from sft.data import vision
-    from sft.model import vision_hooks
-
     model = build_gemma4(args.tiny).to(device)
     rows = gemma4_samples(model, args.tiny)
-    batch = {k: v.to(device) for k, v in vision.BlockMaskPacker(model)(rows).items()}
+    figures, logits = masked_rows(model, rows, device)
+    packed, bf16, fp32, theirs = (logits[k] for k in ("packed", "bf16", "fp32", "theirs"))
     image = model.config.image_token_id
-
-    def alone(impl: str, dtype) -> torch.Tensor:
-        model.to(dtype).set_attn_implementation(impl)
-        logits = []
-        for s in rows:
-            ids = s.input_ids[None].to(device)
-            inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image).long(), "use_cache": False}
-            if s.pixel_values is not None:
-                inputs |= {"pixel_values": s.pixel_values.to(device, dtype),
-                           "image_position_ids": s.image_position_ids.to(device)}  # fmt: skip
-            logits.append(model(**inputs).logits[0].float())
-        return torch.cat(logits)
-
-    with torch.no_grad():
-        fp32 = alone("eager", torch.float32)
-        bf16 = alone("sdpa", torch.bfloat16)
-        packed_in = batch | {"pixel_values": batch["pixel_values"].to(torch.bfloat16)}
-        theirs = model(**packed_in, use_cache=False).logits[0].float()  # transformers' masks on the packed row
-        hook = vision_hooks.block_masks(model)
-        packed = model(**packed_in, use_cache=False).logits[0].float()
-        hook.remove()
     return {
-        "tokens": int(batch["input_ids"].numel()), "samples": [len(s.input_ids) for s in rows],
-        "images": int(batch["pixel_values"].shape[0]),
+        **figures,
         "image_tokens": [int((s.input_ids == image).sum()) for s in rows],
-        "max_abs_logit_diff_packed_sft_masks_sdpa_bf16_vs_alone_sdpa_bf16": diff(packed, bf16),
-        "max_abs_logit_diff_alone_sdpa_bf16_vs_alone_eager_fp32": diff(bf16, fp32),
-        "max_abs_logit_diff_packed_sft_masks_sdpa_bf16_vs_alone_eager_fp32": diff(packed, fp32),
-        "max_abs_logit_diff_packed_transformers_masks_sdpa_bf16_vs_alone_eager_fp32": diff(theirs, fp32),
-        "mean_abs_logit_fp32": float(fp32.abs().mean()),
         # bf16's noise is heavy-tailed at these random widths: the mean difference too, over every token and over the
         # later samples' tokens only (those a leak reaches: the first sample has nothing before it)
         **{f"mean_abs_logit_diff_{name}{where}": float((a - b)[part].abs().mean())

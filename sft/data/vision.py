@@ -277,7 +277,6 @@ class Images:
                 raise ConfigError(f"`{self.family}` config without a `vision_config`: this checkpoint has no image "
                                   "encoder, so its image records cannot train. Train it on text records.")  # fmt: skip
             self.frame = config.boi_token_id, config.eoi_token_id
-            self.image_ids = {config.boi_token_id, config.image_token_id, config.eoi_token_id}
         if self.vision.tiles:
             encoder = config.vision_config
             self.seq_len = (encoder.image_size // encoder.patch_size) ** 2 // config.scale_factor**2

@@ -385,10 +385,11 @@ def qk_norm_bytes_per_token(shape: ModelShape, s: Setting) -> float:
         return share * 2 * b * width
     rows = shape.heads + shape.kv_heads if keeps.qk_norm == "head" else 2
     values = 4 * (shape.kv_heads * shape.head_dim + shape.kv_heads) if keeps.v_norm else 0  # no scale: input, rstd
-    per_layer = (4 + (4 if keeps.fp32_scale else b)) * width + 4 * rows + values
+    per_element = 4 + (4 if keeps.fp32_scale else b)
+    per_layer = per_element * width + 4 * rows + values
     if keeps.kv_shared:  # layers reusing earlier keys and values norm no keys or values (averaged over the layers)
         _, elements, kv_heads = keeps.kv_shared
-        reused = (4 + (4 if keeps.fp32_scale else b)) * elements + 4 * kv_heads
+        reused = per_element * elements + 4 * kv_heads
         reused += 4 * (elements + kv_heads) if keeps.v_norm else 0
         per_layer -= reused / shape.layers
     return share * per_layer
