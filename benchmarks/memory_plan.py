@@ -4,10 +4,10 @@
     python -m benchmarks.memory_plan --report benchmarks/results/memory_plan_calibration_measured.json  # again
 
 Each group (model shape, ZeRO stage, GPU count, Liger) is one `torchrun` launch of the real trainer: the recipe goes
-through `sft.config.parse_args`, the data through `sft.data.load`, the model through `sft.model.build`, training
-through `sft.run.trainer.Trainer` with DeepSpeed. The run is cut into phases of a few optimizer steps; a callback
-switches activation checkpointing and the data holds micro-batches of the phase's token count (padding-free: one row of
-micro_batch x max_length tokens), so one model build measures many settings. For every step it records
+through `sft.plan.arguments.parse_args`, the data through `sft.data.load`, the model through `sft.model.build`,
+training through `sft.run.trainer.Trainer` with DeepSpeed. The run is cut into phases of a few optimizer steps; a
+callback switches activation checkpointing and the data holds micro-batches of the phase's token count (padding-free:
+one row of micro_batch x max_length tokens), so one model build measures many settings. For every step it records
 `torch.cuda.max_memory_allocated()` over forward + backward and over DeepSpeed's optimizer step, the maximum over
 ranks. Models are built from their config (random weights): memory does not depend on the weights' values.
 
@@ -67,11 +67,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    from sft.config import parse_args
     from sft.core import logs
     from sft.data.load import load_datasets
     from sft.model.build import load_model, load_tokenizer
     from sft.parallel.distributed import init_process_group
+    from sft.plan.arguments import parse_args
     from sft.run.trainer import Trainer
 
     cuda = torch.cuda.is_available()  # on CPU (a smoke test of this script) every figure reads 0

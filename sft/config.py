@@ -22,7 +22,6 @@ import torch
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.utils import DatasetConfig
 
-from sft import engines
 from sft.core import logs
 from sft.core.dims import ParallelDims
 from sft.core.recipe import read_recipe, recipe_path
@@ -104,6 +103,13 @@ class ModelArguments(ModelConfig):
             "(`sft_varlen`) on CUDA, else sdpa. Or any transformers backend name."
         },
     )
+
+
+ENGINE_HELP = (
+    "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded), fsdp2 (PyTorch's FSDP2 "
+    "through accelerate; `fsdp_config` as sft writes it), or `auto`: DeepSpeed, except FSDP2 in place of ZeRO-3 where "
+    "the plan estimates it faster on a GPU."
+)
 
 
 @dataclass
@@ -273,12 +279,7 @@ class TrainConfig(SFTConfig):
     )
     engine: str = field(
         default="auto",
-        metadata={
-            "help": "What shards and steps the model: deepspeed (the `deepspeed` config; none: not sharded), "
-            "fsdp2 (PyTorch's FSDP2 through accelerate; `fsdp_config` as sft writes it), or `auto`: DeepSpeed, "
-            "except FSDP2 in place of ZeRO-3 where the plan estimates it faster on a GPU.",
-            "choices": [*engines.NAMES, "auto"],
-        },  # fmt: skip
+        metadata={"help": ENGINE_HELP},  # its choices are the engine registry's (`sft.plan.arguments.RunArguments`)
     )
     optim: str = field(
         default="auto",
@@ -354,19 +355,16 @@ class TrainConfig(SFTConfig):
             self.use_cpu = True
             logs.quiet_accelerator_detection()
         # sp must divide the launch's world size, ep its data-parallel size
-        launch = ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size)
-        self._prepare_engine(launch)
-        super().__post_init__()
-        engines.spec(self.engine).check_agrees(self)
-
-    def _prepare_engine(self, launch: ParallelDims) -> None:
-        """The `engine` checked and its configuration written by the engine's spec (`sft.engines.SPECS`): DeepSpeed's
-        config resolved, or FSDP2's `fsdp` and `fsdp_config`."""
         self.engine = str(self.engine).strip().lower()
-        if self.engine == "auto":  # the registry's first engine until the plan decides (`sft.plan.preflight`)
+        if self.engine == "auto":  # decided by the plan (`sft.plan.preflight`)
             self.auto_settings.add("engine")
-            self.engine = engines.NAMES[0]
-        engines.spec(self.engine).prepare(self, launch)
+        self._enter_engine(ParallelDims.from_env(self.sequence_parallel_size, self.expert_parallel_size))
+        super().__post_init__()
+
+    def _enter_engine(self, launch: ParallelDims) -> None:
+        """Where the engine's configuration is written for a launch of `launch`, before transformers reads it: the
+        run's arguments (`sft.plan.arguments.RunArguments`) do it through the engine registry; these parsed fields
+        alone leave the engine's fields as given."""
 
     def _parse_sizes(self) -> None:
         """The micro batch and the parallel sizes: whole numbers, or `auto` (a placeholder until the plan chooses)."""
@@ -506,14 +504,11 @@ class TrainConfig(SFTConfig):
         """The run's parallel dimensions (`sft.core.dims`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
 
-    @functools.cached_property
-    def run_engine(self) -> engines.Engine:
-        """The run's engine (`sft.engines`: the `engine` field's), built once from these arguments' resolved
-        configuration."""
-        return engines.build(self)
 
-
-DATACLASSES = (ScriptArguments, DataArguments, TrainConfig, ModelArguments)
+def dataclasses_with(train: type = TrainConfig) -> tuple[type, ...]:
+    """The dataclasses a recipe fills, in order, with `train` for the training arguments (`TrainConfig`, or the run's
+    `sft.plan.arguments.RunArguments`, which enters the engine)."""
+    return ScriptArguments, DataArguments, train, ModelArguments
 
 
 # Flags from other trainers' command lines, named in the "did you mean" of an unknown flag
@@ -535,8 +530,8 @@ class _Parser(TrlParser):
         raise ConfigError(f"{message}. See `python sft/train.py --help` for the fields.")
 
 
-def make_parser() -> TrlParser:
-    return _Parser(DATACLASSES)
+def make_parser(train: type = TrainConfig) -> TrlParser:
+    return _Parser(dataclasses_with(train))
 
 
 # The fields people set most, grouped, for `--help` (a line of sft's where the library's help is vague);
@@ -738,12 +733,15 @@ def _check_parsed_values(*arguments) -> None:
         raise ConfigError(f"`dtype` is {dtype!r}, not a torch dtype: use bfloat16, float16, float32 or auto.")
 
 
-def parse_args(args: list[str] | None = None) -> tuple[ScriptArguments, DataArguments, TrainConfig, ModelArguments]:
-    """Parse a recipe plus CLI overrides into sft's dataclasses; raise ConfigError on anything invalid."""
+def parse_args(
+    args: list[str] | None = None, train: type = TrainConfig
+) -> tuple[ScriptArguments, DataArguments, TrainConfig, ModelArguments]:
+    """Parse a recipe plus CLI overrides into sft's dataclasses (`train` for the training arguments: a run's come from
+    `sft.plan.arguments.parse_args`, with the engine entered); raise ConfigError on anything invalid."""
     import sys
 
     args = list(sys.argv[1:] if args is None else args)
-    parser = make_parser()
+    parser = make_parser(train)
     if "-h" in args or "--help" in args or "--help-all" in args:
         print(parser.format_help() if "--help-all" in args else short_help(parser))
         raise SystemExit(0)

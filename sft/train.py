@@ -36,10 +36,10 @@ def build(argv: list[str] | None, watch) -> tuple:
     """Everything before the first step: the arguments parsed, the run planned, the data loaded and checked, the
     output directory claimed, the model and the trainer built. Returns (trainer, plan, the checkpoint it resumes or
     None, the model's path). `sft packing-check` builds the same, with its own output directory, and trains nothing."""
-    from sft.config import parse_args
     from sft.core import logs
     from sft.parallel import nodes
     from sft.parallel.distributed import init_process_group, timeout_seconds
+    from sft.plan.arguments import parse_args
 
     init_process_group()
     script_args, data_args, training_args, model_args = parse_args(argv)

@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.model import checkpointing
+from sft.plan.arguments import parse_args
 from tests.conftest import ROOT
 
 

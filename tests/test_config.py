@@ -8,9 +8,9 @@ import pytest
 import yaml
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from sft.config import parse_args
 from sft.engines.deepspeed import BUCKET_FLOOR, fill_buckets, prepare_config, unresolved_config
 from sft.errors import ConfigError
+from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 

@@ -94,8 +94,8 @@ def test_zero3_costs_are_the_committed_benchmarks():
 def test_deepcompile_is_refused_with_what_was_measured(tmp_path, stage):
     import json
 
-    from sft.config import parse_args
     from sft.errors import ConfigError
+    from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
     config = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
@@ -115,8 +115,8 @@ def test_fsdp2_is_written_by_sft_and_what_it_cannot_honour_is_refused(tmp_path):
     sharded checkpoints) and builds the FSDP2 engine; a DeepSpeed config beside it, FSDP1's settings, sequence or
     expert parallelism, `fsdp` without the engine and an unknown engine are refused at parse time, naming the field."""
     from sft import engines
-    from sft.config import parse_args
     from sft.errors import ConfigError
+    from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
     def parsed(*extra):
@@ -155,9 +155,9 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     a DeepSpeed checkpoint keep DeepSpeed, each with its reason; an FSDP2 checkpoint is resumed by FSDP2."""
     import logging
 
-    from sft.config import parse_args
     from sft.core.run import Resume
     from sft.plan import preflight as pre
+    from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
     def planned(*extra, resume=None):
@@ -215,9 +215,9 @@ def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(t
     (which could not read it), with or without a GPU."""
     import logging
 
-    from sft.config import parse_args
     from sft.core.run import Resume
     from sft.plan import preflight as pre
+    from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
     def planned(*extra, resume=None):

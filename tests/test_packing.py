@@ -120,7 +120,7 @@ def test_assistant_only_mask_survives_packing(tmp_path):
     from trl import ScriptArguments
     from trl.scripts.utils import DatasetConfig
 
-    from sft.config import DataArguments, ModelArguments, TrainConfig
+    from sft.config import DataArguments, ModelArguments
     from sft.data.load import load_datasets
     from sft.plan.preflight import preflight
     from sft.run.trainer import Trainer
@@ -128,7 +128,9 @@ def test_assistant_only_mask_survives_packing(tmp_path):
     records = [json.loads(line) for line in (ROOT / "recipes/demo/data/eval.jsonl").read_text().splitlines()[:40]]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    args = TrainConfig(
+    from sft.plan.arguments import RunArguments
+
+    args = RunArguments(
         output_dir=str(tmp_path / "out"), packing=True, max_length=128, assistant_only_loss=True, report_to="none"
     )
     train, _ = load_datasets(ScriptArguments(), DataArguments(datasets=[DatasetConfig(path=str(path))]), args)

@@ -95,14 +95,15 @@ def test_a_sample_unlike_itself_alone_without_a_leak_is_refused_as_such():
 
 
 def plan_for(tmp_path, model_type: str | None = None, **fields):
-    from sft.config import ModelArguments, TrainConfig
+    from sft.config import ModelArguments
+    from sft.plan.arguments import RunArguments
     from sft.plan.preflight import preflight
 
     config = AutoConfig.from_pretrained(DEMO_MODEL)
     if model_type:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
     config.save_pretrained(tmp_path / f"model-{model_type}")
-    args = TrainConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=128, **fields)
+    args = RunArguments(output_dir=str(tmp_path / "out"), report_to="none", max_length=128, **fields)
     return preflight(args, ModelArguments(model_name_or_path=str(tmp_path / f"model-{model_type}")))
 
 

@@ -16,13 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from benchmarks.common import LLAMA_SHAPES
-from sft.config import parse_args
 from sft.core.run import Resume
 from sft.errors import ConfigError
 from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from sft.plan import speed
+from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 
@@ -497,11 +497,11 @@ def test_one_zero3_process_gathers_nothing(tmp_path):
 def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog):
     """A ZeRO-3 run whose plan shows ZeRO-2 fitting (same micro batch, no checkpointing) is told so at start, with
     the nearest measured ZeRO-3 / ZeRO-2 ratio; where ZeRO-2 would not fit, or ZeRO-3 offloads, nothing is said."""
-    from sft.config import TrainConfig
+    from sft.plan.arguments import RunArguments
     from sft.plan.preflight import zero2_advice
 
     config = str(ROOT / "ds_configs" / "zero3.json")
-    engine = TrainConfig(output_dir=str(tmp_path / "out"), deepspeed=config).run_engine
+    engine = RunArguments(output_dir=str(tmp_path / "out"), deepspeed=config).run_engine
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     zero3 = plan.Setting(gpus=2, zero_stage=3, micro_batch=2, seq_len=4096, liger=True)
     zero2 = dataclasses.replace(zero3, zero_stage=2)

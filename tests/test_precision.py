@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import Trainer
 
-from sft.config import parse_args
 from sft.model import shapes
 from sft.plan import memory as plan
+from sft.plan.arguments import parse_args
 from sft.plan.preflight import STOCHASTIC_ROUNDING, preflight
 from tests.conftest import ROOT
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sft.config import parse_args
 from sft.errors import ConfigError
 from sft.model import quantization
+from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 

@@ -11,7 +11,6 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from sft.config import parse_args
 from sft.core import batch
 from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
@@ -19,6 +18,7 @@ from sft.model import shapes
 from sft.model.attention import boundaries_from_positions, varlen_attention_forward
 from sft.parallel import sequence as seqpar
 from sft.plan import memory as plan
+from sft.plan.arguments import parse_args
 from tests.conftest import DEMO, ROOT
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"

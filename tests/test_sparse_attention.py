@@ -77,14 +77,15 @@ def test_glm5_trains_one_unpadded_row_per_micro_batch(runs, tmp_path):
     for `auto` and refuses a larger one, naming the fix."""
     padded = dict(zip((13, 21, 5, 17), runs["glm_moe_dsa"]["padded"], strict=True))  # sample length -> difference
     assert padded[21] < 1e-5 and max(padded[13], padded[17]) > 1e-2, padded  # the longest row has no padding
-    from sft.config import ModelArguments, TrainConfig
+    from sft.config import ModelArguments
+    from sft.plan.arguments import RunArguments
     from sft.plan.preflight import preflight
 
     config_of("glm_moe_dsa").save_pretrained(tmp_path / "model")
     model_args = ModelArguments(model_name_or_path=str(tmp_path / "model"))
 
     def plan(micro, **fields):
-        args = TrainConfig(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, packing=False,
+        args = RunArguments(output_dir=str(tmp_path / "out"), report_to="none", max_length=64, packing=False,
                            padding_free=False, per_device_train_batch_size=micro, **fields)  # fmt: skip
         return preflight(args, model_args)
 

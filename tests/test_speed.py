@@ -14,12 +14,12 @@ import pytest
 
 from benchmarks import speed_sweep as sweep
 from benchmarks.common import model_dir
-from sft.config import parse_args
 from sft.engines.deepspeed import fill_buckets
 from sft.model import shapes
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from sft.plan import speed
+from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
 

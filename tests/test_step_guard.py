@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from sft.config import parse_args
 from sft.errors import ConfigError
+from sft.plan.arguments import parse_args
 from sft.run import failsafe
 from sft.run.checkpoint import RUN_MANIFEST
 from tests.conftest import ROOT, read_jsonl

@@ -14,7 +14,7 @@ RECIPE = str(ROOT / "recipes" / "demo-vlm.yaml")
 
 
 def planned(tmp_path, *extra):
-    from sft.config import parse_args
+    from sft.plan.arguments import parse_args
     from sft.plan.preflight import preflight
 
     config = next((extra[i + 1] for i, x in enumerate(extra) if x == "--config"), RECIPE)

@@ -3,7 +3,7 @@
 `base.py` is the interface (`Spec`: an engine's declared `Traits` and how it enters a run; `Engine`: one run's engine);
 each engine folder exports its `SPEC` (`deepspeed/` the first engine, `fsdp2/` the second) and this module is the
 registry (`SPECS`, `spec`, `written_by`): outside this folder nothing branches on an engine's name; it reads traits.
-Nothing else imports deepspeed: the run's engine is built once (`build`, read through `TrainConfig.run_engine` and the
+Nothing else imports deepspeed: the run's engine is built once (`build`, read through `RunArguments.run_engine` and the
 run plan), and the few pieces of an engine's library that sft uses without a run (the
 tiled MLP, the memory equations, a model built outside ZeRO-3's `zero.Init`, LoRA weights from a sharded checkpoint)
 are the functions below.

@@ -8,7 +8,7 @@
 - `ulysses.py`: Ulysses' data-loader adapter and the tiled MLP (DeepSpeed ALST);
 - `autoep.py`: expert parallelism (DeepSpeed AutoEP), DeepSpeed's alone.
 
-`DeepSpeed(training_args)` is built once per run (`TrainConfig.run_engine`) from the configuration transformers
+`DeepSpeed(training_args)` is built once per run (`RunArguments.run_engine`) from the configuration transformers
 resolved, and the run asks it; the functions below stay importable for the tests and the command-line tools.
 """
 
