@@ -208,9 +208,11 @@ def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # the launcher's own errors: its flags, or this node cannot take part (sft.parallel.nodes)
         launcher_args, train_args = launch.split_args(argv)
-        recipe = None if {"-h", "--help", "--help-all"} & set(train_args) else recipe_path(train_args)
-        if recipe is not None:
-            read_recipe(recipe)  # a missing or malformed recipe said before torch is imported (sft.config reads again)
+        if {"-h", "--help", "--help-all"} & set(train_args):
+            from sft.plan.arguments import parse_args
+
+            parse_args(train_args)  # prints the fields and exits 0, before any process, variable or process group
+        read_recipe(recipe_path(train_args))  # a missing or malformed recipe said before torch is imported
         if launcher_args:
             if "LOCAL_RANK" in os.environ:
                 raise ConfigError("--nproc-per-node starts worker processes; this already is one (under torchrun or "

@@ -40,11 +40,21 @@ def test_help_all_lists_every_field():
     assert all(f"--{name}" in result.stdout for name in fields) and len(fields) > 150
 
 
-def test_help_from_the_script_and_the_command():
-    for cmd in ([sys.executable, "sft/train.py", "--help"], [sys.executable, "-m", "sft", "train", "--help"]):
-        result = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0 and result.stdout.startswith("usage: python sft/train.py --config")
-        assert len(result.stdout.splitlines()) <= 70
+def test_help_from_the_script_and_the_command(capsys):
+    """`python sft/train.py --help` and `sft train --help` (their entry points, in this process: the script as a
+    process runs in every multi-process test) print the short help and exit 0 without starting anything."""
+    import torch.distributed
+
+    from sft import cli, train
+
+    for entry in (lambda: train.run(["--help"]), lambda: cli.main(["train", "--help"]),
+                  lambda: train.run(["--nproc-per-node", "2", "--help"])):  # fmt: skip
+        with pytest.raises(SystemExit) as leaving:
+            entry()
+        out = capsys.readouterr().out
+        assert leaving.value.code == 0 and out.startswith("usage: python sft/train.py --config"), out[:200]
+        assert len(out.splitlines()) <= 70
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ  # no process group, no launch
 
 
 def test_launcher_flags_are_split_from_training_arguments():

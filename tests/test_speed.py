@@ -7,8 +7,6 @@ import dataclasses
 import json
 import logging
 import statistics
-import subprocess
-import sys
 
 import pytest
 
@@ -227,7 +225,7 @@ def test_one_process_reduces_gradients_in_one_bucket_no_larger_than_the_model():
     assert fill_buckets(str(ROOT / "ds_configs" / "zero3.json"), hidden=3072, processes=1)[1] == {}
 
 
-def test_fsdp2s_terms_estimate_its_measured_runs_and_rank_fp8_first(sweep_shapes, tmp_path):
+def test_fsdp2s_terms_estimate_its_measured_runs_and_rank_fp8_first(sweep_shapes, tmp_path, capsys):
     """FSDP2's step (`Setting.engine: fsdp2`: none of ZeRO-3's per-layer host hooks, no per-micro gradient copy, float8
     weights gathered a byte each) against its runs on 2 x H200 (benchmarks/results/fsdp2_h200x4, micro batch 2 x 8,
     bf16 and FP8, resharded and kept gathered): within 10% of each median step, where ZeRO-3's terms were 25-40% slow;
@@ -247,12 +245,12 @@ def test_fsdp2s_terms_estimate_its_measured_runs_and_rank_fp8_first(sweep_shapes
         as_zero3 = speed.step_time(sweep_shapes["8b"], dataclasses.replace(setting, engine="deepspeed"), card,
                                    run["sample_tokens"])  # fmt: skip
         assert as_zero3.seconds / measured > 1.2
-    out = subprocess.run(
-        [sys.executable, "-m", "sft.plan", "--model", str(model_dir(tmp_path / "8b", sweep.SHAPES["8b"])), "--gpus",
-         "2", "--zero", "3", "--engine", "fsdp2", "--seq-len", "4096", "--global-batch", "32", "--liger", "on",
-         "--gpu-name", "NVIDIA H200", "--gpu-memory", "139.8", "--same-stage", "--suggest", "--top", "3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    code = plan_cli.main(
+        ["--model", str(model_dir(tmp_path / "8b", sweep.SHAPES["8b"])), "--gpus", "2", "--zero", "3", "--engine",
+         "fsdp2", "--seq-len", "4096", "--global-batch", "32", "--liger", "on", "--gpu-name", "NVIDIA H200",
+         "--gpu-memory", "139.8", "--same-stage", "--suggest", "--top", "3"]
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    first = next(line for line in out.stdout.splitlines() if line.startswith("| 1 |"))
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    first = next(line for line in out.splitlines() if line.startswith("| 1 |"))
     assert "FSDP2 (ZeRO-3's layout), micro batch 2 x 8 accumulation, no memory lever, FP8 compiled" in first, first

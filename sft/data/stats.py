@@ -29,11 +29,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from sft.core.outputs import STATS_FILE
 from sft.errors import SFTError
 
 logger = logging.getLogger(__name__)
 
-STATS_FILE = "data_stats.json"
 PERCENTILES = (50, 90, 99)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from sft.core.outputs import RUN_MANIFEST, read_manifest  # sft's claim on an output_dir (written here)
 from sft.core.run import GEOMETRY_FIELDS
 from sft.errors import ConfigError
 
@@ -42,11 +43,6 @@ logger = logging.getLogger(__name__)
 MARKER = "sft_complete.json"
 STATE = "sft_state.json"
 INCOMPLETE_DIR = "incomplete"
-# sft's claim on an output_dir, written by the main process before anything else there: which run made the
-# directory, and at the end the step it finished at and the files of the final model. Without it nothing in the
-# directory is sft's (a README.md or metrics.jsonl there is the user's), unless it holds checkpoint-N folders (runs
-# from before the manifest).
-RUN_MANIFEST = "sft_run.json"
 # Files sft writes into output_dir besides checkpoints (README.md is the model card TRL writes at each save;
 # wandb_run.json the metrics log's; eval/ and merged/ are `sft eval`'s results and merged adapter; report/ is
 # `sft report`'s)
@@ -308,14 +304,6 @@ def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
             saved.get(VERSION_KEY),
             current.get(VERSION_KEY),
         )
-
-
-def read_manifest(out: Path) -> dict | None:
-    path = Path(out) / RUN_MANIFEST
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is damaged ({e}); move it or the whole output_dir away.") from e
 
 
 def _foreign_entries(out: Path) -> list[str]:

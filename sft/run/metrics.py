@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from sft.core.outputs import DISCARDED_METRICS_FILE, METRICS_FILE
 from sft.model.flops import FlopCounter, detect_peak_tflops, sample_lengths
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-DISCARDED_METRICS_FILE = "metrics.discarded.jsonl"
 DATA_TRACE_DIR = "data_trace"
 WANDB_RUN_FILE = "wandb_run.json"
 

@@ -5,7 +5,7 @@
 
 Reads `metrics.jsonl` (what `sft.run.metrics.MetricsLog` wrote: one line per training log, eval log and the final
 summary) and `metrics.discarded.jsonl` (steps an interrupted attempt logged after its last checkpoint, moved aside on
-the resume; drawn faintly), `sft_run.json` (the run's settings, `sft.run.checkpoint`) and `data_stats.json` (the
+the resume; drawn faintly), `sft_run.json` (the run's settings, `sft.core.outputs`) and `data_stats.json` (the
 training data's token lengths, `sft.data.stats`: a histogram). Resume points (the
 `resumed_from_step` lines) are marked on every plot. Each plot is a quantity against the optimizer step, every run
 on the same axes; the loss plot has the tokens trained on a second axis. `plotted.json` beside the PNGs holds the
@@ -131,9 +131,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def load_run(path: str | Path) -> Run:
-    from sft.data.stats import STATS_FILE
-    from sft.run.checkpoint import read_manifest
-    from sft.run.metrics import DISCARDED_METRICS_FILE, METRICS_FILE
+    from sft.core.outputs import DISCARDED_METRICS_FILE, METRICS_FILE, STATS_FILE, read_manifest
 
     run = Path(path)
     metrics = run / METRICS_FILE
