@@ -403,13 +403,19 @@ class Layout:
         return out
 
 
-def _model(cards: dict, runs: list[dict], shapes_: dict) -> np.ndarray:
+def _model(cards: dict, inputs: list[tuple]) -> np.ndarray:
     """Each run's step seconds as the plan estimates them (`sft.plan.speed.step_time`) with its card's constants."""
     return np.array([
-        speed.step_time(shapes_[r["shape"]], _setting_of(r), cards[card_key(r)], r["sample_tokens"],
-                        _bucket(r, shapes_[r["shape"]])).seconds
-        for r in runs
+        speed.step_time(shape, setting, cards[key], tokens, bucket).seconds
+        for shape, setting, key, tokens, bucket in inputs
     ])  # fmt: skip
+
+
+def _inputs(runs: list[dict], shapes_: dict) -> list[tuple]:
+    """What `_model` needs of each run besides the constants (its shape, setting, card, tokens, buckets), made once
+    per fit rather than at each of the residual's 2,700 evaluations."""
+    return [(shapes_[r["shape"]], _setting_of(r), card_key(r), r["sample_tokens"], _bucket(r, shapes_[r["shape"]]))
+            for r in runs]  # fmt: skip
 
 
 def resolved(run: dict) -> dict | None:
@@ -461,6 +467,7 @@ def fit(args) -> None:
     entries = {name: table["cards"].get(name) or {**reference, **CARD_DEFAULTS.get(name, {})} for name in layout.cards}
     previous = {name: speed.Card(name, **entry) for name, entry in entries.items()}
     measured = np.array([float(np.median(r["step_seconds_each"])) for r in runs])  # robust to a step that recompiled
+    inputs = _inputs(runs, shapes_)
     lower = np.zeros(layout.size)
     lower[: len(layout.cards) + len(kernels) - 1] = 1.0  # efficiencies at most 1 (and no kernel above bf16's peak x 1)
     lower[len(layout.cards) : len(layout.cards) + len(kernels) - 1] = 0.25  # another kernel at most 4x bf16's
@@ -468,7 +475,7 @@ def fit(args) -> None:
     for half in (0.0, 256.0, 1024.0, 4096.0):
 
         def residual(theta, half=half):
-            return _model(layout.cards_of(theta, previous, half), runs, shapes_) / measured - 1
+            return _model(layout.cards_of(theta, previous, half), inputs) / measured - 1
 
         for host in (1e-3, 1e-2):  # the max() has local minima: a few starts
             start = np.concatenate([[1.6] * len(layout.cards), [1.0] * (len(kernels) - 1), [host] * len(layout.hosts),
@@ -477,11 +484,11 @@ def fit(args) -> None:
             if best is None or result.cost < best[2]:
                 best = (half, result.x, result.cost)
     half, x, _ = best
-    residual = _model(layout.cards_of(x, previous, half), runs, shapes_)
+    residual = _model(layout.cards_of(x, previous, half), inputs)
     for i in range(len(layout.hosts)):  # a host cost that never shows keeps no made-up value (its start) but 0
         trial = x.copy()
         trial[len(layout.cards) + len(kernels) - 1 + i] = 0.0
-        if np.allclose(_model(layout.cards_of(trial, previous, half), runs, shapes_), residual, rtol=0, atol=1e-9):
+        if np.allclose(_model(layout.cards_of(trial, previous, half), inputs), residual, rtol=0, atol=1e-9):
             x = trial
     fitted = layout.cards_of(x, previous, half)
     source = args.source or ", ".join(str(p) for p in args.fit)

@@ -38,6 +38,7 @@ memory they take, and the search for what fits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -194,12 +195,12 @@ class Setting:
         """Tokens one GPU holds activations for: its slice of each row."""
         return self.micro_batch * -(-self.seq_len // self.sp)
 
-    @property
+    @functools.cached_property  # read about a million times by a speed fit: made once per setting
     def sharding(self) -> Sharding:
         """What this setting shards and offloads (`sft.core.engine.Sharding`): every test of the layout reads it."""
         return Sharding(self.zero_stage, self.offload_optimizer, self.offload_params, self.offload_ratio)
 
-    @property
+    @functools.cached_property
     def traits(self) -> engines.Traits:
         """The declared traits of the engine this setting runs under (`sft.engines.SPECS`)."""
         return engines.spec(self.engine).traits
