@@ -5,6 +5,7 @@ tests/multiproc/test_expert_parallel_runs.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -131,7 +132,7 @@ def test_the_plan_splits_the_experts_states_over_the_expert_ranks(tmp_path):
     assert shape.expert_params == e
     base = plan.Setting(gpus=4, zero_stage=2, micro_batch=1, seq_len=64)
     dense = shape.n_params - e
-    split = plan.model_states(shape, plan.Setting(**{**base.__dict__, "ep": 2}))[0]
+    split = plan.model_states(shape, dataclasses.replace(base, ep=2))[0]
     # the rest as DeepSpeed estimates it on 4 GPUs; each GPU: half the experts, 16-bit weights and gradients whole,
     # fp32 master weights and Adam moments (16 bytes) over the 2 GPUs holding the same experts
     assert split == pytest.approx(
@@ -139,4 +140,4 @@ def test_the_plan_splits_the_experts_states_over_the_expert_ranks(tmp_path):
     )
     whole = plan.model_states(shape, base)[0]
     assert whole == estimate_zero2_model_states_mem_needs(shape.n_params, 4, 1, False)[1] and split < whole
-    assert "experts split 2 ways" in plan.Setting(**{**base.__dict__, "ep": 2}).describe()
+    assert "experts split 2 ways" in dataclasses.replace(base, ep=2).describe()
