@@ -49,10 +49,10 @@ if os.environ.get("SFT_CENSUS_LOG"):
 
 def kind(cmd: list[str]) -> str:
     """What a process was, from its command line."""
-    head, text = " ".join(cmd[:4]), " ".join(cmd)
+    head, text = " ".join(cmd[:5]), " ".join(cmd)
     if "torch.distributed.run" in head or "torchrun" in head or "--nproc-per-node" in text:
         return "launcher agent"
-    if any(a.endswith("sft/train.py") for a in cmd) or "sft train" in head or "-m sft train" in head:
+    if any(a.endswith("sft/train.py") for a in cmd) or "sft train" in head:  # also `-m sft train`: the agent's workers
         return "training process"
     if "-m pytest" in head or "exec(eval(sys.stdin" in text:  # pytest and its xdist workers (execnet)
         return "pytest (the tests in-process)"
