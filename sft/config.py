@@ -24,7 +24,7 @@ from trl.scripts.utils import DatasetConfig
 
 from sft.core import logs
 from sft.core.dims import ParallelDims
-from sft.core.recipe import read_recipe, recipe_path
+from sft.core.recipe import read_recipe, read_recipe_in, recipe_path
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -707,9 +707,7 @@ def _check_recipe(parser: TrlParser, args: list[str]) -> None:
 
 def _name_the_field(message: str, parser: TrlParser, args: list[str]) -> str:
     """transformers' value errors ("cosin is not a valid SchedulerType") with the field whose value they quote."""
-    given = {}
-    if "--config" in args and args.index("--config") + 1 < len(args):
-        given.update(read_recipe(Path(args[args.index("--config") + 1])))
+    given = dict(read_recipe_in(args) or {})
     for flag, value in zip(args, args[1:], strict=False):
         if flag.startswith("--") and flag != "--config":
             given[flag[2:]] = value

@@ -202,7 +202,7 @@ def run(argv: list[str] | None = None) -> None:
     """The process entry point: train, then leave with the exit code (see `sft.parallel.distributed.leave`). With
     launcher flags (`--nproc-per-node N`, `sft.parallel.launch`), start that many worker processes that each run this
     instead."""
-    from sft.core.recipe import read_recipe, recipe_path
+    from sft.core.recipe import read_recipe_in
     from sft.parallel import launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -212,7 +212,7 @@ def run(argv: list[str] | None = None) -> None:
             from sft.plan.arguments import parse_args
 
             parse_args(train_args)  # prints the fields and exits 0, before any process, variable or process group
-        read_recipe(recipe_path(train_args))  # a missing or malformed recipe said before torch is imported
+        read_recipe_in(train_args)  # a missing or malformed recipe said before torch is imported
         if launcher_args:
             if "LOCAL_RANK" in os.environ:
                 raise ConfigError("--nproc-per-node starts worker processes; this already is one (under torchrun or "

@@ -57,6 +57,17 @@ def test_help_from_the_script_and_the_command(capsys):
     assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ  # no process group, no launch
 
 
+def test_the_entry_point_reads_a_recipe_only_where_the_arguments_name_one():
+    """`sft.train.run` reads the recipe before importing any library (`read_recipe_in`): none named, every field is on
+    the command line and nothing is read (it was an AttributeError); a named one is read, a missing one refused."""
+    from sft.core.recipe import read_recipe_in
+
+    assert read_recipe_in(["--model_name_or_path", "recipes/demo/model", "--output_dir", "out"]) is None
+    assert read_recipe_in(["--config", str(ROOT / "recipes" / "demo.yaml")])["packing"] is True
+    with pytest.raises(ConfigError, match="`--config`: no such file 'nope.yaml'"):
+        read_recipe_in(["--config", "nope.yaml"])
+
+
 def test_launcher_flags_are_split_from_training_arguments():
     launcher, rest = launch.split_args(
         ["--nproc-per-node", "2", "--config", "r.yaml", "--nproc_per_node=4", "--max-restarts", "1", "--lr", "x"]

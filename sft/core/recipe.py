@@ -57,3 +57,10 @@ def read_recipe(path: Path) -> dict:
     if not isinstance(recipe, dict):
         raise ConfigError(f"`--config`: {path} must hold a YAML mapping of field: value, got {type(recipe).__name__}.")
     return recipe
+
+
+def read_recipe_in(args: list[str]) -> dict | None:
+    """The recipe the arguments name after `--config`, read (`read_recipe`); None without one (every field given on
+    the command line)."""
+    path = recipe_path(args)
+    return None if path is None else read_recipe(path)
