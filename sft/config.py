@@ -505,12 +505,6 @@ class TrainConfig(SFTConfig):
         return ParallelDims.of(self)
 
 
-def dataclasses_with(train: type = TrainConfig) -> tuple[type, ...]:
-    """The dataclasses a recipe fills, in order, with `train` for the training arguments (`TrainConfig`, or the run's
-    `sft.plan.arguments.RunArguments`, which enters the engine)."""
-    return ScriptArguments, DataArguments, train, ModelArguments
-
-
 # Flags from other trainers' command lines, named in the "did you mean" of an unknown flag
 FLAG_SHORTHANDS = {
     "--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--bs": "--per_device_train_batch_size",
@@ -531,7 +525,9 @@ class _Parser(TrlParser):
 
 
 def make_parser(train: type = TrainConfig) -> TrlParser:
-    return _Parser(dataclasses_with(train))
+    """The parser of a recipe's dataclasses, `train` for the training arguments (`TrainConfig`, or the run's
+    `sft.plan.arguments.RunArguments`, which enters the engine)."""
+    return _Parser((ScriptArguments, DataArguments, train, ModelArguments))
 
 
 # The fields people set most, grouped, for `--help` (a line of sft's where the library's help is vague);
