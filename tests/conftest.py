@@ -75,6 +75,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a group and among the rest is kept
 
 
+def pytest_unconfigure(config):
+    """The last hook of each pytest process (each xdist worker too): what is alive now is kept out of the
+    interpreter's last garbage collections, which walk every object of ~5,000 imported modules and the models the
+    fixtures built (a pytest process running tests/test_vision_run.py left in 2.9 s, in 0.65 s with this)."""
+    import gc
+
+    gc.freeze()
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for launchers given a fixed master port; tests run two at a time)."""
     import socket
