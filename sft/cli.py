@@ -13,6 +13,7 @@ sft check --config recipes/demo.yaml
 from __future__ import annotations
 
 import difflib
+import gc
 import importlib
 import sys
 
@@ -52,3 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if name == "train":
         module.run(rest)  # exits with the run's code (sft.parallel.distributed.leave)
     return module.main(rest, prog=f"sft {name}")
+
+
+def run() -> None:
+    """The `sft` command (and `python -m sft`): `main`, then exit with its code, what is alive kept out of the
+    interpreter's last garbage collections. They walk every object of the thousands of modules a command imported:
+    `sft plan` on 2 cores took 12.4-12.7 s with them, 9.4-10.9 s without. The exit handlers and the teardown of the
+    modules still run."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
