@@ -16,7 +16,7 @@ for arm in old new new2; do
         timeout "$per_run" python3 -m benchmarks.throughput --only "$cell" --steps 8 --warmup 3 --out "$work/$arm" \
             > "$work/$arm.log" 2>&1
     fi
-    echo "[$arm] rc=$? $SECONDS s $(grep -E "tokens/s" "$work/$arm.log" | tail -1)"
+    echo "[$arm] rc=$? $SECONDS s $(grep -E "exit [0-9]+, .*tokens/s/GPU" "$work/$arm.log" | tail -1)"
 done > "$OUT/split.txt" 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$work/gpu.txt"
 tar -czf "$OUT/split.tar.gz" -C "$work" .
