@@ -118,19 +118,39 @@ def cli_command(nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> list[str
     return [*launcher, *launcher_args, script]
 
 
+def _forked(args: list[str], nproc: int, launcher_args: tuple[str, ...], fresh: bool) -> bool:
+    """Whether a run starts as a fork of the pre-imported server (tests/forkserver.py): unless the test asks for a
+    fresh interpreter, gives launcher flags (the launcher is then what it checks) or SFT_TEST_FRESH=1 is set."""
+    from tests import forkserver
+
+    return forkserver.enabled() and not fresh and not launcher_args
+
+
+def _start_forked(args: list[str], nproc: int, env: dict, stdout: int, stderr: int):
+    from tests import forkserver
+
+    script = str(ROOT / "sft" / "train.py")
+    return forkserver.start([script, *args], env, ROOT, stdout, stderr, nproc=nproc, server_env=cli_env())
+
+
 def start_cli(
-    args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = (), env: dict | None = None
-) -> subprocess.Popen:
-    """Start the CLI in the background. Its stderr goes to a file, not a pipe: nobody reads a pipe while the test
-    polls, and a full pipe would block the training processes."""
+    args: list[str], nproc: int = 0, launcher_args: tuple[str, ...] = (), env: dict | None = None, fresh: bool = False
+):
+    """Start the CLI in the background (a `subprocess.Popen`, or `tests.forkserver.Forked` with the same methods).
+    Its stderr goes to a file, not a pipe: nobody reads a pipe while the test polls, and a full pipe would block the
+    training processes."""
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: `finish` reads and closes it)
-    proc = subprocess.Popen(
-        cli_command(nproc, launcher_args) + list(args),
-        cwd=ROOT,
-        env={**cli_env(), **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
+    if _forked(args, nproc, launcher_args, fresh):
+        with open(os.devnull, "w") as devnull:
+            proc = _start_forked(args, nproc, {**cli_env(), **(env or {})}, devnull.fileno(), log.fileno())
+    else:
+        proc = subprocess.Popen(
+            cli_command(nproc, launcher_args) + list(args),
+            cwd=ROOT,
+            env={**cli_env(), **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     proc.log = log
     return proc
 
@@ -172,10 +192,28 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def run_cli(
-    args: list[str], nproc: int = 0, tmp_path: Path | None = None, timeout: int = 600, env: dict | None = None
+    args: list[str],
+    nproc: int = 0,
+    tmp_path: Path | None = None,
+    timeout: int = 600,
+    env: dict | None = None,
+    fresh: bool = False,
 ):
-    """Run sft/train.py to the end: nproc=0 as `python sft/train.py`, else under torchrun with nproc processes."""
+    """Run sft/train.py to the end: nproc=0 as `python sft/train.py`, else N workers (under torchrun when `fresh`,
+    else forked, `_forked`)."""
     cmd = cli_command(nproc) + list(args)
+    if _forked(args, nproc, (), fresh):
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = _start_forked(args, nproc, {**cli_env(tmp_path), **(env or {})}, out.fileno(), err.fileno())
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                raise
+            out.seek(0), err.seek(0)
+            result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+            result.forked = True
+            return result
     with subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -189,7 +227,9 @@ def run_cli(
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)  # subprocess.run would kill torchrun's agent only, leaving its workers running
             raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.forked = False
+    return result
 
 
 def run_cli_side_by_side(jobs: list[tuple[list[str], int]], env: dict | None = None) -> list:

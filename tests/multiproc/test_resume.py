@@ -351,7 +351,7 @@ def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, 
 def test_sigusr1_on_one_rank_stops_all_ranks_at_the_same_step(reference, model_dir, tmp_path):
     """SLURM's --signal reaches one process here: the ranks agree, save one complete checkpoint and exit 75."""
     out = tmp_path / "out"
-    proc = start_cli(args_for(model_dir, out, "zero2"), nproc=2)
+    proc = start_cli(args_for(model_dir, out, "zero2"), nproc=2, fresh=True)  # torchrun's own report, below
     wait_for(out / "metrics.jsonl", proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     os.kill(int(workers[-1]), signal.SIGUSR1)  # one rank only

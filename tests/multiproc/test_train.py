@@ -234,7 +234,7 @@ def test_a_bad_record_found_by_one_rank_stops_every_rank_with_its_paragraph(tmp_
     recipe["eval_strategy"] = "no"
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    result = run_cli(["--config", str(path)], nproc=2, tmp_path=tmp_path, timeout=300)
+    result = run_cli(["--config", str(path)], nproc=2, tmp_path=tmp_path, timeout=300, fresh=True)  # torchrun's report
     assert result.returncode != 0
     assert f"sft: error: {data}: record 150: `messages` must be a list of turns, got str" in result.stderr
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
