@@ -45,8 +45,9 @@ FRESH_ENV = "SFT_TEST_FRESH"
 PRELOAD = ("torch", "torch.distributed", "transformers", "datasets", "peft", "trl", "accelerate", "deepspeed",
            "sft.train", "sft.run.trainer", "sft.plan.preflight", "sft.data.load", "sft.model.build")  # fmt: skip
 LEARN = ("torch", "transformers", "trl", "peft", "deepspeed", "datasets", "accelerate", "sft", "torchao",
-         "safetensors", "tokenizers", "huggingface_hub", "wandb", "tensorboard", "pandas", "pyarrow", "scipy", "numpy", "jinja2",
-         "yaml", "psutil", "bitsandbytes", "PIL", "torchvision", "lm_eval", "evaluate", "sklearn")  # fmt: skip
+         "safetensors", "tokenizers", "huggingface_hub", "wandb", "tensorboard", "pandas", "pyarrow", "scipy",
+         "numpy", "jinja2", "yaml", "psutil", "bitsandbytes", "PIL", "torchvision", "lm_eval", "evaluate",
+         "sklearn")  # fmt: skip
 STOP_GRACE_S = 30  # torchrun's agent waits this long between SIGTERM and SIGKILL of the other workers
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
