@@ -143,8 +143,16 @@ class Client:
             return cls._socket
 
     @classmethod
-    def start(cls, args: list[str], env: dict[str, str], cwd: Path, stdout: int, stderr: int, nproc: int,
-              server_env: dict[str, str]) -> Forked:
+    def start(
+        cls,
+        args: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        stdout: int,
+        stderr: int,
+        nproc: int,
+        server_env: dict[str, str],
+    ) -> Forked:
         """Run `python <args>` (nproc 0) or N workers of it under a forked leader, with `env` and `cwd`, writing to
         the file descriptors `stdout` and `stderr`."""
         path = cls.address(server_env)
@@ -164,8 +172,15 @@ class Client:
         return Forked(conn, [sys.executable, *args])
 
 
-def start(args: list[str], env: dict[str, str], cwd: Path, stdout: int, stderr: int, nproc: int = 0,
-          server_env: dict[str, str] | None = None) -> Forked:
+def start(
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdout: int,
+    stderr: int,
+    nproc: int = 0,
+    server_env: dict[str, str] | None = None,
+) -> Forked:
     """`python <args>` forked from this pytest process's zygote (`Client.start`)."""
     return Client.start(args, env, cwd, stdout, stderr, nproc, server_env or env)
 
