@@ -24,7 +24,7 @@ from trl.scripts.utils import DatasetConfig
 
 from sft.core import logs
 from sft.core.dims import ParallelDims
-from sft.core.recipe import read_recipe, read_recipe_in, recipe_path
+from sft.core.recipe import missing_local_source, read_recipe, read_recipe_in, recipe_path, with_config
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -614,7 +614,8 @@ def short_help(parser: TrlParser) -> str:
         lines.append(f"{group}:")
         for name, line in fields.items():
             action = actions[name]
-            default = "" if action.default in (None, [], "") else f" [{action.default}]"
+            value = parser.get_default(name)  # the field's own action's (a bool's `--no_x` twin defaults False)
+            default = "" if value in (None, [], "") else f" [{value}]"
             lines.append(f"  --{name:<28} {line or _first_sentence(action.help)}{default}")
         lines.append("")
     lines.append(f"{len(actions)} fields in all: `--help-all` lists every one (TRL's, transformers' and sft's).")
@@ -658,12 +659,26 @@ def _check_sources(path: Path, key: str, value) -> None:
                 raise ConfigError(f"{path}: `{key}[{i}]` has an unknown key `{name}` (value {source[name]!r}); {fix}")
         if not source.get("path"):
             raise ConfigError(f"{path}: `{key}[{i}]` has no `path` (a file, directory or hub id): {source!r}.")
+        if not source.get("data_files") and missing_local_source(str(source["path"])):
+            raise ConfigError(
+                f"{path}: `{key}[{i}].path` is {source['path']!r}, which does not exist (relative paths are read from "
+                f"{os.getcwd()}). Fix the path, or give a hub id (org/name)."
+            )
+
+
+def _number_kind(kind) -> type | None:
+    """int or float for a number field's parser type, also where TRL's parser wraps it to accept "none"."""
+    if kind in (int, float):
+        return kind
+    inner = [cell.cell_contents for cell in getattr(kind, "__closure__", None) or ()]
+    return next((k for k in inner if k in (int, float)), None)
 
 
 def _check_value(field: str, value, kind, where: str) -> None:
     """A number field's value: a whole number for int fields, a finite number for float ones (strings that argparse
     will convert are checked as converted)."""
-    if value is None or kind not in (int, float):
+    kind = _number_kind(kind)
+    if value is None or kind is None:
         return
     converted = value
     if isinstance(value, str):
@@ -734,7 +749,7 @@ def parse_args(
     `sft.plan.arguments.parse_args`, with the engine entered); raise ConfigError on anything invalid."""
     import sys
 
-    args = list(sys.argv[1:] if args is None else args)
+    args = with_config(sys.argv[1:] if args is None else args, "sft train")
     parser = make_parser(train)
     if "-h" in args or "--help" in args or "--help-all" in args:
         print(parser.format_help() if "--help-all" in args else short_help(parser))

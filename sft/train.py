@@ -202,12 +202,13 @@ def run(argv: list[str] | None = None) -> None:
     """The process entry point: train, then leave with the exit code (see `sft.parallel.distributed.leave`). With
     launcher flags (`--nproc-per-node N`, `sft.parallel.launch`), start that many worker processes that each run this
     instead."""
-    from sft.core.recipe import read_recipe_in
+    from sft.core.recipe import read_recipe_in, with_config
     from sft.parallel import launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # the launcher's own errors: its flags, or this node cannot take part (sft.parallel.nodes)
         launcher_args, train_args = launch.split_args(argv)
+        argv = train_args = with_config(train_args, "sft train")  # `sft train RECIPE` too
         if {"-h", "--help", "--help-all"} & set(train_args):
             from sft.plan.arguments import parse_args
 

@@ -184,9 +184,9 @@ def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
 
     assert evaluation.batch_size("auto", "cpu") == evaluation.CPU_BATCH_SIZE == 16
     assert evaluation.batch_size("auto", "cuda") == "auto" and evaluation.batch_size("4", "cpu") == "4"
-    assert evaluation.main(["--model", str(tmp_path / "none"), "--tasks", "sft_demo"]) == 2
+    assert evaluation.main(["--model", str(tmp_path / "none"), "--tasks", "sft_demo"], prog="sft eval") == 2
     assert capsys.readouterr().err.strip() == (
-        f"eval/run.py: error: --model {tmp_path / 'none'}: no such directory. Give a training output_dir or a merged "
+        f"sft eval: error: --model {tmp_path / 'none'}: no such directory. Give a training output_dir or a merged "
         "model."
     )
 
@@ -218,3 +218,60 @@ def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_PORT", "29555")
     assert lone_process_environment() == {} and "RANK" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--gpus", "0"], "argument --gpus: must be a whole number >= 1, got 0"),
+     (["--seq-len", "-5"], "argument --seq-len: must be a whole number >= 1, got -5"),
+     (["--micro-batch", "two"], "argument --micro-batch: must be a whole number >= 1, got 'two'"),
+     (["--headroom", "1.5"], "argument --headroom: must be a number >= 0 and < 1, got 1.5")],
+    ids=["gpus-0", "seq-len-negative", "micro-batch-word", "headroom"],
+)  # fmt: skip
+def test_sft_plan_refuses_numbers_no_setting_can_have_in_one_line(flags, needle, capsys):
+    """Issue #78: `--gpus 0` was a ZeroDivisionError traceback, `--seq-len -5` a plan with exit 0."""
+    with pytest.raises(SystemExit) as stopped:
+        plan_cli.main(["--model", str(ROOT / "recipes" / "demo" / "model"), *flags], prog="sft plan")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"sft plan: error: {needle}") and "sft plan --help" in err
+
+
+def test_every_command_names_itself_in_its_errors(tmp_path, capsys):
+    """`sft merge`'s errors began `sft.tools.merge:` where the others say `sft <command>: error:`."""
+    from sft.core import batch
+    from sft.tools import merge
+
+    assert merge.main(["--adapter", str(tmp_path / "none"), "--output", str(tmp_path / "m")], prog="sft merge") == 2
+    assert capsys.readouterr().err.startswith("sft merge: error: ")
+    with pytest.raises(SystemExit):
+        batch.main(["--global-batch-size", "0", "--world-size", "2", "--per-device-batch-size", "1"], prog="sft batch")
+    assert capsys.readouterr().err.startswith("sft batch: error: argument --global-batch-size: must be a whole number")
+
+
+def test_help_shows_each_fields_own_default():
+    """`--report` defaults to on; its `--no_report` twin's False was shown (issue #78)."""
+    from sft.config import short_help
+
+    lines = {line.split()[0]: line for line in short_help(make_parser()).splitlines() if line.startswith("  --")}
+    assert lines["--report"].endswith("[True]") and lines["--packing"].endswith("[False]")
+
+
+def test_recipe_commands_take_the_recipe_either_way(tmp_path, capsys):
+    """`sft data RECIPE` and `sft check --config RECIPE` (and `sft train`) each take both forms; both at once is one
+    line naming the two (issue #78: `sft data --config` died in HfArgumentParser, `sft check RECIPE` was not a
+    recipe)."""
+    from sft.core.recipe import with_config
+    from sft.tools import check
+
+    assert with_config(["r.yaml", "--max_length", "8"], "sft check") == ["--config", "r.yaml", "--max_length", "8"]
+    assert with_config(["--config", "r.yaml"], "sft check") == ["--config", "r.yaml"]
+    with pytest.raises(ConfigError, match=r"the recipe is given twice, a.yaml and `--config b.yaml`"):
+        with_config(["a.yaml", "--config", "b.yaml"], "sft data")
+    assert check.main([str(tmp_path / "nope.yaml")], prog="sft check") == 2
+    assert capsys.readouterr().err.strip() == (
+        f"sft check: error: `--config`: no such file {str(tmp_path / 'nope.yaml')!r}. Recipes live in recipes/, e.g. "
+        "recipes/demo.yaml."
+    )
+    result = run_cli([str(tmp_path / "nope.yaml")])
+    assert result.returncode == 2 and "`--config`: no such file" in result.stderr

@@ -172,9 +172,10 @@ def test_overlap_comm_is_off_under_sequence_parallelism_on_zero_1_and_2(tmp_path
 
 def test_fraction_on_some_sources_only(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
+    (tmp_path / "a.jsonl").touch(), (tmp_path / "b.jsonl").touch()  # sources that exist: the check is the fractions'
     recipe.write_text(
         "model_name_or_path: recipes/demo/model\noutput_dir: " + str(tmp_path / "o") + "\n"
-        "datasets:\n  - {path: a.jsonl, fraction: 0.5}\n  - {path: b.jsonl}\n"
+        f"datasets:\n  - {{path: {tmp_path}/a.jsonl, fraction: 0.5}}\n  - {{path: {tmp_path}/b.jsonl}}\n"
     )
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match=r"`fraction` is set on some entries"):

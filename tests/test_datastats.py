@@ -101,3 +101,11 @@ def test_training_skips_the_figures_for_streamed_data(tmp_path):
                                      streaming=True)  # fmt: skip
     assert datastats.for_training(streamed, None, preflight(args, model_args)) is None
     assert "streamed" in datastats.skipped(streamed, args)
+
+
+def test_sft_data_takes_the_recipe_as_config_too(figures, tmp_path):
+    """`sft data --config RECIPE` (issue #78: "Some specified arguments are not used") gives the positional form's
+    figures."""
+    out = tmp_path / "stats.json"
+    assert datastats.main(["--config", RECIPE, "--gpus", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[-1] == figures

@@ -91,9 +91,29 @@ def test_unknown_record_format(tmp_path):
 
 
 def test_missing_data_file(tmp_path):
+    """Said first, in one line naming the recipe and the field, before any INFO line (issue #78: it came after 10)."""
     missing = tmp_path / "nope.jsonl"
-    result = run_cli(["--config", str(write_recipe(tmp_path, datasets=[{"path": str(missing)}]))])
-    expect_error(result, f"dataset path {str(missing)!r} does not exist")
+    recipe = write_recipe(tmp_path, datasets=[{"path": str(missing)}])
+    result = run_cli(["--config", str(recipe)])
+    expect_error(result, f"{recipe}: `datasets[0].path` is {str(missing)!r}, which does not exist", "hub id")
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "INFO" not in result.stderr
+    relative = write_recipe(tmp_path, eval_datasets=[{"path": "data/eval.jsonl"}])
+    expect_error(run_cli(["--config", str(relative)]), "`eval_datasets[0].path` is 'data/eval.jsonl'", "read from")
+
+
+def test_max_length_below_every_prompt_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """Every record's answer cut away (issue #78: every loss 0.0, exit 0): refused naming max_length, the records that
+    lose every answer token and a length that keeps them, before the model is built."""
+    import sft.model.build
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(sft.model.build, "load_model", no_model)
+    result = run_cli(["--config", str(write_recipe(tmp_path)), "--max_length", "8", "--eval_strategy", "no"])
+    expect_error(result, "`max_length: 8` cuts every answer token from 6,000 of 6,000 records", "raise max_length",
+                 "max_length 17 or more keeps half of them")  # fmt: skip
+    assert result.returncode == 2
 
 
 def test_unknown_recipe_key(tmp_path):
@@ -221,14 +241,15 @@ def test_a_key_given_twice_is_refused(tmp_path):
         ({"eval_datasets": [{"split": "test"}]}, ["`eval_datasets[0]` has no `path`"]),
         ({"gradient_accumulation_steps": 2.5}, ["`gradient_accumulation_steps` must be a whole number, got 2.5"]),
         ({"learning_rate": float("nan")}, ["`learning_rate` must be a finite number, got nan"]),
-        ({"max_length": "long"}, ["--max_length", "invalid int value: 'long'"]),
+        ({"max_length": "long"}, ["recipe.yaml: `max_length` must be a whole number, got 'long'"]),
+        ({"plan_gpu_memory_gib": "lots"}, ["recipe.yaml: `plan_gpu_memory_gib` must be a finite number, got 'lots'"]),
         ({"dtype": "float33"}, ["`dtype` is 'float33', not a torch dtype", "bfloat16"]),
         ({"lr_scheduler_type": "cosin"}, ["`lr_scheduler_type: cosin`: cosin is not a valid SchedulerType"]),
         ({"max_steps": -5}, ["`max_steps` must be a positive number of optimizer steps, or -1", "got -5"]),
         ({"num_train_epochs": 0}, ["`num_train_epochs` must be > 0 (or set `max_steps`), got 0"]),
     ],
-    ids=["sources-string", "source-key-typo", "source-no-path", "int-float", "nan", "int-string", "dtype",
-         "enum-names-field", "max-steps-negative", "zero-epochs"],
+    ids=["sources-string", "source-key-typo", "source-no-path", "int-float", "nan", "int-string", "optional-float",
+         "dtype", "enum-names-field", "max-steps-negative", "zero-epochs"],
 )  # fmt: skip
 def test_recipe_values_of_the_wrong_kind_are_refused(tmp_path, overrides, needles):
     result = run_cli(["--config", str(write_recipe(tmp_path, **overrides))])

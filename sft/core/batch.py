@@ -14,11 +14,11 @@ another number of processes (`keep_global_batch`).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
 
+from sft.core import flags
 from sft.core.dims import ParallelDims
 from sft.errors import ConfigError
 
@@ -147,14 +147,20 @@ def keep_global_batch(global_batch: int, dp_size: int, per_device_batch_size: in
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog or "python -m sft.core.batch", description=__doc__.split("\n\n")[0])
+    parser = flags.Parser(prog=prog or "python -m sft.core.batch", description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--global-batch-size", type=int, help="Samples (packed rows) per optimizer step")
-    target.add_argument("--tokens-per-step", type=int, help="Tokens per optimizer step (packing; needs --max-length)")
-    parser.add_argument("--world-size", type=int, required=True, help="Processes in all: nodes x GPUs per node")
-    parser.add_argument("--per-device-batch-size", type=int, required=True, help="Micro batch per process")
-    parser.add_argument("--max-length", type=int, help="Tokens per packed row")
-    parser.add_argument("--sp", type=int, default=1, help="Sequence-parallel size: processes sharing each row")
+    target.add_argument("--global-batch-size", type=flags.whole(1), help="Samples (packed rows) per optimizer step")
+    target.add_argument(
+        "--tokens-per-step", type=flags.whole(1), help="Tokens per optimizer step (packing; needs --max-length)"
+    )
+    parser.add_argument(
+        "--world-size", type=flags.whole(1), required=True, help="Processes in all: nodes x GPUs per node"
+    )
+    parser.add_argument("--per-device-batch-size", type=flags.whole(1), required=True, help="Micro batch per process")
+    parser.add_argument("--max-length", type=flags.whole(1), help="Tokens per packed row")
+    parser.add_argument(
+        "--sp", type=flags.whole(1), default=1, help="Sequence-parallel size: processes sharing each row"
+    )
     args = parser.parse_args(argv)
     try:
         dims = ParallelDims.build(args.world_size, args.sp)
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             dims.dp, args.per_device_batch_size, args.global_batch_size, args.tokens_per_step, args.max_length
         )
     except ConfigError as e:
-        print(f"sft.core.batch: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"gradient_accumulation_steps: {plan.gradient_accumulation_steps}")
     print(f"parallel sizes: {dims.describe()}")

@@ -10,6 +10,16 @@ import yaml
 
 from sft.errors import ConfigError
 
+# A data source's file types, by suffix, and the `datasets` builder that reads each (sft.data.load)
+DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def missing_local_source(path: str) -> bool:
+    """Whether a source's `path` names a local file or directory (by its suffix or a leading . or /) that does not
+    exist; a name like `org/name` is a hub id, which only loading can check."""
+    local = Path(path)
+    return not local.exists() and (local.suffix in DATA_FILE_BUILDERS or path.startswith((".", "/")))
+
 
 class _DuplicateKey(Exception):
     def __init__(self, key, first: int, again: int):
@@ -39,6 +49,20 @@ def recipe_path(args: list[str]) -> Path | None:
     if index + 1 >= len(args):
         raise ConfigError("`--config` needs a path to a YAML recipe, e.g. --config recipes/demo.yaml.")
     return Path(args[index + 1])
+
+
+def with_config(args: list[str], prog: str) -> list[str]:
+    """The arguments with the recipe as `--config RECIPE`: every subcommand that reads a recipe takes it that way and
+    as its first argument (`sft data RECIPE`, `sft check RECIPE`, `sft train RECIPE`); both at once is an error."""
+    args = list(args)
+    if not args or args[0].startswith("-") or not args[0].endswith((".yaml", ".yml")):
+        return args
+    if "--config" in args:
+        other = " ".join(args[args.index("--config") : args.index("--config") + 2])
+        raise ConfigError(
+            f"the recipe is given twice, {args[0]} and `{other}`: give it once, `{prog} --config RECIPE`."
+        )
+    return ["--config", *args]
 
 
 def read_recipe(path: Path) -> dict:

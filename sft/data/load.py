@@ -26,12 +26,13 @@ from trl import ScriptArguments
 from trl.scripts.utils import DatasetConfig
 
 from sft.config import DataArguments, TrainConfig
+from sft.core.recipe import DATA_FILE_BUILDERS, missing_local_source
 from sft.errors import DataError
 from sft.parallel.distributed import main_first_together
 
 logger = logging.getLogger(__name__)
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = DATA_FILE_BUILDERS
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
     "system": "system",
@@ -232,7 +233,7 @@ def load_source(source: DatasetConfig, streaming: bool = False, text_field: str 
         missing = [f for f in files if "*" not in str(f) and "://" not in str(f) and not Path(f).exists()]
         if missing:
             raise DataError(f"dataset {source.path!r}: data file {missing[0]!r} does not exist.")
-    elif path.suffix in FILE_BUILDERS or source.path.startswith((".", "/")) or path.is_dir():
+    elif missing_local_source(source.path) or path.is_dir():
         raise DataError(f"dataset path {source.path!r} does not exist (nor is it a `save_to_disk` directory).")
     try:
         return datasets.load_dataset(

@@ -17,7 +17,6 @@ start and writes the figures to `<output_dir>/data_stats.json` (the report plots
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -29,8 +28,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from sft.core import flags
 from sft.core.outputs import STATS_FILE
-from sft.errors import SFTError
+from sft.core.recipe import with_config
+from sft.errors import DataError, SFTError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class Stats:
     packed_tokens: int | None = None
     steps_per_epoch: int | None = None
     global_batch: int | None = None
+    answers: list[tuple[int, int]] | None = None  # per record, the first and last labelled token's index (-1: none)
+    keep_end: bool = False  # unpacked rows truncated from the start (`truncation_mode: keep_end`)
 
     @property
     def records(self) -> int:
@@ -58,6 +61,15 @@ class Stats:
     @property
     def over(self) -> int:
         return sum(n > self.max_length for n in self.lengths) if self.max_length else 0
+
+    @property
+    def answerless(self) -> int:
+        """Records that keep no labelled token once rows are cut to max_length: their loss would be 0."""
+        if not self.max_length or self.answers is None:
+            return sum(n == 0 for n in self.trained)
+        if self.keep_end:
+            return sum(last < n - self.max_length for (_, last), n in zip(self.answers, self.lengths, strict=True))
+        return sum(first < 0 or first >= self.max_length for first, _ in self.answers)
 
     @property
     def efficiency(self) -> float | None:
@@ -131,8 +143,31 @@ def tokenized(dataset, tokenizer, training_args, name: str, packing: bool = Fals
 def measure(dataset, tokenizer, training_args, name: str) -> Stats:
     records = tokenized(dataset, tokenizer, training_args, name)
     lengths = [len(ids) for ids in records["input_ids"]]
-    trained = [sum(label != -100 for label in labels) for labels in records["labels"]]
-    return Stats(name, lengths, trained, training_args.max_length, bool(training_args.packing))
+    trained, answers = [], []
+    for labels in records["labels"]:
+        where = [i for i, label in enumerate(labels) if label != -100]
+        trained.append(len(where))
+        answers.append((where[0], where[-1]) if where else (-1, -1))
+    keep_end = not training_args.packing and getattr(training_args, "truncation_mode", "keep_start") == "keep_end"
+    return Stats(name, lengths, trained, training_args.max_length, bool(training_args.packing), answers=answers,
+                 keep_end=keep_end)  # fmt: skip
+
+
+def check_answers_kept(stats: Stats) -> None:
+    """Refuse a max_length that leaves no record a labelled token (every loss 0, nothing to train on); warn when it
+    takes them from some records."""
+    lost = stats.answerless
+    if not lost or not stats.max_length:
+        return
+    firsts = sorted(first for first, _ in stats.answers or [] if first >= 0)
+    needed = (f" The first answer token is at position {firsts[0]} at the earliest, {firsts[len(firsts) // 2]} in "
+              f"the median record: max_length {firsts[len(firsts) // 2] + 1} or more keeps half of them."
+              if firsts and not stats.keep_end else "")  # fmt: skip
+    message = (f"`max_length: {stats.max_length}` cuts every answer token from {lost:,} of {stats.records:,} records "
+               f"of the {stats.name} (their loss would be 0).{needed}")  # fmt: skip
+    if lost == stats.records:
+        raise DataError(f"{message} Nothing would be trained: raise max_length.")
+    logger.warning("%s Raise max_length to train on them.", message)
 
 
 def add_packing(stats: Stats, dataset, tokenizer, training_args, gpus: int, batch=None) -> Stats:
@@ -181,6 +216,9 @@ def describe(stats: Stats, long: bool = True) -> str:
         )
         lines.append(f"  longer than max_length {stats.max_length}: {stats.over:,} ({stats.over / stats.records:.1%})"
                      + (f": {fate}" if stats.over else ""))  # fmt: skip
+    if stats.answerless:
+        lines.append(f"  records left without an answer token (loss 0): {stats.answerless:,} "
+                     f"({stats.answerless / stats.records:.1%})")  # fmt: skip
     if long:
         lines.append("  records by tokens per record:\n" + text_histogram(stats.lengths))
     if stats.rows is not None:
@@ -210,6 +248,7 @@ def for_training(train_dataset, tokenizer, plan) -> Stats | None:
     if skipped(train_dataset, training_args):
         return None
     stats = measure(train_dataset, tokenizer, training_args, "training data")
+    check_answers_kept(stats)
     stats = add_packing(stats, train_dataset, tokenizer, training_args, plan.dims.dp, plan.batch)
     if training_args.process_index == 0:
         path = Path(training_args.output_dir) / STATS_FILE
@@ -218,11 +257,15 @@ def for_training(train_dataset, tokenizer, plan) -> Stats | None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sft.data.stats") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], add_help=True)
-    parser.add_argument("recipe", metavar="RECIPE", help="a training recipe (YAML), e.g. recipes/demo.yaml")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel processes for steps per epoch (1)")
+    parser = flags.Parser(prog=prog, description=__doc__.splitlines()[0], usage=f"{prog} [--config] RECIPE ...")
+    parser.add_argument("--config", required=True, metavar="RECIPE", help="a training recipe (YAML), e.g. "
+                        "recipes/demo.yaml; also taken as the first argument")  # fmt: skip
+    parser.add_argument("--gpus", type=flags.whole(1), default=1, help="data-parallel processes (1)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
-    args, fields = parser.parse_known_args(argv)
+    try:
+        args, fields = parser.parse_known_args(with_config(sys.argv[1:] if argv is None else argv, prog))
+    except SFTError as e:
+        parser.error(str(e))
     from sft.config import parse_args
     from sft.core import logs
     from sft.data.load import load_datasets, mix, prepare_source
@@ -235,7 +278,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.data.stats") 
 
         datasets.utils.logging.disable_progress_bar()
     try:
-        script_args, data_args, training_args, model_args = parse_args(["--config", args.recipe, *fields])
+        script_args, data_args, training_args, model_args = parse_args(["--config", args.config, *fields])
         tokenizer = load_tokenizer(model_args, training_args)
         sources = data_args.datasets
         only = bool(training_args.assistant_only_loss)

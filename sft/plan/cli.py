@@ -12,7 +12,7 @@ import logging
 import sys
 
 from sft import engines
-from sft.core import logs
+from sft.core import flags, logs
 from sft.core.batch import micro_batches_for
 from sft.core.engine import Sharding
 from sft.errors import ConfigError
@@ -79,7 +79,8 @@ def gpu_size_table(shape: ModelShape, setting: Setting, result: Estimate, args, 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = _parser(prog).parse_args(argv)
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
     logs.quiet_accelerator_detection()
     try:
         model_config = load_config(args.model, False)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
         result = estimate(shape, setting)
     except ConfigError as e:
-        print(f"sft.plan: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     memory = args.gpu_memory * GiB if args.gpu_memory else detected_gpu_memory()
     host = args.host_memory * GiB if args.host_memory else detected_host_memory()
@@ -113,18 +114,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog or "python -m sft.plan", description=plan.__doc__.split("\n\n")[0])
+    parser = flags.Parser(prog=prog or "python -m sft.plan", description=plan.__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json, a model directory or a hub id")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs in all (nodes x GPUs per node)")
-    parser.add_argument("--gpus-per-node", type=int, help="Defaults to --gpus (one node)")
+    parser.add_argument("--gpus", type=flags.whole(1), default=1, help="GPUs in all (nodes x GPUs per node)")
+    parser.add_argument("--gpus-per-node", type=flags.whole(1), help="Defaults to --gpus (one node)")
     parser.add_argument("--zero", default="2", choices=["none", "0", "1", "2", "3"], help="DeepSpeed ZeRO stage")
     parser.add_argument("--engine", default=engines.NAMES[0], choices=engines.NAMES,
                         help="fsdp2: PyTorch's FSDP2 in ZeRO-3's layout (--zero 3; its memory planned as ZeRO-3's, "
                              "its speed without ZeRO-3's per-layer hooks)")  # fmt: skip
     parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+params"])
-    parser.add_argument("--sp", type=int, help="Sequence-parallel size (default 1; --suggest tries the smallest fit)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="Rows per GPU per forward pass")
-    parser.add_argument("--seq-len", type=int, default=2048, help="Tokens per row (max_length)")
+    parser.add_argument(
+        "--sp", type=flags.whole(1), help="Sequence-parallel size (default 1; --suggest tries the smallest fit)"
+    )
+    parser.add_argument("--micro-batch", type=flags.whole(1), default=1, help="Rows per GPU per forward pass")
+    parser.add_argument("--seq-len", type=flags.whole(1), default=2048, help="Tokens per row (max_length)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--offload-checkpoints", action="store_true", help="Checkpointed layer inputs in CPU memory")
     parser.add_argument("--tiled-mlp", action="store_true", help="MLP in tiles along the row (DeepSpeed's TiledMLP)")
@@ -132,8 +135,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--liger", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                         help="Liger kernels (RMSNorm, SwiGLU, RoPE, the fused loss); auto: as `sft train` decides "
                              "for the family on a GPU")  # fmt: skip
-    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument(
+        "--lora-r", type=flags.whole(0), default=0, help="LoRA rank on all linear layers (0: full fine-tuning)"
+    )
+    parser.add_argument("--lora-dropout", type=flags.positive(below=1, zero=True), default=0.0)
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-r)")
     parser.add_argument("--train-vision-tower", action="store_true",
                         help="A vision-language model's encoder trains too (as `train_vision_tower: true`); by "
@@ -146,19 +151,28 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                         help="The training argument `optim`: adamw_torch_8bit (torchao's AdamW8bit) keeps Adam's "
                              "moments in 8-bit blocks; auto: --suggest takes them as `sft train` does, where the "
                              "fastest setting that fits with them is 1.1x as fast")  # fmt: skip
-    parser.add_argument("--global-batch", type=int, help="Rows per optimizer step: the speed model's accumulation")
+    parser.add_argument(
+        "--global-batch", type=flags.whole(1), help="Rows per optimizer step: the speed model's accumulation"
+    )
     parser.add_argument("--gpu-name", help="The card whose speed constants rank the settings (default: this "
                                            f"machine's GPU, else {speed.REFERENCE_CARD}; sft.plan.speed)")  # fmt: skip
-    parser.add_argument("--top", type=int, default=5, help="Settings --suggest lists, fastest first")
+    parser.add_argument("--top", type=flags.whole(1), default=5, help="Settings --suggest lists, fastest first")
     parser.add_argument("--same-stage", action="store_true",
                         help="--suggest within --zero's stage and offload, as `sft train` does with its DeepSpeed "
                              "config (default: the lowest stage that fits)")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
-        "--gpu-memory", "--gpu-memory-gib", type=float, help="GiB per GPU, e.g. 24 (default: this machine's GPU)"
+        "--gpu-memory",
+        "--gpu-memory-gib",
+        type=flags.positive(),
+        help="GiB per GPU, e.g. 24 (default: this machine's GPU)",
     )
-    parser.add_argument("--host-memory", type=float, help="GiB of host memory per node (default: this machine's)")
-    parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of GPU memory left free")
+    parser.add_argument(
+        "--host-memory", type=flags.positive(), help="GiB of host memory per node (default: this machine's)"
+    )
+    parser.add_argument(
+        "--headroom", type=flags.positive(below=1, zero=True), default=0.1, help="Fraction of GPU memory left free"
+    )
     parser.add_argument("--suggest", action="store_true", help="Also search for the fastest setting that fits")
     parser.add_argument(
         "--longest", action="store_true", help="Also the longest row that fits (this ZeRO stage, any sp and levers)"

@@ -17,6 +17,7 @@ import tempfile
 
 import torch
 
+from sft.core.recipe import with_config
 from sft.errors import SFTError
 
 # what makes the built run a packed one-process run that the check can read without touching the recipe's outputs
@@ -27,7 +28,7 @@ REASON = "sft check"
 
 
 def usage(prog: str) -> str:
-    return (f"usage: {prog} --config RECIPE.yaml [--field value ...]\n\n"
+    return (f"usage: {prog} [--config] RECIPE.yaml [--field value ...]\n\n"
             f"{__doc__.split(chr(10) + chr(10))[0].split(': ', 1)[1]}\n"
             "The recipe's fields and overrides are `sft train`'s (sft train --help); exit code 0: packing is exact, "
             "2: it leaks (the figures say by how much) or the recipe is refused.")  # fmt: skip
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None, prog: str = "sft check") -> int:
         print(usage(prog))
         return 0 if argv else 2
     try:
-        result = run_check(argv)
+        result = run_check(with_config(argv, prog))
     except SFTError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -14,14 +14,13 @@ added to that run as `eval/<task>/<metric>`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-from sft.core import logs
+from sft.core import flags, logs
 from sft.errors import ConfigError, SFTError
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (sft/tools/evaluation.py)
@@ -154,7 +153,7 @@ def log_to_wandb(results: dict, model_arg: str) -> str | None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog or "python eval/run.py", description=__doc__.split("\n\n")[0])
+    parser = flags.Parser(prog=prog or "python eval/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Model or adapter directory")
     parser.add_argument("--tasks", required=True, help="Comma-separated lm-eval tasks, e.g. sft_demo or gsm8k,ifeval")
     parser.add_argument("--include-path", action="append", default=[], help="More directories of task YAMLs")
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         results, model_dir = evaluate(args)
     except SFTError as e:
-        print(f"eval/run.py: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
 

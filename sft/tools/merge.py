@@ -13,14 +13,13 @@ does the merge; the tokenizer is copied from the adapter directory (else the bas
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 from pathlib import Path
 
 from sft import engines
-from sft.core import logs
+from sft.core import flags, logs
 from sft.errors import ConfigError, SFTError
 
 logger = logging.getLogger("sft.tools.merge")
@@ -85,7 +84,7 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "bflo
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog or "python -m sft.tools.merge", description=__doc__.split("\n\n")[0])
+    parser = flags.Parser(prog=prog or "python -m sft.tools.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", required=True, help="Run output_dir or checkpoint with a LoRA adapter")
     parser.add_argument("--output", required=True, help="New directory for the merged model")
     parser.add_argument("--base", help="Base model (default: the adapter's base_model_name_or_path)")
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         out = merge(args.adapter, args.output, args.base, args.dtype)
     except SFTError as e:
-        print(f"sft.tools.merge: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -17,7 +17,6 @@ run directory (`report: false` turns it off).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
@@ -26,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sft.core import flags
 from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def write(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.report") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = flags.Parser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir of an sft run (several: overlaid)")
     parser.add_argument("--out", help="Folder for index.html and the PNGs (default: RUN_DIR/report of the first)")
     args = parser.parse_args(argv)
