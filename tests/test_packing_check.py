@@ -217,4 +217,4 @@ def test_sft_check_runs_the_check_on_a_recipe_and_trains_nothing(small_recipe, m
     assert re.search(r"sft check: error: Packing check \(sft check\): packed samples do not compute what they compute "
                      r"alone: \d+ samples .*Set packing: false and padding_free: false", err), err  # fmt: skip
     assert not (small_recipe.parent / "out").exists()
-    assert check.main([]) == 2 and "usage: sft check --config RECIPE.yaml" in capsys.readouterr().out
+    assert check.main([]) == 2 and "usage: sft check [--config] RECIPE.yaml" in capsys.readouterr().out
