@@ -20,8 +20,9 @@ with its own argv, stdio and exit code, which the tests' subject (a CLI) needs.
 
 What the zygote has imported grows: each child writes the modules it imported at exit, and the zygote imports the
 new ones of the libraries below between runs, so later forks start further along. sft's own modules are never
-imported there (0.1 s once the libraries are in): each child runs the code on disk now, also after an edit. `SFT_TEST_FRESH=1` turns the
-whole path off (every run a fresh interpreter); `tests/multiproc/test_forked.py` proves the two equal.
+imported there (0.1 s once the libraries are in): each child runs the code on disk now, also after an edit.
+`SFT_TEST_FRESH=1` turns the whole path off (every run a fresh interpreter); `tests/multiproc/test_forked.py` proves
+the two equal.
 """
 
 from __future__ import annotations
