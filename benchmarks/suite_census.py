@@ -8,7 +8,9 @@ seconds and its wall seconds, summed by test module and by kind of process (issu
 agents, each training process, `sft` commands) imports at start: it appends one line to `<log>/processes.jsonl` at
 exit with its command line, the test that was running when it started (pytest's `PYTEST_CURRENT_TEST`, which child
 processes inherit), and its own user + system CPU seconds. A process killed by a signal (the suite's SIGKILL tests)
-writes no line; its count shows as `started - ended`. The hook imports only the standard library and writes nothing
+writes no line; its count shows as `started - ended`. A child forked from a process (the tests' fork server,
+tests/forkserver.py) writes its own line, with its own CPU seconds, its argv and the test in its environment; a
+forked child killed by a signal is not counted at all. The hook imports only the standard library and writes nothing
 to the console, so the suite runs as it would without it.
 """
 
@@ -36,10 +38,22 @@ if os.environ.get("SFT_CENSUS_LOG"):
     with open(os.path.join(os.environ["SFT_CENSUS_LOG"], "started.jsonl"), "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "test": _test}) + "\n")
 
+    _pid = os.getpid()
+
+    def _forked():  # a child forked from this process (the tests' fork server): its own clock from here
+        global _started
+        _started = time.time()
+
+    os.register_at_fork(after_in_child=_forked)
+
     def _census():
-        t = os.times()
-        line = {"pid": os.getpid(), "test": _test, "cmd": _cmd, "cpu": round(t.user + t.system, 2),
-                "wall": round(time.time() - _started, 2)}
+        import sys
+
+        t, forked = os.times(), os.getpid() != _pid
+        cmd = ["(forked)", sys.executable, *sys.argv][:12] if forked else _cmd  # the child's argv, set after the fork
+        test = os.environ.get("PYTEST_CURRENT_TEST", "") if forked else _test
+        line = {"pid": os.getpid(), "test": test, "cmd": cmd, "cpu": round(t.user + t.system, 2),
+                "wall": round(time.time() - _started, 2), "forked": forked}
         with open(_log, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -50,6 +64,10 @@ if os.environ.get("SFT_CENSUS_LOG"):
 def kind(cmd: list[str]) -> str:
     """What a process was, from its command line."""
     head, text = " ".join(cmd[:5]), " ".join(cmd)
+    if "tests.forkserver" in head:
+        return "fork server (imports once per pytest process)"
+    if cmd[:1] == ["(forked)"]:
+        return "forked training process" if any(a.endswith("sft/train.py") for a in cmd) else "forked other"
     if "torch.distributed.run" in head or "torchrun" in head or "--nproc-per-node" in text:
         return "launcher agent"
     if any(a.endswith("sft/train.py") for a in cmd) or "sft train" in head:  # also `-m sft train`: the agent's workers

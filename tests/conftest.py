@@ -93,8 +93,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher gives its workers (`sft.parallel.distributed.LAUNCH_VARIABLES` and torchrun's own): never passed
+# on from the pytest process, where an in-process `sft check` or one-process run may have set them
+LAUNCHED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
+
+
 def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    """The environment of a CLI the tests start: this process's, without launch variables, offline, one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED}
     env.update(
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",

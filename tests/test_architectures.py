@@ -10,53 +10,11 @@ import itertools
 import pytest
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.attention import HANDLED, INERT, VARLEN, check_backend, resolve_attn_implementation
-
-WINDOW = 8
-BASE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "num_hidden_layers": 4, "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1,
-        "eos_token_id": 2}  # fmt: skip
-MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
-GROUPED = {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE}
-GEMMA4 = {"sliding_window": WINDOW, "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"] * 2}
-# family -> config overrides: every family transformers ships of the model matrix, windows shorter than the samples
-FAMILIES = {
-    "llama": ("llama", {}),
-    "qwen2": ("qwen2", {}),
-    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
-    "qwen3": ("qwen3", {}),
-    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, **MOE}),
-    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
-    "gemma2": ("gemma2", {"sliding_window": WINDOW, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
-    "gemma3": ("gemma3_text", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
-    "phi3": ("phi3", {"sliding_window": WINDOW}),
-    "olmo2": ("olmo2", {}),
-    "olmo3": ("olmo3", {"sliding_window": WINDOW}),  # three sliding layers to one full one
-    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),  # every other layer without rotary positions
-    # Gemma 4: head dim 32 on its full layers (16 on the sliding ones), the last two layers reusing earlier layers'
-    # keys and values with an MLP twice as wide, per-layer input embeddings; its MoE: experts beside the dense MLP,
-    # keys equal to values on the full layers, with one key-value head there
-    "gemma4": ("gemma4_text", {**GEMMA4, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
-                               "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256}),
-    "gemma4_moe": ("gemma4_text", {**GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                                   "moe_intermediate_size": 32, "attention_k_eq_v": True,
-                                   "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 0}),
-    "glm4_moe": ("glm4_moe", GROUPED),
-    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
-    "deepseek_v3": ("deepseek_v3", {**GROUPED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                                    "qk_nope_head_dim": 8, "v_head_dim": 12, "head_dim": 8, "num_key_value_heads": 4}),
-}  # fmt: skip
-LENGTHS = (13, 21, 5, 17)  # longer and shorter than the window
-
-
-def config_of(name: str):
-    model_type, extra = FAMILIES[name]
-    return AutoConfig.for_model(model_type, **{**BASE, **extra})
+from tests.tiny_models import BASE, FAMILIES, LENGTHS, WINDOW, config_of, packed_batch
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +30,6 @@ def models():
                 torch.nn.init.normal_(p, std=0.5)
         built[name] = model.eval()
     return built
-
-
-def packed_batch(vocab: int) -> dict:
-    torch.manual_seed(1)
-    rows = [{"input_ids": torch.randint(3, vocab, (n,)).tolist(), "seq_lengths": [n]} for n in LENGTHS]
-    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
 
 
 def per_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

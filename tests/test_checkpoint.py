@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -10,35 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sft.errors import ConfigError
 from sft.run import checkpoint as ckpt
-
-
-def make(out: Path, step: int, complete: bool = True, world: int = 2, zero3: bool = False) -> Path:
-    """A checkpoint laid out as transformers + DeepSpeed ZeRO-2 (or ZeRO-3: model states per rank) write it for
-    `world` processes (tiny tensors)."""
-    path = out / f"checkpoint-{step}"
-    shards = path / f"global_step{step}"
-    shards.mkdir(parents=True)
-    geometry = {"world_size": world, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
-                "global_batch": 2 * world}  # fmt: skip
-    (path / ckpt.STATE).write_text(json.dumps({"global_step": step, "fingerprint": geometry}))
-    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    save_file({"w": torch.zeros(4, 4)}, str(path / "model.safetensors"))
-    torch.save({"lr": 1.0}, path / "scheduler.pt")
-    for rank in range(world):
-        torch.save({"python": rank}, path / (f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"))
-        torch.save({"state": torch.zeros(8)}, shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-        if zero3:
-            torch.save({"module": {}}, shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-    if not zero3:
-        torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
-    (path / "latest").write_text(shards.name)
-    if complete:
-        (path / ckpt.MARKER).write_text("{}")
-    return path
+from tests.helpers import make_checkpoint
 
 
 def args(out: Path, resume="auto"):
@@ -46,9 +20,9 @@ def args(out: Path, resume="auto"):
 
 
 def test_auto_picks_newest_complete_and_sets_aside_newer_incomplete(tmp_path):
-    make(tmp_path, 4)
-    newest = make(tmp_path, 8)
-    make(tmp_path, 12, complete=False)
+    make_checkpoint(tmp_path, 4)
+    newest = make_checkpoint(tmp_path, 8)
+    make_checkpoint(tmp_path, 12, complete=False)
     (tmp_path / "metrics.jsonl").write_text("")
     assert ckpt.resolve_resume(args(tmp_path)) == str(newest)
     ckpt.set_aside_incomplete(str(tmp_path), str(newest))
@@ -58,13 +32,13 @@ def test_auto_picks_newest_complete_and_sets_aside_newer_incomplete(tmp_path):
 
 def test_auto_starts_fresh_in_an_empty_or_checkpointless_run_dir(tmp_path):
     assert ckpt.resolve_resume(args(tmp_path / "new")) is None
-    make(tmp_path, 4, complete=False)
+    make_checkpoint(tmp_path, 4, complete=False)
     assert ckpt.resolve_resume(args(tmp_path)) is None
 
 
 @pytest.mark.parametrize("resume", ["auto", "none", None])
 def test_foreign_files_are_never_written_over(tmp_path, resume):
-    make(tmp_path, 4)
+    make_checkpoint(tmp_path, 4)
     (tmp_path / "model.safetensors").write_text("someone's model")
     with pytest.raises(ConfigError, match="already holds model.safetensors"):
         ckpt.resolve_resume(args(tmp_path, resume))
@@ -84,7 +58,7 @@ def test_a_users_file_with_sfts_name_is_the_users(tmp_path, name):
 
 def test_a_finished_run_is_recognised_and_continues_only_to_a_raised_target(tmp_path):
     ckpt.claim_output_dir(str(tmp_path))
-    make(tmp_path, 20)
+    make_checkpoint(tmp_path, 20)
     before = {p.name for p in tmp_path.iterdir()}
     (tmp_path / "model.safetensors").write_text("final")
     (tmp_path / "README.md").write_text("model card")
@@ -101,11 +75,11 @@ def test_a_finished_run_is_recognised_and_continues_only_to_a_raised_target(tmp_
 
 
 def test_explicit_path_must_be_complete(tmp_path):
-    half = make(tmp_path, 12, complete=False)
+    half = make_checkpoint(tmp_path, 12, complete=False)
     with pytest.raises(ConfigError, match="may be half-written"):
         ckpt.resolve_resume(args(tmp_path / "elsewhere", str(half)))
     mine = tmp_path / "my-favourite"  # any name: the step comes from sft_state.json
-    make(tmp_path, 8).rename(mine)
+    make_checkpoint(tmp_path, 8).rename(mine)
     assert ckpt.resolve_resume(args(tmp_path / "elsewhere", str(mine))) == str(mine)
     ckpt.set_aside_incomplete(str(tmp_path), str(mine))
     assert not half.exists()  # newer-than-resume-point incomplete ones move aside, whatever the resume dir's name
@@ -113,8 +87,8 @@ def test_explicit_path_must_be_complete(tmp_path):
 
 def test_rotation_keeps_newest_and_resumed_from(tmp_path):
     for step in (2, 4, 6, 8):
-        make(tmp_path, step)
-    make(tmp_path, 10, complete=False)
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 10, complete=False)
     ckpt.rotate(str(tmp_path), limit=1, keep={str((tmp_path / "checkpoint-4").resolve())})
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-8", "checkpoint-10"]
 
@@ -145,8 +119,8 @@ def truncate(path: Path) -> None:
          "dangling-latest", "truncated-weights", "empty-file", "deleted-model-states", "empty-latest"],
 )  # fmt: skip
 def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, caplog, harm, named):
-    make(tmp_path, 4)
-    newest = make(tmp_path, 8)
+    make_checkpoint(tmp_path, 4)
+    newest = make_checkpoint(tmp_path, 8)
     assert ckpt.damage(newest) is None
     harm(newest)
     assert named in ckpt.damage(newest)
@@ -161,7 +135,7 @@ def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_use
 
 
 def test_no_usable_checkpoint_is_an_error(tmp_path):
-    only = make(tmp_path, 4)
+    only = make_checkpoint(tmp_path, 4)
     (only / "rng_state_0.pth").unlink()
     with pytest.raises(ConfigError, match="no checkpoint can be resumed, every complete one is damaged"):
         ckpt.resolve_resume(args(tmp_path))
@@ -171,11 +145,11 @@ def test_no_usable_checkpoint_is_an_error(tmp_path):
 
 def test_zero3_checkpoints_need_every_ranks_model_states_and_optimizer_shards(tmp_path):
     """ZeRO-3 writes no mp_rank_00_model_states.pt but one model-states file and one optimizer shard per rank."""
-    newest = make(tmp_path, 8, zero3=True)
+    newest = make_checkpoint(tmp_path, 8, zero3=True)
     assert ckpt.damage(newest) is None
     (newest / "global_step8" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     assert ckpt.damage(newest) == "global_step8/ lacks the model states of rank(s) [1] (1 of 2 present)"
-    other = make(tmp_path / "other", 8, zero3=True)
+    other = make_checkpoint(tmp_path / "other", 8, zero3=True)
     for rank in (0, 1):
         (other / "global_step8" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
     assert ckpt.damage(other) == (
@@ -192,7 +166,7 @@ def test_fsdp2_checkpoints_need_their_shard_index_and_every_shard_it_names(tmp_p
     import torch.distributed.checkpoint as dcp
 
     def fsdp2(out: Path) -> Path:
-        path = make(out, 8, world=1)
+        path = make_checkpoint(out, 8, world=1)
         shutil.rmtree(path / "global_step8")
         (path / "latest").unlink()
         for folder in ("pytorch_model_fsdp_0", "optimizer_0"):

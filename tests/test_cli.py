@@ -16,6 +16,7 @@ from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from tests.conftest import ROOT, cli_env
 from tests.conftest import run_cli_in_process as run_cli
+from tests.helpers import demo_args
 
 
 def test_help_is_short_grouped_and_names_config():
@@ -134,7 +135,6 @@ def test_harmless_library_messages_are_dropped_and_the_rest_kept(tmp_path, caplo
     import logging
 
     from sft.core import logs
-    from tests.test_plan import demo_args
 
     _, _, args, _ = demo_args(tmp_path)
     logs.setup(args)
@@ -161,7 +161,6 @@ def test_library_warnings_a_user_cannot_act_on_are_not_shown(tmp_path):
     import trl.trainer.sft_trainer
 
     from sft.core import logs
-    from tests.test_plan import demo_args
 
     trl_says = re.search(r'"(`use_liger_kernel=True` is deprecated[^"]*)"', inspect.getsource(trl.trainer.sft_trainer))
     c10d = inspect.getsource(torch.distributed.distributed_c10d)
@@ -257,7 +256,7 @@ def test_help_shows_each_fields_own_default():
     assert lines["--report"].endswith("[True]") and lines["--packing"].endswith("[False]")
 
 
-def test_recipe_commands_take_the_recipe_either_way(tmp_path, capsys):
+def test_recipe_commands_take_the_recipe_either_way(tmp_path, capsys, monkeypatch):
     """`sft data RECIPE` and `sft check --config RECIPE` (and `sft train`) each take both forms; both at once is one
     line naming the two (issue #78: `sft data --config` died in HfArgumentParser, `sft check RECIPE` was not a
     recipe)."""
@@ -268,6 +267,11 @@ def test_recipe_commands_take_the_recipe_either_way(tmp_path, capsys):
     assert with_config(["--config", "r.yaml"], "sft check") == ["--config", "r.yaml"]
     with pytest.raises(ConfigError, match=r"the recipe is given twice, a.yaml and `--config b.yaml`"):
         with_config(["a.yaml", "--config", "b.yaml"], "sft data")
+    from sft.parallel.distributed import LAUNCH_VARIABLES
+
+    for name in LAUNCH_VARIABLES:  # `sft check` gives this process a one-process launch's; put back as they were
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert check.main([str(tmp_path / "nope.yaml")], prog="sft check") == 2
     assert capsys.readouterr().err.strip() == (
         f"sft check: error: `--config`: no such file {str(tmp_path / 'nope.yaml')!r}. Recipes live in recipes/, e.g. "

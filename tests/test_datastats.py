@@ -13,6 +13,7 @@ from trl.chat_template_utils import get_training_chat_template
 from sft.data import stats as datastats
 from sft.tools import report
 from tests.conftest import ROOT, read_jsonl
+from tests.helpers import demo_args
 
 RECIPE = str(ROOT / "recipes" / "demo.yaml")
 
@@ -94,7 +95,6 @@ def test_training_skips_the_figures_for_streamed_data(tmp_path):
     import datasets
 
     from sft.plan.preflight import preflight
-    from tests.test_plan import demo_args
 
     _, _, args, model_args = demo_args(tmp_path, "--output_dir", str(tmp_path / "out"))
     streamed = datasets.load_dataset("json", data_files=str(ROOT / "recipes/demo/data/train.jsonl"), split="train",

@@ -15,6 +15,7 @@ import yaml
 from sft.errors import ConfigError
 from tests.conftest import ROOT
 from tests.conftest import run_cli_in_process as run_cli
+from tests.helpers import make_checkpoint
 
 GOOD = {"role": "user", "content": "repeat: abc"}, {"role": "assistant", "content": "abc"}
 
@@ -377,10 +378,9 @@ def test_a_checkpoint_of_the_other_engine_is_refused_before_the_model(tmp_path):
     DeepSpeed likewise; `engine: auto` follows the checkpoint."""
     from sft.core.run import Resume
     from sft.plan.preflight import check_resume_engine
-    from tests.test_checkpoint import make
 
     out = tmp_path / "out"
-    written = make(out, 6, world=1)
+    written = make_checkpoint(out, 6, world=1)
     before = _snapshot(out)
     result = run_cli(["--config", str(write_recipe(tmp_path)), "--engine", "fsdp2", "--deepspeed", "none"])
     expect_error(result, f"{written} was written by DeepSpeed and this run's engine is FSDP2, which cannot read it",

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sft.model import architectures, experts
-from tests.test_architectures import config_of
+from tests.tiny_models import config_of
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
 TOL = 1e-5

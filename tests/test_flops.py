@@ -11,6 +11,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft.model.flops import FlopCounter, detect_peak_tflops, linear_flops_per_token
 from tests.conftest import ROOT
+from tests.tiny_models import tiny
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
 
@@ -99,7 +100,6 @@ def test_vision_encoder_flops_equal_torchs_count_of_its_forward(family):
 
     from sft.model import architectures
     from sft.model.flops import VisionFlops
-    from tests.test_vision_packing import tiny
 
     model = tiny(family)
     encoder = architectures.vision_encoder(model)

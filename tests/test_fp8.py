@@ -17,7 +17,7 @@ from sft.plan import memory as plan
 from sft.plan.preflight import preflight
 from sft.run.checkpoint import compare_fingerprints
 from tests.conftest import ROOT
-from tests.test_plan import demo_args
+from tests.helpers import demo_args
 
 DEMO = ROOT / "recipes" / "demo" / "model"
 

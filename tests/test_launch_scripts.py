@@ -3,7 +3,6 @@ tests/multiproc/test_launch.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,50 +11,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, cli_env
+from tests.helpers import launch_env, slurm_env
 
 SCRIPTS = ["launch/torchrun.sh", "launch/deepspeed.sh", "launch/slurm.sbatch"]
 
 
-def env(**extra) -> dict[str, str]:
-    return {**cli_env(), "PYTHON": sys.executable, **{k: str(v) for k, v in extra.items()}}
-
-
 def dry_run(script: str, *args: str, **variables) -> str:
-    result = subprocess.run(["bash", script, *args], cwd=ROOT, env=env(DRY_RUN=1, **variables),
+    result = subprocess.run(["bash", script, *args], cwd=ROOT, env=launch_env(DRY_RUN=1, **variables),
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
-
-
-def slurm_shims(tmp_path: Path) -> Path:
-    """Stand-ins for SLURM's commands (SLURM does not run here): `srun` runs its command here, `scancel --signal`
-    signals every process of the step as SLURM's cgroup does, `scontrol` answers hostnames and records a requeue."""
-    shims = tmp_path / "shims"
-    shims.mkdir()
-    (shims / "srun").write_text(
-        '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\necho $$ > "$SHIM_STATE/step.pid"\nexec "$@"\n'
-    )
-    (shims / "scancel").write_text(
-        "#!/usr/bin/env bash\n"
-        'echo "scancel $*" >> "$SHIM_STATE/calls"\n'
-        'sig="${1#--signal=}"\n'
-        'tree() { echo "$1"; for c in $(pgrep -P "$1"); do tree "$c"; done; }\n'
-        'for p in $(tree "$(cat "$SHIM_STATE/step.pid")"); do kill -s "$sig" "$p" 2>/dev/null || true; done\n'
-    )
-    (shims / "scontrol").write_text(
-        "#!/usr/bin/env bash\n"
-        'if [[ "$1" == show ]]; then echo 127.0.0.1; else echo "scontrol $*" >> "$SHIM_STATE/calls"; fi\n'
-    )
-    for f in shims.iterdir():
-        f.chmod(0o755)
-    return shims
-
-
-def slurm_env(tmp_path: Path, **extra) -> dict[str, str]:
-    shims = slurm_shims(tmp_path) if not (tmp_path / "shims").exists() else tmp_path / "shims"
-    variables = dict(PATH=f"{shims}:{os.environ['PATH']}", SHIM_STATE=tmp_path, SLURM_JOB_ID=4242, SLURM_NNODES=1,
-                     SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE=2, SLURM_SUBMIT_DIR=ROOT)  # fmt: skip
-    return env(**{**variables, **extra})
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -100,7 +65,7 @@ def test_deepspeed_command_line(tmp_path):
     )
     no_ssh = dry_run("launch/deepspeed.sh", HOSTFILE=hostfile, NO_SSH=1, NODE_RANK=1)
     assert "--no_ssh --node_rank 1 " in no_ssh
-    missing = subprocess.run(["bash", "launch/deepspeed.sh"], cwd=ROOT, env=env(HOSTFILE=tmp_path / "none"),
+    missing = subprocess.run(["bash", "launch/deepspeed.sh"], cwd=ROOT, env=launch_env(HOSTFILE=tmp_path / "none"),
                              capture_output=True, text=True)  # fmt: skip
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
@@ -113,7 +78,9 @@ def test_slurm_command_line(tmp_path):
     assert line.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1")
     assert "NNODES=4 NPROC_PER_NODE=2 RDZV_ENDPOINT=127.0.0.1:24242 RDZV_ID=4242" in line
     assert 'trap\\ \\"\\"\\ USR1' in line and line.rstrip().endswith("launch/torchrun.sh --config r.yaml")
-    outside = subprocess.run(["bash", "launch/slurm.sbatch"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    outside = subprocess.run(
+        ["bash", "launch/slurm.sbatch"], cwd=ROOT, env=launch_env(), capture_output=True, text=True
+    )
     assert outside.returncode != 0 and "submit it with sbatch" in outside.stderr
 
 

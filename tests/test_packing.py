@@ -5,28 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft.errors import ConfigError
 from sft.model.attention import PACKING_SAFE, check_batch, check_packing, resolve_attn_implementation
 from tests.conftest import ROOT
-
-DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
-SHAPES = {
-    "llama": {},
-    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False},
-}
-
-
-def tiny_model(shape: str, use_cache: bool = False, backend: str = "sdpa"):
-    config = AutoConfig.from_pretrained(DEMO_MODEL).to_dict()
-    config.update(SHAPES[shape])
-    config = AutoConfig.for_model(**config)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=backend, dtype=torch.float32)
-    model.config.use_cache = use_cache
-    return model
+from tests.tiny_models import DEMO_MODEL, SHAPES, tiny_model
 
 
 def samples(completion_only: bool) -> list[dict]:

@@ -18,7 +18,7 @@ from sft.errors import ConfigError
 from sft.model.attention import VARLEN, register_varlen
 from sft.run import packing_check
 from tests.conftest import ROOT
-from tests.test_packing import DEMO_MODEL, tiny_model
+from tests.tiny_models import DEMO_MODEL, tiny_model
 
 LEAKY = "sft_test_leaky"
 

@@ -22,9 +22,9 @@ from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
 from sft.plan import memory as plan
 from sft.plan import speed
-from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
+from tests.helpers import demo_args
 
 SHAPES = {name: LLAMA_SHAPES[name] for name in ("llama-1b", "llama-8b", "llama-70b")}
 SMALL = {  # built for real on CPU to check the parameter counts DeepSpeed's estimator would see
@@ -327,10 +327,6 @@ def test_plan_cli_reports_fit_and_suggestion(tmp_path, capsys):
     assert "fastest setting that fits: ZeRO-" in out and "8-bit Adam moments (peak" in out
     code, _, err = plan_command([args[0], str(tmp_path / "nope"), *args[2:]], capsys)
     assert code == 2 and "cannot read a model config" in err
-
-
-def demo_args(tmp_path, *extra):
-    return parse_args(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "out"), *extra])
 
 
 @pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 12, True), ("0.04", 1, True)])

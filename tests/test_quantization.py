@@ -10,6 +10,7 @@ from sft.model import quantization
 from sft.plan.arguments import parse_args
 from sft.plan.preflight import preflight
 from tests.conftest import ROOT
+from tests.tiny_models import config_of
 
 
 def args(tmp_path, *extra):
@@ -78,7 +79,6 @@ def test_qlora_on_a_mixture_of_experts_is_refused_and_parameter_adapters_need_no
     """bitsandbytes leaves a MoE's fused 3-D experts in 16-bit (sft.model.quantization.check_experts): refused before
     the model loads, with the share of weights and what to do; PEFT's parameter adapters refuse dropout inside the
     model build, so sft refuses it at parse time."""
-    from tests.test_architectures import config_of
 
     config_of("qwen3_moe").save_pretrained(tmp_path / "moe")
     moe = ("--model_name_or_path", str(tmp_path / "moe"))
@@ -98,7 +98,6 @@ def test_lora_target_parameters_that_match_nothing_are_refused_with_the_models_p
     """PEFT only warns when `lora_target_parameters` matches no parameter and then trains an adapter without it: sft
     refuses before the model loads, naming the target, the model's parameters per layer and the fix. On a MoE whose
     experts are 3-D parameters the same targets are what PEFT adapts, and the plan takes them."""
-    from tests.test_architectures import config_of
 
     experts = ("--lora_target_parameters", "mlp.experts.gate_up_proj", "--lora_dropout", "0")
     _, _, training_args, model_args = args(tmp_path, *experts)  # the demo: a dense Llama

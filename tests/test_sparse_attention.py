@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.attention import check_backend
-from tests.test_architectures import BASE, GROUPED, packed_batch
+from tests.tiny_models import BASE, GROUPED, packed_batch
 
 MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 12,
        "head_dim": 8, "num_key_value_heads": 4, "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2}  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 
 from sft.errors import ConfigError
 from tests.conftest import ROOT
+from tests.tiny_models import BASE, FAMILIES, sample, tiny
 
 RECIPE = str(ROOT / "recipes" / "demo-vlm.yaml")
 
@@ -217,7 +218,6 @@ def test_a_frozen_encoder_under_checkpointing_keeps_nothing_and_gets_no_backward
 
     from sft.data import vision
     from sft.model import architectures, converters, vision_hooks
-    from tests.test_vision_packing import sample, tiny
 
     def run(freeze_with_sft: bool, checkpointing: bool):
         model = tiny(family).train()
@@ -270,7 +270,6 @@ def test_the_newer_image_text_configs_train_on_text_and_on_images(tmp_path, fami
 
     from sft.model import shapes
     from sft.model.build import load_model
-    from tests.test_architectures import BASE, FAMILIES
 
     text = {
         "gemma4": {**FAMILIES["gemma4"][1], "model_type": "gemma4_text"},
@@ -315,8 +314,6 @@ def test_an_image_text_config_sft_does_not_pack_is_refused_on_image_data_before_
     """A multimodal config outside sft's image+text table (LLaVA) trains on text records; on image records it is
     refused before any work, naming the family and the families sft packs."""
     from transformers import AutoConfig
-
-    from tests.test_architectures import BASE
 
     AutoConfig.for_model("llava", text_config={**BASE, "model_type": "llama"}).save_pretrained(tmp_path / "llava")
     with pytest.raises(ConfigError, match="llava is an image\\+text model, and the data's records hold images: sft "

@@ -16,6 +16,7 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, cli_env, read_jsonl
+from tests.helpers import losses
 
 # 8 optimizer steps of the demo at a global batch of 4 rows (world 2 x micro batch 1 x accumulation 2), ZeRO-2,
 # a checkpoint every 4 steps
@@ -42,10 +43,6 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 6
     for code, log in zip(codes, logs, strict=True):
         assert code == 0, log.read_text()[-4000:]
     return codes
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 
 
 def node_table(log: Path) -> list[tuple[str, str, str, str, str]]:

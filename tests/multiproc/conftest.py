@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import ROOT, cli_env
 from tests.multiproc import readme
@@ -76,3 +78,14 @@ def tensorboard_wandb_run(tmp_path_factory) -> Logged:
         cwd=ROOT, env=cli_env(work), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     return Logged(out, work, result)
+
+
+@pytest.fixture(scope="module")
+def init_model(tmp_path_factory) -> Path:
+    """One fixed random init on disk: ZeRO-3 would otherwise initialise inside `zero.Init` in its own RNG order."""
+    path = tmp_path_factory.mktemp("init")
+    torch.manual_seed(0)
+    demo = ROOT / "recipes" / "demo" / "model"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(demo).save_pretrained(path)
+    return path

@@ -13,13 +13,13 @@ import math
 import shutil
 
 import pytest
-import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
 from sft.run.checkpoint import KILL_DURING_SAVE_ENV, MARKER
 from sft.run.metrics import samples_per_step
 from tests.conftest import DEMO, ROOT, read_jsonl, run_cli
+from tests.helpers import weights
 
 STEPS = 8
 MODEL = {"vocab_size": 104, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3, "max_position_embeddings": 1024,
@@ -65,10 +65,6 @@ def runs(tmp_path_factory):
 
 def steps(out) -> list[dict]:
     return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
-def weights(out) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(out / "model.safetensors")
 
 
 def test_experts_split_over_two_ranks_train_as_every_expert_on_each(runs):

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import DEMO, ROOT, read_jsonl, run_cli
+from tests.helpers import kill_after_checkpoint
 
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
 TOKENS = {"vocab_size": 104, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3, "max_position_embeddings": 1024}
@@ -71,13 +72,16 @@ def command(model, engine: str, out) -> list[str]:
             + SAVES)  # fmt: skip
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("name", KILLED)
 def test_the_newest_families_resume_bit_identically_after_a_kill(runs, name, tmp_path):
     """Gemma 4 and Qwen3.5 (2 processes, ZeRO-3): SIGKILLed once checkpoint-8 is complete and run again with the same
-    command, the logged losses and the final weights equal the uninterrupted run's bit for bit."""
-    import safetensors.torch
+    command, the logged losses and the final weights equal the uninterrupted run's bit for bit.
 
-    from tests.multiproc.test_resume import kill_after_checkpoint
+    Full tier: its per-commit counterpart is tests/multiproc/test_resume.py's
+    `test_sigkill_then_same_command_is_bit_exact[zero3]` (the same SIGKILL and rerun under ZeRO-3 on 2 processes);
+    these families' training under ZeRO-3 is per commit (`test_a_family_trains_under_zero3_and_fsdp2_and_reloads`)."""
+    import safetensors.torch
 
     reference = runs[name, "zero3"][0]
     model, out = reference.parent, tmp_path / "out"

@@ -16,9 +16,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ROOT, read_jsonl, run_cli
-from tests.multiproc.test_resume import kill_after_checkpoint
-from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
+from tests.conftest import ROOT, run_cli
+from tests.helpers import kill_after_checkpoint, train_records, weights
 
 STEPS = 8
 ARGS = [
@@ -61,14 +60,6 @@ def compiled_zero3(tmp_path_factory, init_model):  # noqa: F811
     return out, result.stderr
 
 
-def records(out) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
-def weights(out) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(out / "model.safetensors")
-
-
 def test_fp8_is_on_and_logged(runs):
     log = runs["fp8_zero3_log"]
     assert "FP8: on, tensorwise scaling (fp8: true (SFT_FP8_ON_CPU=1: float8 matmuls on the CPU))" in log
@@ -87,7 +78,7 @@ def test_zero3_fp8_trains_as_zero2_fp8(runs):
     found (not the weight release: all-persistent parameters give the same figure). Later steps drift as float8
     roundings flip (grad norms 0.9% apart at step 8, losses 0.07%); for scale, FP8 and fp32 grad norms differ by 1-3%.
     """
-    a, b = records(runs["fp8_zero2"]), records(runs["fp8_zero3"])
+    a, b = train_records(runs["fp8_zero2"]), train_records(runs["fp8_zero3"])
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     assert [r["num_tokens"] for r in a] == [r["num_tokens"] for r in b]
     assert a[0]["loss"] == b[0]["loss"]
@@ -111,9 +102,9 @@ def test_compiled_decoder_layers_under_zero3_keep_its_hooks_eager(runs, compiled
     assert "Compiling 4 decoder layers with torch.compile" in log
     assert "DeepSpeed hooks run eagerly in between" in log
     assert "recompile_limit" not in log and "Recompiling" not in log
-    compiled, eager = records(out), records(runs["fp8_zero3"])[:4]
+    compiled, eager = train_records(out), train_records(runs["fp8_zero3"])[:4]
     assert [r["num_tokens"] for r in compiled] == [r["num_tokens"] for r in eager]
-    float8_rounding = abs(eager[0]["loss"] - records(runs["fp32_zero2"])[0]["loss"])
+    float8_rounding = abs(eager[0]["loss"] - train_records(runs["fp32_zero2"])[0]["loss"])
     assert abs(compiled[0]["loss"] - eager[0]["loss"]) < float8_rounding, (compiled[0], eager[0], float8_rounding)
     for x, y in zip(compiled, eager, strict=True):
         assert math.isclose(x["loss"], y["loss"], rel_tol=1e-3), (x["loss"], y["loss"])
@@ -122,7 +113,7 @@ def test_compiled_decoder_layers_under_zero3_keep_its_hooks_eager(runs, compiled
 def test_fp8_differs_from_fp32_but_little(runs):
     """FP8 is really in the matmuls (the losses differ from fp32 from the first step) and trains the same way
     (every step within 2%, the last within 1%; measured up to 0.08%)."""
-    ref, fp8 = records(runs["fp32_zero2"]), records(runs["fp8_zero2"])
+    ref, fp8 = train_records(runs["fp32_zero2"]), train_records(runs["fp8_zero2"])
     diffs = [abs(x["loss"] - y["loss"]) / x["loss"] for x, y in zip(ref, fp8, strict=True)]
     assert max(diffs) > 1e-6, diffs
     assert max(diffs) < 0.02 and diffs[-1] < 0.01, diffs
@@ -150,7 +141,7 @@ def test_fsdp2_fp8_gathers_float8_and_trains_as_zero2_fp8(runs):
     assert "FP8: 28 decoder linear layers in torchao float8 (tensorwise scaling, all-gathered by FSDP2" in log
     assert "their scales precomputed after each optimizer step" in log
     assert "FP8 under ZeRO-3 measured slower" not in log
-    a, b = records(runs["fp8_zero2"]), records(runs["fp8_fsdp2"])
+    a, b = train_records(runs["fp8_zero2"]), train_records(runs["fp8_fsdp2"])
     assert [r["num_tokens"] for r in a] == [r["num_tokens"] for r in b]
     assert [r["loss"] for r in a[:2]] == [r["loss"] for r in b[:2]]
     for x, y in zip(a, b, strict=True):
@@ -170,7 +161,7 @@ def test_fp8_sigkill_then_rerun_is_bit_exact(runs, init_model, tmp_path, stage):
     result = run_cli(args_for(init_model, out, stage), nproc=2, env=CPU_FP8)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Resuming from" in result.stderr
-    ref, res = records(runs[name]), records(out)
+    ref, res = train_records(runs[name]), train_records(out)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
         assert [r[key] for r in ref] == [r[key] for r in res], key

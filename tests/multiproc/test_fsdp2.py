@@ -19,10 +19,8 @@ import safetensors.torch
 import torch
 
 from sft.run.metrics import samples_per_step
-from tests.conftest import ROOT, read_jsonl, run_cli
-from tests.multiproc.test_lora import merge
-from tests.multiproc.test_resume import kill_after_checkpoint
-from tests.multiproc.test_sp_runs import init_model  # noqa: F401 (a fixture: one fixed random init on disk)
+from tests.conftest import ROOT, run_cli
+from tests.helpers import kill_after_checkpoint, merge, train_records
 
 STEPS = 12
 ARGS = [
@@ -36,10 +34,6 @@ ENGINES = {"fsdp2": ["--engine", "fsdp2", "--deepspeed", "none"], "zero2": ["--d
 
 def args_for(model: Path, out: Path, engine: str) -> list[str]:
     return ARGS + ["--model_name_or_path", str(model), "--output_dir", str(out), *ENGINES[engine]]
-
-
-def records(out: Path) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,7 @@ def runs(tmp_path_factory, init_model):  # noqa: F811
 def test_fsdp2_trains_as_zero2_does(runs):
     """Per-step loss and gradient norm of FSDP2 equal ZeRO-2's within 1e-5 relative, every step (fp32, same init and
     data; the two engines reduce the gradients in another order, so not bit for bit)."""
-    fsdp2, zero2 = records(runs["fsdp2"]), records(runs["zero2"])
+    fsdp2, zero2 = train_records(runs["fsdp2"]), train_records(runs["zero2"])
     assert [r["step"] for r in fsdp2] == [r["step"] for r in zero2] == list(range(1, STEPS + 1))
     for a, b in zip(fsdp2, zero2, strict=True):
         for key in ("loss", "grad_norm"):
@@ -98,7 +92,7 @@ def resumed(killed: Path, model: Path, tmp_path: Path, nproc: int):
     shutil.copytree(killed, out)
     result = run_cli(args_for(model, out, "fsdp2"), nproc=nproc)
     assert result.returncode == 0, result.stderr[-5000:]
-    assert [r["step"] for r in records(out)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in train_records(out)] == list(range(1, STEPS + 1))
     return out, result
 
 
@@ -107,7 +101,7 @@ def test_fsdp2_resumes_bit_identically_after_a_kill(runs, killed, init_model, tm
     final weights, equal the uninterrupted run's."""
     out, result = resumed(killed, init_model, tmp_path, nproc=2)
     assert "Resuming from" in result.stderr
-    ref, res = records(runs["fsdp2"]), records(out)
+    ref, res = train_records(runs["fsdp2"]), train_records(out)
     for key in ("loss", "learning_rate", "grad_norm", "num_tokens"):
         assert [r[key] for r in ref] == [r[key] for r in res], key
     a, b = (safetensors.torch.load_file(o / "model.safetensors") for o in (runs["fsdp2"], out))
@@ -121,7 +115,7 @@ def test_fsdp2_resumes_on_one_process(runs, killed, init_model, tmp_path):  # no
     the summation order."""
     out, result = resumed(killed, init_model, tmp_path, nproc=0)
     assert "on 1 processes (was 2): global batch 4 " in result.stderr
-    ref, res = records(runs["fsdp2"]), records(out)
+    ref, res = train_records(runs["fsdp2"]), train_records(out)
     assert [r["learning_rate"] for r in ref] == [r["learning_rate"] for r in res]
     assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]
     assert samples_per_step(out) == samples_per_step(runs["fsdp2"])
@@ -142,7 +136,7 @@ def test_lora_under_fsdp2_equals_lora_under_zero3_and_merges(init_model, tmp_pat
         args = args_for(init_model, outs[engine], "zero2")[:-2] + extra  # the common args, then this engine's
         result = run_cli([*args, "--use_peft", "true", "--max_steps", "4", "--save_strategy", "no"], nproc=2)
         assert result.returncode == 0, result.stderr[-5000:]
-    fsdp2, zero3 = records(outs["fsdp2"]), records(outs["zero3"])
+    fsdp2, zero3 = train_records(outs["fsdp2"]), train_records(outs["zero3"])
     assert len(fsdp2) == len(zero3) == 4
     assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5) for a, b in zip(fsdp2, zero3, strict=True))
     a, b = (safetensors.torch.load_file(outs[e] / "adapter_model.safetensors") for e in ("fsdp2", "zero3"))
@@ -177,7 +171,7 @@ def test_qlora_under_fsdp2_shards_the_4bit_weights_trains_as_under_zero3_and_mer
     shards = sorted((outs["fsdp2"] / "checkpoint-4" / "pytorch_model_fsdp_0").glob("*.distcp"))
     sizes = [p.stat().st_size for p in shards]
     assert len(sizes) == 2 and min(sizes) > 0.9 * max(sizes), sizes  # replicated weights would be rank 0's alone
-    fsdp2, zero3 = records(outs["fsdp2"]), records(outs["zero3"])
+    fsdp2, zero3 = train_records(outs["fsdp2"]), train_records(outs["zero3"])
     assert len(fsdp2) == len(zero3) == 4 and fsdp2[0]["loss"] == zero3[0]["loss"]
     assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-4) for a, b in zip(fsdp2, zero3, strict=True))
     a, b = (safetensors.torch.load_file(outs[e] / "adapter_model.safetensors") for e in ("fsdp2", "zero3"))

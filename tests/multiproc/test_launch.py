@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, free_port, read_jsonl
-from tests.test_launch_scripts import env, slurm_env
+from tests.helpers import launch_env, losses, slurm_env
 
 # 8 optimizer steps of the demo, 2 processes x micro batch 1 x accumulation 2, ZeRO-2, a checkpoint every 4 steps
 TRAIN = [
@@ -19,10 +19,6 @@ TRAIN = [
     "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4", "--per_device_train_batch_size", "1",
     "--gradient_accumulation_steps", "2", "--max_length", "256", "--deepspeed", "ds_configs/zero2.json",
 ]  # fmt: skip
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 
 
 def test_slurm_signal_checkpoints_requeues_and_resumes(tmp_path):
@@ -52,7 +48,7 @@ def test_slurm_signal_checkpoints_requeues_and_resumes(tmp_path):
 
 def start_node(tmp_path: Path, name: str, rank: int, port: int, out: Path, *extra: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115
-    variables = env(NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    variables = launch_env(NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     return subprocess.Popen(["bash", "launch/torchrun.sh", *TRAIN, "--output_dir", str(out), *extra], cwd=ROOT,
                             env=variables, stdout=log, stderr=log)  # fmt: skip
 
@@ -72,7 +68,7 @@ def test_elastic_restart_finishes_by_itself(tmp_path):
     out = tmp_path / "out"
     log = open(tmp_path / "job.log", "w")  # noqa: SIM115
     agent = subprocess.Popen(["bash", "launch/torchrun.sh", *TRAIN, "--output_dir", str(out)], cwd=ROOT,
-                             env=env(NPROC_PER_NODE=2, MAX_RESTARTS=1, MASTER_PORT=free_port()), stdout=log,
+                             env=launch_env(NPROC_PER_NODE=2, MAX_RESTARTS=1, MASTER_PORT=free_port()), stdout=log,
                              stderr=log)  # fmt: skip
     deadline = time.time() + 300
     while not (out / "checkpoint-4" / MARKER).exists() and agent.poll() is None and time.time() < deadline:
@@ -91,7 +87,7 @@ def test_deepspeed_launcher_with_a_hostfile(tmp_path):
     hostfile.write_text("localhost slots=2\n")
     out = tmp_path / "out"
     result = subprocess.run(["bash", "launch/deepspeed.sh", *TRAIN, "--output_dir", str(out), "--trace_data"],
-                            cwd=ROOT, env=env(HOSTFILE=hostfile, MASTER_PORT=free_port()), capture_output=True,
+                            cwd=ROOT, env=launch_env(HOSTFILE=hostfile, MASTER_PORT=free_port()), capture_output=True,
                             text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(losses(out)) == 8 and (out / "model.safetensors").exists()

@@ -4,8 +4,6 @@ checkpointing, packing, resume, and `python -m sft.tools.merge`."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from sft.run.checkpoint import KILL_DURING_SAVE_ENV, MARKER
 from sft.tools.merge import main as merge_main
-from tests.conftest import ROOT, cli_env, read_jsonl, run_cli
+from tests.conftest import ROOT, run_cli
+from tests.helpers import losses, merge, merge_side_by_side
 
 STEPS = 12
 ARGS = [
@@ -53,20 +52,9 @@ def runs(base, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(ids).logits
-
-
-def merge(adapter: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sft.tools.merge", "--adapter", str(adapter), "--output", str(output), "--dtype",
-         "float32", *extra], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-    )  # fmt: skip
 
 
 def test_lora_trains_under_zero2_and_zero3_with_checkpointing(runs):
@@ -90,14 +78,6 @@ def test_qlora_trains_under_zero3_as_under_zero2(runs):
     assert "28 linear layers in 4 bits (packed in float32; loaded in host memory, then partitioned by ZeRO-3" in log
     assert not (runs["qlora_zero3_ckpt"] / "model.safetensors").exists()
     assert (runs["qlora_zero3_ckpt"] / "adapter_model.safetensors").exists()
-
-
-def merge_side_by_side(*jobs: tuple[Path, Path]) -> list[subprocess.CompletedProcess]:
-    """`merge` of each (adapter, output), two at a time (one process each; CI has two cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda job: merge(*job), jobs))
 
 
 def test_merge_equals_base_plus_adapter(runs, base, tmp_path, capsys):

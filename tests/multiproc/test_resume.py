@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 from sft.errors import PREEMPTED_EXIT_CODE
@@ -28,14 +27,13 @@ from tests.conftest import (
     cli_env,
     finish,
     free_port,
-    kill_tree,
-    read_jsonl,
     run_cli,
     run_cli_in_process,
     run_cli_side_by_side,
     start_cli,
     wait_for,
 )
+from tests.helpers import assert_ok, kill_after_checkpoint, train_records, weights
 
 STEPS = 12
 # per-device batch 1 x accumulation 2 x 2 processes = global batch 4 packed rows
@@ -65,18 +63,6 @@ def args_for(model_dir: Path, out: Path, stage: str) -> list[str]:
     return ARGS + ["--model_name_or_path", str(model_dir), "--output_dir", str(out), "--deepspeed", STAGES[stage]]
 
 
-def train_records(out: Path) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
-def weights(out: Path) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(out / "model.safetensors")
-
-
-def assert_ok(result) -> None:
-    assert result.returncode == 0, result.stderr[-5000:]
-
-
 def assert_same_run(reference: Path, resumed: Path) -> None:
     """Bit-identical per-step loss, learning rate, grad norm, token and FLOP counters, and equal final weights."""
     ref, res = train_records(reference), train_records(resumed)
@@ -91,17 +77,6 @@ def launched(nproc: int) -> int:
     """The `run_cli` launch of a run on `nproc` processes: one process runs as `python sft/train.py`, without a
     launcher (so the runs on one process below, ZeRO-2 and ZeRO-3, prove that a lone process trains and resumes)."""
     return nproc if nproc > 1 else 0
-
-
-def kill_after_checkpoint(args: list[str], out: Path, step: int, nproc: int = 2, env: dict | None = None) -> None:
-    """Start the CLI and SIGKILL the launcher and every worker once checkpoint-<step> is complete."""
-    proc = start_cli(args, nproc=nproc, env=env)
-    marker = out / f"checkpoint-{step}" / MARKER
-    wait_for(marker, proc)
-    kill_tree(proc.pid)
-    finish(proc)
-    assert marker.exists(), "the run never completed the checkpoint it was to be killed after"
-    assert not (out / "model.safetensors").exists(), "the run finished before the kill; the test proves nothing"
 
 
 class SharedRuns:

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from sft.run.metrics import samples_per_step
-from tests.conftest import ROOT, cli_env, free_port, read_jsonl, run_cli, run_cli_side_by_side
-from tests.multiproc.test_resume import kill_after_checkpoint
+from tests.conftest import ROOT, cli_env, free_port, run_cli, run_cli_side_by_side
+from tests.helpers import kill_after_checkpoint, train_records, weights
 
 STEPS = 8
 ARGS = [
@@ -46,17 +46,6 @@ LEVERS = [
 LORA = [
     "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def init_model(tmp_path_factory) -> Path:
-    """One fixed random init on disk: ZeRO-3 would otherwise initialise inside `zero.Init` in its own RNG order."""
-    path = tmp_path_factory.mktemp("init")
-    torch.manual_seed(0)
-    demo = ROOT / "recipes" / "demo" / "model"
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(demo).save_pretrained(path)
-    return path
 
 
 def args_for(init_model: Path, out: Path, sp: int, stage: int) -> list[str]:
@@ -97,14 +86,6 @@ def runs(tmp_path_factory, init_model) -> dict[str, Path]:
     return made
 
 
-def records(out: Path) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
-def weights(out: Path) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(out / "model.safetensors")
-
-
 def assert_same_steps(ref: list[dict], other: list[dict], rtol: float = RTOL) -> None:
     for key in ("loss", "grad_norm"):
         for a, b in zip([r[key] for r in ref], [r[key] for r in other], strict=True):
@@ -116,7 +97,7 @@ def test_sp2_trains_as_sp1(runs, init_model, name):
     """sp=2 under ZeRO-2, and under ZeRO-3 with the memory tools (1 process under ZeRO-2 and ZeRO-3: two tiles per
     MLP, ZeRO's gradient hooks held to the last; sp=2 under ZeRO-3 with them: one run for both), and 2 processes with
     every long-context lever on, train as sp=1 with none."""
-    ref, sp2 = records(runs["sp1"]), records(runs[name])
+    ref, sp2 = train_records(runs["sp1"]), train_records(runs[name])
     assert [r["step"] for r in sp2] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):
         for a, b in zip([r[key] for r in ref], [r[key] for r in sp2], strict=True):
@@ -162,7 +143,7 @@ def test_every_lever_is_on(runs):
 
 
 def test_lora_with_sp2_trains_as_lora_with_sp1(runs):
-    ref, sp2 = records(runs["lora_sp1"]), records(runs["lora_sp2"])
+    ref, sp2 = train_records(runs["lora_sp1"]), train_records(runs["lora_sp2"])
     assert [r["step"] for r in sp2] == list(range(1, STEPS + 1))
     assert_same_steps(ref, sp2)
     assert samples_per_step(runs["lora_sp1"]) == samples_per_step(runs["lora_sp2"])
@@ -186,7 +167,7 @@ def test_sp2_sigkill_then_resume_under_deepspeed_launcher_and_on_another_dp(runs
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Resuming from" in result.stderr
-    ref, res = records(runs["sp2_zero2"]), records(out)
+    ref, res = train_records(runs["sp2_zero2"]), train_records(out)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     for key in ("loss", "learning_rate", "grad_norm", "num_tokens", "num_flops"):
         assert [r[key] for r in ref] == [r[key] for r in res], key
@@ -198,7 +179,7 @@ def test_sp2_sigkill_then_resume_under_deepspeed_launcher_and_on_another_dp(runs
     assert result.returncode == 0, result.stderr[-5000:]
     assert "Parallel sizes: 4 processes: data-parallel 2 x sequence-parallel 2" in result.stderr
     assert "global batch 4 = 2 x 1 x 2 accumulation" in result.stderr
-    res = records(wider)
+    res = train_records(wider)
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     assert_same_steps(ref, res)
     assert [r["num_tokens"] for r in ref] == [r["num_tokens"] for r in res]

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import DEMO, ROOT, cli_env, read_jsonl, run_cli
-from tests.multiproc.test_resume import kill_after_checkpoint
+from tests.helpers import assert_ok, kill_after_checkpoint
 
 STEPS, LOG_EVERY = 40, 5
 DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
@@ -22,10 +22,6 @@ DEMO_MODEL = ROOT / "recipes" / "demo" / "model"
 
 def train_losses(out) -> list[float]:
     return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
-def assert_ok(result) -> None:
-    assert result.returncode == 0, result.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")

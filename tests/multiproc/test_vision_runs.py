@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, read_jsonl, run_cli
-from tests.multiproc.test_resume import kill_after_checkpoint
+from tests.helpers import kill_after_checkpoint, losses, merge
 
 STEPS = 12
 DEMO = ROOT / "recipes" / "demo-vlm"
@@ -40,10 +40,6 @@ def args_for(model: Path, out: Path, stage: int) -> list[str]:
         "--save_strategy", "steps", "--save_steps", "4", "--report", "false", "--deepspeed",
         f"ds_configs/zero{stage}.json",
     ]  # fmt: skip
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 
 
 def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zero2(init_vlm, tmp_path):
@@ -84,7 +80,9 @@ def test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zer
     assert out.shape == (1, 7)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "smolvlm"])
+# the full tier: repeats, per family, of the kill and resume the demo's family proves per commit (above)
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.full) for f in
+                                        ("qwen2_vl", "qwen3_vl", "gemma3", "gemma4", "smolvlm")])  # fmt: skip
 def other_family(request, tmp_path_factory) -> tuple[str, Path]:
     """The demo's model for another family (`sft.tools.demo_vlm.write_model`: the M-RoPE ones, Gemma 3 packed by
     sft's masks, Gemma 4 too, SmolVLM in tiles), one random init on disk."""
@@ -101,7 +99,12 @@ def other_family(request, tmp_path_factory) -> tuple[str, Path]:
 def test_the_other_families_resume_bit_identically_and_save_under_zero3(other_family, tmp_path):
     """Qwen2-VL, Qwen3-VL, Gemma 3, Gemma 4 and SmolVLM on the demo's data under ZeRO-3 (2 processes, 8 steps):
     SIGKILLed after checkpoint-4 and run again, bit-identical to the uninterrupted run; the loss falls, the saved model
-    (ZeRO-3's shards gathered) loads with its family's class. (ZeRO-3 against ZeRO-2 on the demo's family above.)"""
+    (ZeRO-3's shards gathered) loads with its family's class. (ZeRO-3 against ZeRO-2 on the demo's family above.)
+
+    Full tier: its per-commit counterpart is
+    `test_a_killed_image_text_run_resumes_bit_identically_and_zero3_trains_as_zero2` (the same kill and resume under
+    ZeRO-3, on the demo's image+text family); each family's packing is proven per commit in-process
+    (tests/test_vision_packing.py, test_vision_run.py)."""
     from transformers import AutoModelForImageTextToText
 
     family, model = other_family
@@ -124,8 +127,6 @@ def test_lora_on_the_language_model_of_an_image_text_run_trains_and_merges(init_
     directory, with its image processor, whose language model changed and whose vision encoder did not."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
-
-    from tests.multiproc.test_lora import merge
 
     out, merged = tmp_path / "lora", tmp_path / "merged"
     args = args_for(init_vlm, out, 2)[:-2] + ["--deepspeed", "none", "--use_peft", "true", "--lora_r", "8",
