@@ -1,0 +1,205 @@
+"""The one-GPU optimizer step against its bytes-over-bandwidth time (issue #79, item 5): how far today's 8-bit AdamW
+is from the memory-bandwidth limit and how much of that one flat, fused step recovers.
+
+    python -m benchmarks.optimizer_step --out benchmarks/results/optimizer_step/h200.json   # on a GPU
+
+Parameter sets of three public shapes (Llama-3.2-1B, Qwen3-4B, Llama-3.1-8B: every weight matrix and norm), bf16
+parameters with random gradients; per set, each variant's milliseconds per step (CUDA events, after warm-up steps
+that compile), beside the bytes it must move over the card's bandwidth:
+- `torchao_8bit_sr`: torchao's AdamW8bit with bf16 stochastic rounding (sft's one-GPU default), a compiled call per
+  tensor;
+- `torchao_8bit`: the same without stochastic rounding;
+- `torch_fused_fp32`: torch's fused AdamW on fp32 parameters and moments (1B and 4B: 8B's fp32 states are 128 GB);
+- `flat_8bit_sr` / `flat_8bit`: a prototype, not in the package: torchao's own arithmetic and 8-bit block
+  quantization (`single_param_adam`'s body, the same dynamic maps, blocks of 256) compiled once over flat buffers of
+  2^28 elements that every matrix's parameter, gradient and moments are views into, so one kernel per bucket instead
+  of one compiled call per tensor. Without stochastic rounding its parameters after 3 steps are compared with
+  `torchao_8bit`'s (max abs difference in the result file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # hidden, layers, intermediate, heads, kv heads, head dim, vocab, tied embeddings
+    "llama-3.2-1b": (2048, 16, 8192, 32, 8, 64, 128256, True),
+    "qwen3-4b": (2560, 36, 9728, 32, 8, 128, 151936, True),
+    "llama-3.1-8b": (4096, 32, 14336, 32, 8, 128, 128256, False),
+}
+BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (spec)
+BUCKET = 1 << 28
+BLOCK = 256
+
+
+def parameter_shapes(name: str) -> list[tuple[int, ...]]:
+    h, layers, inter, heads, kv, hd, vocab, tied = SHAPES[name]
+    per_layer = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (inter, h), (inter, h), (h, inter),
+                 (h,), (h,)] + ([(hd,), (hd,)] if name.startswith("qwen3") else [])  # fmt: skip
+    return [(vocab, h)] + per_layer * layers + [(h,)] + ([] if tied else [(vocab, h)])
+
+
+def make_params(name: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for shape in parameter_shapes(name):
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=dtype, generator=g) * 0.02)
+        p.grad = torch.randn(shape, device="cuda", dtype=dtype, generator=g) * 1e-3
+        params.append(p)
+    return params
+
+
+def timed(step, warmup: int = 3, steps: int = 10) -> float:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+class FlatAdamW8bit:
+    """The prototype: matrices (numel a multiple of 256, >= 4096, as torchao quantizes) as views of flat bf16 buffers
+    of parameters and gradients, their moments as flat uint8 codes with a fp32 scale per 256; the rest (norms) with
+    fp32 moments through torch's fused AdamW. torchao's arithmetic, compiled once per bucket shape."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, sr=True):
+        from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+        self.big = [p for p in params if p.numel() >= 4096 and p.numel() % BLOCK == 0]
+        small = [p for p in params if not (p.numel() >= 4096 and p.numel() % BLOCK == 0)]
+        self.small = (
+            torch.optim.AdamW(small, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+            if small
+            else None
+        )  # Llama-3.1-8B's norms (4,096) are quantized too
+        total = sum(p.numel() for p in self.big)
+        self.flat_p = torch.empty(total, device="cuda", dtype=torch.bfloat16)
+        self.flat_g = torch.empty(total, device="cuda", dtype=torch.bfloat16)
+        offset = 0
+        for p in self.big:  # the parameters and gradients become views of the flat buffers
+            n = p.numel()
+            self.flat_p[offset : offset + n].copy_(p.data.view(-1))
+            self.flat_g[offset : offset + n].copy_(p.grad.view(-1))
+            p.data = self.flat_p[offset : offset + n].view_as(p)
+            p.grad = self.flat_g[offset : offset + n].view_as(p)
+            offset += n
+        self.m_codes = torch.zeros(total, device="cuda", dtype=torch.uint8)  # as torchao's zeros: scale 0
+        self.v_codes = torch.zeros(total, device="cuda", dtype=torch.uint8)
+        self.m_scale = torch.zeros(total // BLOCK, device="cuda")
+        self.v_scale = torch.zeros(total // BLOCK, device="cuda")
+        self.qmap_s = torch.tensor(get_qmap_signed(), device="cuda")
+        self.qmap_u = torch.tensor(get_qmap_unsigned(), device="cuda")
+        self.step_t = torch.zeros((), device="cuda")
+        self.lr = torch.tensor(lr, device="cuda")
+        self.hyper = (betas[0], betas[1], weight_decay, eps, sr)
+        self.kernel = torch.compile(_flat_step, fullgraph=True, dynamic=False)
+
+    def step(self) -> None:
+        self.step_t += 1
+        beta1, beta2, wd, eps, sr = self.hyper
+        total = self.flat_p.numel()
+        for start in range(0, total, BUCKET):
+            end = min(start + BUCKET, total)
+            b0, b1 = start // BLOCK, end // BLOCK
+            self.kernel(self.flat_p[start:end], self.flat_g[start:end], self.m_codes[start:end],
+                        self.m_scale[b0:b1], self.v_codes[start:end], self.v_scale[b0:b1], self.qmap_s, self.qmap_u,
+                        self.step_t, self.lr, beta1, beta2, wd, eps, sr)  # fmt: skip
+        if self.small is not None:
+            self.small.step()
+
+
+def _flat_step(p, g, m_codes, m_scale, v_codes, v_scale, qmap_s, qmap_u, step, lr, beta1, beta2, wd, eps, sr):
+    from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
+
+    p_f32, g_f32 = p.float(), g.float()
+    p_f32 = p_f32 - lr * wd * p_f32
+    m = dequant_with_qmap(m_codes, qmap_s, m_scale).lerp(g_f32, 1 - beta1)
+    v = dequant_with_qmap(v_codes, qmap_u, v_scale).lerp(g_f32.square(), 1 - beta2)
+    scaled, scale = scale_tensor(m, BLOCK)
+    m_codes.copy_(quantize_8bit_with_qmap(scaled, qmap_s))
+    m_scale.copy_(scale)
+    scaled, scale = scale_tensor(v, BLOCK)
+    v_codes.copy_(quantize_8bit_with_qmap(scaled, qmap_u))
+    v_scale.copy_(scale)
+    denom = (v.sqrt() / (1 - beta2**step).sqrt()) + eps
+    p_f32 = p_f32 - lr * (m / (1 - beta1**step)) / denom
+    p.copy_(_fp32_to_bf16_sr(p_f32) if sr else p_f32.bfloat16())
+
+
+def eight_bit_bytes(params) -> float:
+    """Parameters read and written (bf16), gradients read, both moments' codes read and written, their scales."""
+    big = sum(p.numel() for p in params if p.numel() >= 4096 and p.numel() % BLOCK == 0)
+    small = sum(p.numel() for p in params) - big
+    return big * (2 + 2 + 2 + 2 * 2 + 2 * 2 * 4 / BLOCK) + small * (2 + 2 + 2 + 2 * 8)
+
+
+def run_set(name: str) -> dict:
+    from torchao.optim import AdamW8bit
+
+    row = {"set": name}
+    params = make_params(name, torch.bfloat16)
+    row["parameters"] = sum(p.numel() for p in params)
+    row["floor_ms_8bit"] = eight_bit_bytes(params) / BANDWIDTH * 1e3
+    for variant, sr in (("torchao_8bit_sr", True), ("torchao_8bit", False)):
+        opt = AdamW8bit(params, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=sr)
+        row[variant] = timed(opt.step)
+        del opt
+        torch.cuda.empty_cache()
+    for variant, sr in (("flat_8bit_sr", True), ("flat_8bit", False)):
+        fresh = make_params(name, torch.bfloat16)
+        opt = FlatAdamW8bit(fresh, sr=sr)
+        started = time.time()
+        opt.step()
+        torch.cuda.synchronize()
+        row[f"{variant}_first_step_s"] = time.time() - started  # compiles
+        row[variant] = timed(opt.step)
+        del opt, fresh
+        torch.cuda.empty_cache()
+    # exactness without rounding: 3 steps of each from the same start
+    a, b = make_params(name, torch.bfloat16), make_params(name, torch.bfloat16)
+    reference = AdamW8bit(a, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=False)
+    flat = FlatAdamW8bit(b, sr=False)
+    for _ in range(3):
+        reference.step()
+        flat.step()
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.numel() >= 4096]  # the quantized ones (norms: torch's)
+    row["flat_vs_torchao_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
+    row["flat_vs_torchao_equal_matrices"] = sum(torch.equal(x, y) for x, y in pairs)
+    row["matrices"] = len(pairs)
+    del a, b, reference, flat, params
+    torch.cuda.empty_cache()
+    if name != "llama-3.1-8b":
+        params = make_params(name, torch.float32)
+        row["floor_ms_fp32"] = sum(p.numel() for p in params) * 28 / BANDWIDTH * 1e3
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        row["torch_fused_fp32"] = timed(opt.step)
+        del opt, params
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sets", nargs="+", default=list(SHAPES))
+    args = parser.parse_args()
+    rows = []
+    for name in args.sets:
+        rows.append(run_set(name))
+        print(json.dumps(rows[-1]), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "rows": rows}, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
