@@ -105,7 +105,9 @@ def summary(log: Path) -> dict:
     rounded = {name: {k: round(v, 1) for k, v in row.items()} for name, row in by_module.items()}
     return {
         "processes_ended": len(ended),
-        "processes_without_an_end (killed)": len(started) - len(ended),
+        "processes_without_an_end (killed)": len(started) - sum(not p.get("forked") for p in ended),
+        "forked_processes_ended": sum(bool(p.get("forked")) for p in ended),
+        "cpu_s_of_processes_ended": round(sum(p["cpu"] for p in ended), 1),
         "by_module": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["cpu_s"])),
         "by_kind": {name: {k: round(v, 1) for k, v in row.items()} for name, row in by_kind.items()},
     }

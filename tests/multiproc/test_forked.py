@@ -8,11 +8,14 @@ import os
 import signal
 import time
 
+import pytest
 import safetensors.torch
 import torch
 
 from tests import forkserver
 from tests.conftest import DEMO, cli_env, read_jsonl, run_cli
+
+pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="SFT_TEST_FRESH=1: the fork path is off")
 
 PROBE = r"""
 import json, os, signal, sys, time
