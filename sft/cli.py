@@ -13,7 +13,6 @@ sft check --config recipes/demo.yaml
 from __future__ import annotations
 
 import difflib
-import gc
 import importlib
 import sys
 
@@ -51,18 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     if name == "train":
-        module.run(rest)  # exits with the run's code (sft.parallel.distributed.leave)
+        module.run(rest)  # exits with the run's code (sft.core.leave)
     return module.main(rest, prog=f"sft {name}")
 
 
 def run() -> None:
     """The `sft` command (and `python -m sft`): `main`, then leave with its code after the exit handlers, without the
-    interpreter's teardown, as a training run leaves (`sft.parallel.distributed.leave`). That teardown walks every
-    object of the thousands of modules a command imported (`sft plan` on 2 cores: 12.4-12.7 s with it, 9.4-10.9 s
-    with them frozen), and in it Triton's bindings print some 30 lines of `nanobind: leaked N instances!` under the
-    command's own output, its error paragraph included."""
-    import atexit
-    import os
+    interpreter's teardown (`sft.core.leave`)."""
+    from sft.core.leave import leave
 
     try:
         code = main()
@@ -70,8 +65,4 @@ def run() -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
-    gc.freeze()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    leave(code)

@@ -199,7 +199,7 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The process entry point: train, then leave with the exit code (see `sft.parallel.distributed.leave`). With
+    """The process entry point: train, then leave with the exit code (see `sft.core.leave`). With
     launcher flags (`--nproc-per-node N`, `sft.parallel.launch`), start that many worker processes that each run this
     instead."""
     from sft.core.recipe import read_recipe_in, with_config
@@ -222,7 +222,8 @@ def run(argv: list[str] | None = None) -> None:
     except SFTError as e:
         print(f"sft: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    from sft.parallel.distributed import leave, lone_process_environment
+    from sft.core.leave import leave
+    from sft.parallel.distributed import lone_process_environment
 
     lone_process_environment()  # no launcher: the variables of a one-process launch (DeepSpeed needs them)
     try:

@@ -93,16 +93,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What a launcher gives its workers (`sft.parallel.distributed.LAUNCH_VARIABLES` and torchrun's own): never passed
-# on from the pytest process, where an in-process `sft check` or one-process run may have set them
-LAUNCHED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
+# What torchrun gives its workers besides sft's LAUNCH_VARIABLES
+TORCHRUN_VARIABLES = ("GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
 
 
 def cli_env(tmp_path: Path | None = None) -> dict[str, str]:
-    """The environment of a CLI the tests start: this process's, without launch variables, offline, one thread."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED}
+    """The environment of a CLI the tests start: this process's, offline, one thread, without the launch variables
+    an in-process `sft check` or one-process run may have set here."""
+    from sft.parallel.distributed import LAUNCH_VARIABLES  # here: conftest itself imports no torch
+
+    launched = (*LAUNCH_VARIABLES, *TORCHRUN_VARIABLES)
+    env = {k: v for k, v in os.environ.items() if k not in launched}
     env.update(
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
@@ -126,7 +128,7 @@ def cli_command(nproc: int = 0, launcher_args: tuple[str, ...] = ()) -> list[str
     return [*launcher, *launcher_args, script]
 
 
-def _forked(args: list[str], nproc: int, launcher_args: tuple[str, ...], fresh: bool) -> bool:
+def _forked(launcher_args: tuple[str, ...], fresh: bool) -> bool:
     """Whether a run starts as a fork of the pre-imported server (tests/forkserver.py): unless the test asks for a
     fresh interpreter, gives launcher flags (the launcher is then what it checks) or SFT_TEST_FRESH=1 is set."""
     from tests import forkserver
@@ -148,7 +150,7 @@ def start_cli(
     Its stderr goes to a file, not a pipe: nobody reads a pipe while the test polls, and a full pipe would block the
     training processes."""
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: `finish` reads and closes it)
-    if _forked(args, nproc, launcher_args, fresh):
+    if _forked(launcher_args, fresh):
         with open(os.devnull, "w") as devnull:
             proc = _start_forked(args, nproc, {**cli_env(), **(env or {})}, devnull.fileno(), log.fileno())
     else:
@@ -210,7 +212,7 @@ def run_cli(
     """Run sft/train.py to the end: nproc=0 as `python sft/train.py`, else N workers (under torchrun when `fresh`,
     else forked, `_forked`)."""
     cmd = cli_command(nproc) + list(args)
-    if _forked(args, nproc, (), fresh):
+    if _forked((), fresh):
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             proc = _start_forked(args, nproc, {**cli_env(tmp_path), **(env or {})}, out.fileno(), err.fileno())
             try:

@@ -7,7 +7,7 @@ process of its own: its own environment (the launcher's RANK, WORLD_SIZE, LOCAL_
 multi-process run), working directory, stdout/stderr (the caller's file descriptors, passed over the socket) and
 process id, so SIGKILL, SIGTERM, SIGUSR1 and exit codes are real; it runs `python <args>` as a fresh interpreter would
 (`runpy`, as `python sft/train.py` or `python -m sft`), and leaves through the run's own exit
-(`sft.parallel.distributed.leave`).
+(`sft.core.leave`).
 
 A run of N processes (torchrun's place) is a forked leader that forks the N workers and does what torchrun's agent
 does for the tests: it waits for them, stops the others (SIGTERM, then SIGKILL after 30 s) when one fails, passes on
@@ -286,25 +286,31 @@ def _lead(request: dict, stdout: int, stderr: int, modules_dir: str) -> None:
     failed: list[tuple[int, int]] = []
     stop_at = None
     while workers:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            if stop_at is not None and time.monotonic() > stop_at:
-                [_signal(p, signal.SIGKILL) for p in workers]
-            time.sleep(0.05)
-            continue
-        rank = workers.pop(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            failed.append((rank, code))
-            if stop_at is None:
-                [_signal(p, signal.SIGTERM) for p in workers]
-                stop_at = time.monotonic() + STOP_GRACE_S
+        for pid, code in _ended():
+            rank = workers.pop(pid)
+            if code != 0:
+                failed.append((rank, code))
+                if stop_at is None:
+                    [_signal(p, signal.SIGTERM) for p in workers]
+                    stop_at = time.monotonic() + STOP_GRACE_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            [_signal(p, signal.SIGKILL) for p in workers]
+        time.sleep(0.05)
     for rank, code in failed:
         print(f"forked launch: rank {rank} failed with exit code {code}", file=sys.stderr, flush=True)
     os._exit(1 if failed else 0)
+
+
+def _ended():
+    """(pid, exit code) of each child that has ended since the last call, without waiting for the others."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children left
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -355,16 +361,10 @@ def serve(path: str) -> None:
                 os.close(fd)
             conn.sendall(f"{pid}\n".encode())
             runs[pid] = conn
-        while runs:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, code in _ended():
             conn = runs.pop(pid)
             with contextlib.suppress(OSError):
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.sendall(f"{code}\n".encode())
             conn.close()
         if not runs:
             for learned in Path(modules_dir).glob("*.json"):

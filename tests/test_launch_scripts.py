@@ -86,7 +86,7 @@ def test_slurm_command_line(tmp_path):
 
 LEAVE = """
 import atexit, os, sys
-from sft.parallel.distributed import leave
+from sft.core.leave import leave
 atexit.register(lambda: open(sys.argv[1], "w").write("exit handlers ran"))
 class Teardown:
     def __del__(self, write=os.write):  # runs only if the interpreter tears down its objects

@@ -32,7 +32,6 @@ from sft.parallel.distributed import main_first_together
 
 logger = logging.getLogger(__name__)
 
-FILE_BUILDERS = DATA_FILE_BUILDERS
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
     "system": "system",
@@ -205,10 +204,10 @@ def load_source(source: DatasetConfig, streaming: bool = False, text_field: str 
     """One source as a `datasets.Dataset`: a local file, a `save_to_disk` directory, or what `load_dataset` takes."""
     path = Path(source.path)
     if path.is_file():
-        builder = FILE_BUILDERS.get(path.suffix)
+        builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
             raise DataError(
-                f"{path}: unknown file type {path.suffix!r}. Use one of {sorted(FILE_BUILDERS)} or a "
+                f"{path}: unknown file type {path.suffix!r}. Use one of {sorted(DATA_FILE_BUILDERS)} or a "
                 "`save_to_disk` directory."
             )
         if builder in ("json", "csv"):

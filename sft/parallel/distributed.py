@@ -5,17 +5,13 @@ the previous round's rendezvous keys; gloo (and NCCL) then read a dead peer's ad
 connectFullMesh failed ... Connection refused"). Initialising the default process group ourselves, on that same store
 but under a prefix unique to the restart round, gives every round fresh keys. accelerate and DeepSpeed then adopt
 the initialised group instead of creating their own.
-
-`leave` ends a run after its exit handlers, without the interpreter's teardown (see there).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import socket
-import sys
 from datetime import timedelta
 
 import torch
@@ -174,26 +170,3 @@ def check_ranks_agree(fingerprint: dict, *arguments) -> None:
                 f"{host0} ({details}). Every node must run the same recipe and arguments on the same data with the "
                 "same library versions; check the command and the files on that node."
             )
-
-
-def leave(code: int) -> None:
-    """Exit with `code` after the exit handlers, without the interpreter's teardown.
-
-    The exit handlers (logging, wandb, tensorboard, temporary files) run and the standard streams are flushed; only
-    the teardown of what is left, which nothing of a finished run needs, is skipped, for two reasons:
-    - The gloo process groups outlive `destroy_process_group` (DeepSpeed, among others, keeps references to them):
-      after `main` returns, each rank of a multi-process run still runs their worker and transport threads, which go
-      down only with the interpreter's teardown. There a rank sometimes aborts ("terminate called without an active
-      exception", SIGABRT) after a run that finished and saved everything, and torchrun reports the run as failed: CI
-      saw it on 2 of its 2-process runs, a local loop of a 2-process ZeRO-3 LoRA run 1 time in 20. The likely
-      mechanism, as pytorch/pytorch#179291 describes it (its fix is not in torch): a worker thread frees the last
-      reference to a tensor while the interpreter is finalising and can no longer take the GIL.
-    - The teardown of the ~4,900 modules torch, transformers, DeepSpeed and the rest import costs a one-process demo
-      run 3-4 CPU-seconds on this project's 2-core CI machine (14-20 s with it, 12.5-14.4 s without, 2 steps).
-    No process group is destroyed first: NCCL's warning of a group never destroyed comes from its destructor, which
-    runs only in that teardown.
-    """
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
