@@ -225,7 +225,9 @@ def test_torchrun_max_restarts_continues_by_itself(reference, model_dir, tmp_pat
 def test_sigterm_saves_and_exits_with_preempted_code(model_dir, tmp_path):
     out = tmp_path / "out"
     args = args_for(model_dir, out, "none")
-    proc = start_cli(args)
+    # a fresh interpreter, as the user's process gets the signal: forked from the fork server, this run once went on
+    # 300 s past its SIGTERM under CI's load (2026-12-01, a9395a2; not reproduced alone, cause not found)
+    proc = start_cli(args, fresh=True)
     wait_for(out / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
     stderr = finish(proc, timeout=300)
