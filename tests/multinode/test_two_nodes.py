@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from torch.utils.cpp_extension import get_default_build_root
 
 from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, cli_env, read_jsonl
@@ -153,10 +152,9 @@ def test_deepspeed_launcher_over_ssh_then_a_lost_node_resumes_bit_identically(ho
     it too, which DeepSpeed's own reader fails on). Node 1's training processes SIGKILLed after step 4, the same
     command again resumes and ends bit-identical to the uninterrupted torchrun run of the same world."""
     (tmp_path / "hostfile").write_text(f"{hosts[0].address} slots=1\n{hosts[1].address} slots=1\n")
-    # TORCH_EXTENSIONS_DIR: DeepSpeed's CPU all-reduce op built once for the suite, not again under this test's HOME
     (tmp_path / ".deepspeed_env").write_text(
         "# read by DeepSpeed's launcher on every host\nHF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\nWANDB_MODE=offline\n"
-        f"OMP_NUM_THREADS=1\nTORCH_EXTENSIONS_DIR={get_default_build_root()}\n"
+        "OMP_NUM_THREADS=1\n"
     )
     out = tmp_path / "out"
     # HOME: where DeepSpeed's launcher reads .deepspeed_env (its other place is the working directory, the repository)

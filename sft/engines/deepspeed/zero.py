@@ -12,21 +12,34 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def skip_cpu_shared_memory_op() -> None:
+    """Without a GPU, keep DeepSpeed from compiling and loading its shared-memory all-reduce op
+    (`deepspeed_shm_comm`) when its process group starts. The op serves only DeepSpeed's `inference_all_reduce`, which
+    training never calls (ZeRO's collectives are torch's, over gloo). Compiled, it costs a run 43 s the first time on
+    a machine (2 cores), and every later run takes torch's build lock for it: a process killed holding that lock
+    leaves the lock file, and each run after it waits on the file forever (torch's `FileBaton`). DeepSpeed asks
+    `deepspeed.ops.__compatible_ops__` before it builds; the entry is set there."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def prepare_model_build(stage3: bool, sp: int) -> bool:
     """Before the model is built: under ZeRO-3 or sequence parallelism start DeepSpeed's process group, which
     `zero.Init` and the Ulysses groups need (on CPU it must be gloo: without it `zero.Init` starts one itself and
     fails with a batch-size/world-size mismatch). Returns whether the model is built partitioned (inside
-    `zero.Init`)."""
+    `zero.Init`). On CPU, whether or not the group starts here, DeepSpeed's shared-memory op is kept out first
+    (`skip_cpu_shared_memory_op`)."""
+    skip_cpu_shared_memory_op()
     if not stage3 and sp == 1:
         return False
     import deepspeed
 
     logger.info(
-        "Starting DeepSpeed's process group, then building the model%s%s",
+        "Starting DeepSpeed's process group, then building the model%s",
         " inside deepspeed.zero.Init (ZeRO-3 partitions the weights as they are made)" if stage3 else "",
-        ""
-        if torch.cuda.is_available()
-        else "; a first run on a machine compiles DeepSpeed's CPU communication op (about 30 s)",
     )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return stage3
