@@ -21,18 +21,18 @@ MULTIPROC_DIR = Path(__file__).resolve().parent / "multiproc"
 MULTINODE_DIR = Path(__file__).resolve().parent / "multinode"
 
 
-# Two test groups at a time (pytest-xdist, `-n 2` in pyproject.toml), one group per worker at a time: a test module
+# Three test groups at a time (pytest-xdist, `-n 3` in pyproject.toml), one group per worker at a time: a test module
 # is one group (its module fixtures are made once); the modules that share session fixtures (tests/multiproc/
 # conftest.py, made once per worker) are one group; the two-node tests are one group (one pair of namespaces).
 SHARED_SESSION = {
-    "test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_train.py": "demo-walk",
-    "test_reference_curve.py": "demo-walk", "test_vision_demo.py": "demo-walk",
+    "test_readme.py": "demo-walk", "test_eval.py": "demo-walk", "test_reference_curve.py": "demo-walk",
+    "test_vision_demo.py": "demo-walk",
 }  # fmt: skip
-# The longest groups first (measured, `--durations`: CI at f50bed3, 2026-11-29), so that the two workers end together
+# The longest groups first (measured, `--durations=0` of the whole suite, 2026-12-02), so that the workers end together
 LONGEST_FIRST = [
-    "demo-walk", "test_vision_runs.py", "test_resume.py", "test_sp_runs.py", "test_lora.py", "multinode",
-    "test_families.py", "test_expert_parallel_runs.py", "test_fp8_runs.py", "test_fsdp2.py", "test_failsafe.py",
-    "test_launch.py",
+    "demo-walk", "test_resume.py", "test_sp_runs.py", "multinode", "test_lora.py", "test_train.py", "test_failsafe.py",
+    "test_fp8_runs.py", "test_families.py", "test_fsdp2.py", "test_launch.py", "test_vision_runs.py",
+    "test_optimizer_groups.py", "test_expert_parallel_runs.py",
 ]  # fmt: skip
 
 

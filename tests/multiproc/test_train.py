@@ -10,7 +10,6 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import DEMO, ROOT, cli_env, read_jsonl, run_cli
@@ -136,29 +135,6 @@ def test_zero2_and_zero3_agree(zero_runs):
     assert flops[0] == flops[1] and flops[0][0] > 0  # ZeRO-3's partitioned weights count as whole layers
     for a, b in zip(z2, z3, strict=True):
         assert math.isclose(a, b, rel_tol=1e-3), (z2, z3)
-
-
-def test_single_process_with_tensorboard_and_wandb_offline(tensorboard_wandb_run):
-    """The run of the `tensorboard_wandb_run` fixture (tests/multiproc/conftest.py; test_eval.py logs an evaluation
-    into its wandb run): one process that `sft train` started without a launcher, ZeRO-2, 6 steps, logging every 2."""
-    out, result = tensorboard_wandb_run.out, tensorboard_wandb_run.result
-    assert_ok(result)
-    assert "Parallel sizes: 1 process: data-parallel 1" in result.stderr
-    assert "Starting the DeepSpeed engine (ZeRO-2)" in result.stderr and "mpi4py" not in result.stderr
-    records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in records] == [2, 4, 6]
-    events = list((out / "runs").rglob("events.out.tfevents.*"))
-    assert events, "tensorboard wrote no event file"
-    board = EventAccumulator(str(events[0].parent))
-    board.Reload()
-    for key in ("tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "num_flops"):
-        logged = [(e.step, e.value) for e in board.Scalars(f"train/{key}")]
-        assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
-    runs = list((tensorboard_wandb_run.wandb_dir / "wandb").glob("offline-run-*"))
-    assert runs and list(runs[0].glob("*.wandb")), "wandb wrote no offline run"
-    record = next(runs[0].glob("*.wandb")).read_bytes()
-    assert all(key in record for key in (b"train/mfu", b"train/tflops_per_gpu", b"train/tokens_per_second_per_gpu"))
-    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 4
 
 
 def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zero_runs):
