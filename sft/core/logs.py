@@ -4,9 +4,8 @@ One owner for the console, called once by `sft.train` right after the arguments 
 
 - sft's own messages at info from the main process, errors only from the others; transformers' and datasets'
   loggers at the levels the training arguments give (`log_level`, `log_level_replica`);
-- the other ranks' standard output (DeepSpeed's bare `print`s) goes
-  to /dev/null unless `log_level_replica` is `info` or `debug`; their standard error (warnings, errors, tracebacks)
-  stays;
+- the other ranks' standard output (DeepSpeed's bare `print`s) goes to /dev/null unless `log_level_replica` is
+  `info` or `debug`; their standard error (warnings, errors, tracebacks) stays;
 - warnings that torch raises on every call of a collective DeepSpeed makes (`reduce_scatter_tensor`,
   `all_gather_into_tensor` "is deprecated": 8,300 lines in a 60-step ZeRO-3 demo) are filtered, with one line
   saying so (`HARMLESS_WARNINGS`); two harmless messages that other libraries log on GPUs, one with a traceback per

@@ -162,8 +162,7 @@ def _flex_scored(q, k, v, cu, scale, window, softcap, sinks, flex=None, multiple
     # compiled on a GPU: the block sums without the dense total x total mask (32 GiB for a micro batch of 16 rows of
     # 4,096, measured on 1 x H100 with gpt-oss's widths); elsewhere (the CPU's check of this path) uncompiled, which
     # builds the same mask without a minute of compiling
-    compiled = q.device.type == "cuda"
-    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device, _compile=compiled)
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=q.device, _compile=q.is_cuda)
     query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, aux = flex(
         query, key, value, score_mod=score_mod, block_mask=block_mask, enable_gqa=key.shape[1] != query.shape[1],
