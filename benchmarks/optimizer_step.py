@@ -1,5 +1,5 @@
-"""The one-GPU optimizer step against its bytes-over-bandwidth time (issue #79, item 5): how far today's 8-bit AdamW
-is from the memory-bandwidth limit and how much of that one flat, fused step recovers.
+"""The one-GPU optimizer step against its bytes-over-bandwidth time (issue #79, item 5): torchao's 8-bit AdamW, sft's
+fused step of it (`sft.run.optimizer`), a flat compiled prototype and torch's fused fp32 AdamW, in one process.
 
     python -m benchmarks.optimizer_step --out benchmarks/results/optimizer_step/h200.json   # on a GPU
 
@@ -9,6 +9,9 @@ that compile), beside the bytes it must move over the card's bandwidth:
 - `torchao_8bit_sr`: torchao's AdamW8bit with bf16 stochastic rounding (sft's one-GPU default), a compiled call per
   tensor;
 - `torchao_8bit`: the same without stochastic rounding;
+- `fused_8bit_sr` / `fused_8bit`: sft's `FusedAdamW8bit` (torchao's class and states, one Triton kernel per tensor),
+  with and without stochastic rounding; without it, its weights and moments after 3 steps against torchao's
+  (`fused_vs_torchao_*`);
 - `torch_fused_fp32`: torch's fused AdamW on fp32 parameters and moments (1B and 4B: 8B's fp32 states are 128 GB);
 - `flat_8bit_sr` / `flat_8bit`: a prototype, not in the package: torchao's own arithmetic and 8-bit block
   quantization (`single_param_adam`'s body, the same dynamic maps, blocks of 256) compiled once over flat buffers of
@@ -142,7 +145,7 @@ def eight_bit_bytes(params) -> float:
     return big * (2 + 2 + 2 + 2 * 2 + 2 * 2 * 4 / BLOCK) + small * (2 + 2 + 2 + 2 * 8)
 
 
-def run_set(name: str) -> dict:
+def run_set(name: str, prototype: bool = True) -> dict:
     from torchao.optim import AdamW8bit
 
     row = {"set": name}
@@ -154,7 +157,37 @@ def run_set(name: str) -> dict:
         row[variant] = timed(opt.step)
         del opt
         torch.cuda.empty_cache()
-    for variant, sr in (("flat_8bit_sr", True), ("flat_8bit", False)):
+    from sft.run.optimizer import fused_class
+
+    for variant, sr in (("fused_8bit_sr", True), ("fused_8bit", False)):
+        opt = fused_class(AdamW8bit)(params, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=sr)
+        assert type(opt).__name__ == "FusedAdamW8bit", type(opt)
+        started = time.time()
+        opt.step()
+        torch.cuda.synchronize()
+        row[f"{variant}_first_step_s"] = time.time() - started  # Triton compiles its kernels
+        row[variant] = timed(opt.step)
+        del opt
+        torch.cuda.empty_cache()
+    a, b = make_params(name, torch.bfloat16), make_params(name, torch.bfloat16)
+    reference = AdamW8bit(a, lr=1e-4, weight_decay=0.01)
+    fused = fused_class(AdamW8bit)(b, lr=1e-4, weight_decay=0.01)
+    for _ in range(3):
+        reference.step()
+        fused.step()
+    pairs = list(zip(a, b, strict=True))
+    row["fused_vs_torchao_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
+    row["fused_vs_torchao_equal_tensors"] = sum(torch.equal(x, y) for x, y in pairs)
+    row["fused_vs_torchao_weights_equal_share"] = sum(int((x == y).sum()) for x, y in pairs) / row["parameters"]
+    codes = [(reference.state[x]["exp_avg"], fused.state[y]["exp_avg"]) for x, y in pairs]
+    codes = [(u.codes, w.codes) for u, w in codes if hasattr(u, "codes")]
+    row["fused_vs_torchao_codes_equal_share"] = sum(int((u == w).sum()) for u, w in codes) / sum(
+        u.numel() for u, _ in codes
+    )
+    row["tensors"] = len(a)
+    del a, b, reference, fused
+    torch.cuda.empty_cache()
+    for variant, sr in (("flat_8bit_sr", True), ("flat_8bit", False)) if prototype else ():
         fresh = make_params(name, torch.bfloat16)
         opt = FlatAdamW8bit(fresh, sr=sr)
         started = time.time()
@@ -164,19 +197,8 @@ def run_set(name: str) -> dict:
         row[variant] = timed(opt.step)
         del opt, fresh
         torch.cuda.empty_cache()
-    # exactness without rounding: 3 steps of each from the same start
-    a, b = make_params(name, torch.bfloat16), make_params(name, torch.bfloat16)
-    reference = AdamW8bit(a, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=False)
-    flat = FlatAdamW8bit(b, sr=False)
-    for _ in range(3):
-        reference.step()
-        flat.step()
-    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.numel() >= 4096]  # the quantized ones (norms: torch's)
-    row["flat_vs_torchao_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
-    row["flat_vs_torchao_equal_matrices"] = sum(torch.equal(x, y) for x, y in pairs)
-    row["matrices"] = len(pairs)
-    del a, b, reference, flat, params
-    torch.cuda.empty_cache()
+    if prototype:
+        flat_exactness(name, row)
     if name != "llama-3.1-8b":
         params = make_params(name, torch.float32)
         row["floor_ms_fp32"] = sum(p.numel() for p in params) * 28 / BANDWIDTH * 1e3
@@ -187,14 +209,33 @@ def run_set(name: str) -> dict:
     return row
 
 
+def flat_exactness(name: str, row: dict) -> None:
+    """The prototype without rounding against torchao's after 3 steps from the same start."""
+    from torchao.optim import AdamW8bit
+
+    a, b = make_params(name, torch.bfloat16), make_params(name, torch.bfloat16)
+    reference = AdamW8bit(a, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=False)
+    flat = FlatAdamW8bit(b, sr=False)
+    for _ in range(3):
+        reference.step()
+        flat.step()
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.numel() >= 4096]  # the quantized ones (norms: torch's)
+    row["flat_vs_torchao_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
+    row["flat_vs_torchao_equal_matrices"] = sum(torch.equal(x, y) for x, y in pairs)
+    row["matrices"] = len(pairs)
+    del a, b, reference, flat
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sets", nargs="+", default=list(SHAPES))
+    parser.add_argument("--no-prototype", action="store_true", help="leave the flat prototype out")
     args = parser.parse_args()
     rows = []
     for name in args.sets:
-        rows.append(run_set(name))
+        rows.append(run_set(name, not args.no_prototype))
         print(json.dumps(rows[-1]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "torch": torch.__version__,

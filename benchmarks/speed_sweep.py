@@ -106,7 +106,8 @@ def _moment_bytes(name: str) -> float:
 # AdamW (`optim: adamw_torch_8bit`: Adam's moments in 8-bit blocks, the plan counts them); `adamw`, torch's fused fp32
 # AdamW as TRL's default (`optim: adamw_torch_fused`, not `auto`: a hand-tuned TRL run); `ds`, DeepSpeed as the config
 # says (`engine: deepspeed`, not `auto`, which may take FSDP2 for a ZeRO-3 config); `nods`, no DeepSpeed (`deepspeed:
-# none`: bf16 weights stepped by transformers' optimizer); `fsdp2`, the FSDP2 engine
+# none`: bf16 weights stepped by transformers' optimizer); `tao`, torchao's own 8-bit AdamW step instead of sft's fused
+# kernel (`SFT_FUSED_ADAMW=0`, the baseline of sft.run.optimizer); `fsdp2`, the FSDP2 engine
 # instead of DeepSpeed (`engine: fsdp2`; `z3-` names its fully sharded layout); `fsdp2g`, FSDP2 with the weights kept
 # gathered from the forward to the backward (`fsdp_config: {reshard_after_forward: false}`)
 VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
@@ -117,6 +118,7 @@ VARIANTS = {"exp": {"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True
             "adamw": {"fields": {"optim": "adamw_torch_fused"}},
             "ds": {"fields": {"engine": "deepspeed"}},
             "nods": {"fields": {"deepspeed": "none"}},
+            "tao": {"env": {"SFT_FUSED_ADAMW": "0"}},
             "fsdp2": {"fields": {"engine": "fsdp2"}},
             "fsdp2g": {"fields": {"engine": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}}}  # fmt: skip
 

@@ -10,6 +10,7 @@
   SP's weighting, tokens and FLOPs of the real samples counted once per replica;
 - the tiled MLP (`sft.model.tiling`) and checkpointing that keeps attention outputs (`sft.model.checkpointing`) when
   the plan or the recipe asks for them (offloaded checkpoints are transformers');
+- the one-GPU optimizer (`sft.run.optimizer`): torchao's 8-bit AdamW stepped by one fused kernel per tensor;
 - a step whose loss or gradient norm is not finite is not applied, and stops the run (`sft.run.failsafe`).
 """
 
@@ -30,6 +31,7 @@ from sft.model.attention import check_batch
 from sft.parallel import sequence as seqpar
 from sft.run import checkpoint as ckpt
 from sft.run import failsafe, metrics, packing_check
+from sft.run.optimizer import fused_class
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,13 @@ class Trainer(SFTTrainer):
     def evaluate(self, *args, **kwargs):
         with self.throughput.paused():
             return super().evaluate(*args, **kwargs)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        """transformers' optimizer for `optim`, torchao's 8-bit AdamW stepped by sft's fused kernel where it runs
+        (`sft.run.optimizer`)."""
+        cls, kwargs = SFTTrainer.get_optimizer_cls_and_kwargs(args, model)
+        return fused_class(cls), kwargs
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)

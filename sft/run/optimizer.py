@@ -1,0 +1,192 @@
+"""The one-GPU optimizer step: torchao's 8-bit AdamW stepped by one fused Triton kernel per tensor.
+
+Without a sharding engine sft's default steps bf16 weights in place with torchao's `AdamW8bit` and stochastic
+rounding (`sft.plan.preflight._precision`). torchao compiles its step once per tensor shape and calls it per tensor,
+each call several kernels (dequantize, lerp, block max, an 8-step search of the 256-entry map, the update, random
+bits): on an H200 that took 11-38x the time its bytes need (benchmarks/results/optimizer_step). `FusedAdamW8bit` is
+torchao's class with the same states (uint8 codes, a fp32 scale per 256 values, torchao's dynamic maps; tensors torchao
+leaves unquantized keep its plain states), the same checkpoints and the same arithmetic (`single_param_adam`: the
+weight decay, lerp, bias corrections, quantization by the same search), done in one Triton kernel per tensor that
+reads each byte once and writes it once. What differs: the stochastic rounding's random bits are Triton's Philox
+(keyed by the run's seed, the step and the tensor's place), not torch's generator, so a rounded weight goes up or down
+with the same probabilities but not at the same draws; the float arithmetic may differ from torchao's compiled
+kernels in a last bit, whence a moment's code on a decision boundary (tests/test_optimizer.py bounds both).
+
+Used where it can run (a CUDA tensor, Triton installed, AdamW without amsgrad, plain contiguous tensors); elsewhere
+the step is torchao's own, and `SFT_FUSED_ADAMW=0` keeps torchao's everywhere. `fused_class` is the seam the trainer
+asks (`sft.run.trainer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 256  # torchao's block: one fp32 scale per 256 codes
+ROWS = 8  # blocks per Triton program
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+def torchao_adamw8bit():
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit
+
+
+def fused_class(optimizer_cls):
+    """The class the trainer builds for `optimizer_cls` (transformers' choice for `optim`): `FusedAdamW8bit` for
+    torchao's AdamW8bit where the fused kernel can run on this machine, else `optimizer_cls` itself (the reason
+    logged once)."""
+    if importlib.util.find_spec("torchao") is None or optimizer_cls is not torchao_adamw8bit():
+        return optimizer_cls
+    why = cannot_fuse()
+    if why:
+        logger.info("Optimizer: torchao's AdamW8bit steps each tensor itself (%s)", why)
+        return optimizer_cls
+    logger.info("Optimizer: torchao's AdamW8bit, its step one fused Triton kernel per tensor (sft.run.optimizer; "
+                "same states and checkpoints as torchao's)")  # fmt: skip
+    return _fused_adamw8bit()
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter (`TRITON_INTERPRET=1`, on the CPU: the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cannot_fuse() -> str | None:
+    """Why the fused step cannot run here, or None. `SFT_FUSED_ADAMW=0` keeps torchao's own step (the benchmarks'
+    baseline arm)."""
+    if os.environ.get("SFT_FUSED_ADAMW") == "0":
+        return "SFT_FUSED_ADAMW=0"
+    if not TRITON:
+        return "Triton is not installed"
+    if not torch.cuda.is_available() and not interpreted():
+        return "no CUDA GPU here: the fused step is a Triton kernel"
+    return None
+
+
+@functools.cache
+def _fused_adamw8bit():
+    base = torchao_adamw8bit()
+
+    class FusedAdamW8bit(base):
+        """torchao's AdamW8bit whose step is `fused_step` per tensor where it applies (see the module's docstring)."""
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            fallback = []
+            for g_index, group in enumerate(self.param_groups):
+                lr = group["lr"]
+                if not isinstance(lr, torch.Tensor):  # torchao's own check
+                    raise RuntimeError("lr was changed to a non-Tensor object: use param_groups[i]['lr'].fill_(lr)")
+                beta1, beta2 = group["betas"]
+                lr_f, lr_wd = float(lr), float(lr * group["weight_decay"])
+                for p_index, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                    if not _fusable(p, state, group, self.is_adamw):
+                        fallback.append((group, p))
+                        continue
+                    state["step"] += 1
+                    step = int(state["step"])
+                    bc1, bc2_sqrt = _corrections(step, beta1, beta2)
+                    rounding = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                    scalars = (lr_f, lr_wd, 1 - beta1, 1 - beta2, bc1, bc2_sqrt, group["eps"],
+                               _seed(step, g_index, p_index))  # fmt: skip
+                    fused_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], scalars, rounding)
+            if fallback:
+                self._step_torchao(fallback)
+            return loss
+
+        def _step_torchao(self, pairs) -> None:
+            """torchao's own step for the tensors the kernel does not take, as torchao's `step` runs it."""
+            from torchao.optim.adam import single_param_adam
+
+            with torch._dynamo.utils.disable_cache_limit():
+                for group, p in pairs:
+                    state = self.state[p]
+                    state["step"] += 1
+                    torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
+                        p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                        state.get("max_exp_avg_sq", None), group["lr"], group["betas"][0], group["betas"][1],
+                        group["weight_decay"], group["eps"], self.is_adamw,
+                        self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                    )  # fmt: skip
+
+    return FusedAdamW8bit
+
+
+def _seed(step: int, group: int, index: int) -> int:
+    """The stochastic rounding's Philox seed for one tensor's step: from the run's seed (`torch.initial_seed`, which
+    transformers sets from `seed`), the step and the tensor's place, so a resumed run draws what the run would have."""
+    return (torch.initial_seed() * 1_000_003 + step * 65_537 + group * 4_099 + index) % (2**31 - 1)
+
+
+def _fusable(p: torch.Tensor, state: dict, group: dict, is_adamw: bool) -> bool:
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    plain = type(p) is torch.nn.Parameter or type(p) is torch.Tensor
+    quantized = isinstance(m, OptimState8bit) and isinstance(v, OptimState8bit)
+    same = type(m) is torch.Tensor and type(v) is torch.Tensor
+    return (plain and is_adamw and not group["amsgrad"] and (p.is_cuda or interpreted()) and p.is_contiguous()
+            and p.grad.is_contiguous() and p.grad.dtype == p.dtype and isinstance(group["lr"], torch.Tensor)
+            and p.dtype in (torch.bfloat16, torch.float32) and p.numel() < 2**31
+            and (quantized and m.block_size == BLOCK and v.block_size == BLOCK or same))  # fmt: skip
+
+
+@functools.cache
+def _corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
+    """`1 - beta1**step` and `sqrt(1 - beta2**step)` in fp32, as torchao computes them from its fp32 step tensor."""
+    t = torch.tensor(float(step))
+    return float(1 - beta1**t), float((1 - beta2**t).sqrt())
+
+
+def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool) -> None:
+    """One AdamW step of tensor `p` in place, its moments `m`, `v` (torchao's 8-bit states or plain tensors):
+    torchao's `single_param_adam` in one kernel. `scalars`: lr, lr x weight decay, 1 - beta1, 1 - beta2, the bias
+    corrections `1 - beta1**step` and `sqrt(1 - beta2**step)`, eps, the rounding's seed."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    kernel, half = _kernel(), p.dtype is torch.bfloat16
+    if isinstance(m, OptimState8bit):
+        blocks = p.numel() // BLOCK
+        kernel[(triton_cdiv(blocks, ROWS),)](
+            p, grad, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, blocks, *scalars,
+            QUANTIZED=True, BF16=half, ROUND=stochastic_round, ROWS=ROWS, BLOCK=BLOCK,
+        )  # fmt: skip
+    else:
+        rows = triton_cdiv(p.numel(), BLOCK)
+        kernel[(triton_cdiv(rows, ROWS),)](
+            p, grad, m, m, v, v, m, v, p.numel(), *scalars,
+            QUANTIZED=False, BF16=half, ROUND=stochastic_round, ROWS=ROWS, BLOCK=BLOCK,
+        )  # fmt: skip
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernel():
+    """The Triton kernel (`sft.run.adamw8bit_kernel`), imported on first use: Triton's interpreter, which the CPU test
+    takes, is chosen when the kernel is defined."""
+    from sft.run.adamw8bit_kernel import adamw8bit_step
+
+    return adamw8bit_step
