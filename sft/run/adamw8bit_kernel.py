@@ -7,16 +7,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize(x, qmap):
-    """torchao's `quantize_8bit_with_qmap`: the code of the nearest map entry, by its 8-step search."""
-    codes = tl.where(x >= tl.load(qmap + 128), 128, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 64), 64, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 32), 32, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 16), 16, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 8), 8, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 4), 4, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 2), 2, 0)
-    codes += tl.where(x >= tl.load(qmap + codes + 1), 1, 0)
+def _quantize(x, qmap, SIGNED: tl.constexpr):
+    """torchao's `quantize_8bit_with_qmap`: the code of the largest map entry at or below `x` (0 below them all),
+    then the one above it where `x` is at least halfway there. torchao finds the first by an 8-step search of the map;
+    here it is computed from the map's form and made exact by comparing with the entries around it.
+
+    torchao's dynamic maps (`create_dynamic_map`): for decades i = 0..6, 2^i (signed) or 2^(i+1) (unsigned) entries
+    10^(i-6) x (0.1 + 0.9 (j + 0.5) / count), j < count, all in [10^(i-7), 10^(i-6)); then 0 and 1.0, and (signed)
+    the negatives of the decades' entries. Sorted, a positive entry of rank r (0-based among the positives) has code
+    128 + r (signed: 127 negatives and 0 below it) or 1 + r (unsigned: 0 below it)."""
+    magnitude = tl.abs(x)
+    decade = tl.floor(tl.log2(tl.maximum(magnitude, 1e-30)) * 0.30102999566398120) + 7.0
+    decade = tl.minimum(tl.maximum(decade, 0.0), 6.0)
+    count = tl.exp2(decade + (0.0 if SIGNED else 1.0))  # entries in this decade
+    below = count - (1.0 if SIGNED else 2.0)  # positive entries in the decades below
+    within = magnitude / tl.exp2((decade - 6.0) * 3.3219280948873622)  # in [0.1, 1) where the decade is right
+    j = tl.floor((within - 0.1) * count / 0.9 - 0.5)  # this decade's largest entry at or below: -1 to count - 1
+    j = tl.minimum(tl.maximum(j, -1.0), count - 1.0)
+    rank = (below + j).to(tl.int32)  # of the largest positive entry at or below the magnitude (-1: none)
+    # below x: its magnitude's rank for x >= 0; for x < 0 the negative of the next larger magnitude
+    codes = tl.where(x >= 0, 128 + rank, 126 - (rank + 1)) if SIGNED else 1 + rank
+    codes = tl.where(magnitude >= 1.0, tl.where(x >= 0, 255, 0), codes)
+    codes = tl.minimum(tl.maximum(codes, 0), 254)
+    codes = tl.where(x >= tl.load(qmap + codes + 1), codes + 1, codes)  # the guess is at most one off either way
+    codes = tl.where((x < tl.load(qmap + codes)) & (codes > 0), codes - 1, codes)
     up = tl.minimum(codes + 1, 255)
     down_value = tl.load(qmap + codes)
     up_value = tl.load(qmap + up)
@@ -24,14 +38,11 @@ def _quantize(x, qmap):
 
 
 @triton.jit
-def _narrowed(x, BF16: tl.constexpr):
-    """`x` as the tensor's dtype: bf16 rounded to nearest even (torch's `copy_`), or fp32 as it is. The rounding is
-    done on the bits, then the cast is exact: Triton's interpreter truncates where the GPU rounds."""
-    if BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return x
+def _nearest_bf16(x):
+    """fp32 `x` rounded to the nearest bf16 (ties to even, torch's `copy_`), still fp32, so that the cast to bf16 that
+    follows is exact: done on the bits because Triton's interpreter truncates where the GPU rounds."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -65,13 +76,17 @@ def adamw8bit_step(
     if QUANTIZED:
         m_new_scale = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
         v_new_scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
-        tl.store(m_ptr + offsets, _quantize(m / m_new_scale[:, None], qmap_m).to(tl.uint8), mask=mask)
-        tl.store(v_ptr + offsets, _quantize(v / v_new_scale[:, None], qmap_v).to(tl.uint8), mask=mask)
+        tl.store(m_ptr + offsets, _quantize(m / m_new_scale[:, None], qmap_m, True).to(tl.uint8), mask=mask)
+        tl.store(v_ptr + offsets, _quantize(v / v_new_scale[:, None], qmap_v, False).to(tl.uint8), mask=mask)
         tl.store(m_scale_ptr + rows, m_new_scale, mask=row_mask)
         tl.store(v_scale_ptr + rows, v_new_scale, mask=row_mask)
     else:
-        tl.store(m_ptr + offsets, _narrowed(m, BF16), mask=mask)
-        tl.store(v_ptr + offsets, _narrowed(v, BF16), mask=mask)
+        if BF16:  # torchao keeps a small tensor's moments in its dtype
+            tl.store(m_ptr + offsets, _nearest_bf16(m).to(tl.bfloat16), mask=mask)
+            tl.store(v_ptr + offsets, _nearest_bf16(v).to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(m_ptr + offsets, m, mask=mask)
+            tl.store(v_ptr + offsets, v, mask=mask)
     denominator = tl.sqrt_rn(v) / bc2_sqrt + eps
     p = p - lr * (m / bc1) / denominator
     if ROUND:  # torchao's `_fp32_to_bf16_sr`: up with the probability of the dropped 16 bits
@@ -81,4 +96,6 @@ def adamw8bit_step(
         towards_zero = bits & -65536  # 0xFFFF0000
         bits = tl.where(draw.to(tl.int32) < low, towards_zero + 0x10000, towards_zero)
         p = bits.to(tl.float32, bitcast=True)
-    tl.store(p_ptr + offsets, _narrowed(p, BF16), mask=mask)
+    elif BF16:
+        p = _nearest_bf16(p)
+    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
