@@ -209,6 +209,25 @@ def run_set(name: str, prototype: bool = True) -> dict:
     return row
 
 
+def tune(name: str) -> list[dict]:
+    """The fused step's milliseconds per step over `name`'s set for several program shapes (blocks per program,
+    warps), with stochastic rounding."""
+    from torchao.optim import AdamW8bit
+
+    import sft.run.optimizer as fused
+
+    rows, params = [], make_params(name, torch.bfloat16)
+    default = fused.fused_step
+    for blocks, warps in ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (8, 4), (8, 8), (16, 8)):
+        fused.fused_step = lambda *a, b=blocks, w=warps, **k: default(*a, rows=b, warps=w, **k)
+        opt = fused.fused_class(AdamW8bit)(params, lr=1e-4, weight_decay=0.01, bf16_stochastic_round=True)
+        rows.append({"set": name, "rows": blocks, "warps": warps, "fused_8bit_sr": timed(opt.step)})
+        print(json.dumps(rows[-1]), flush=True)
+        del opt
+    fused.fused_step = default
+    return rows
+
+
 def flat_exactness(name: str, row: dict) -> None:
     """The prototype without rounding against torchao's after 3 steps from the same start."""
     from torchao.optim import AdamW8bit
@@ -232,7 +251,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sets", nargs="+", default=list(SHAPES))
     parser.add_argument("--no-prototype", action="store_true", help="leave the flat prototype out")
+    parser.add_argument("--tune", action="store_true", help="only the fused step's program shapes, per set")
     args = parser.parse_args()
+    if args.tune:
+        rows = [row for name in args.sets for row in tune(name)]
+        args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+        return
     rows = []
     for name in args.sets:
         rows.append(run_set(name, not args.no_prototype))

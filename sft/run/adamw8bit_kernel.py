@@ -21,8 +21,8 @@ def _quantize(x, qmap, SIGNED: tl.constexpr):
     decade = tl.minimum(tl.maximum(decade, 0.0), 6.0)
     count = tl.exp2(decade + (0.0 if SIGNED else 1.0))  # entries in this decade
     below = count - (1.0 if SIGNED else 2.0)  # positive entries in the decades below
-    within = magnitude / tl.exp2((decade - 6.0) * 3.3219280948873622)  # in [0.1, 1) where the decade is right
-    j = tl.floor((within - 0.1) * count / 0.9 - 0.5)  # this decade's largest entry at or below: -1 to count - 1
+    within = magnitude * tl.exp2((6.0 - decade) * 3.3219280948873622)  # in [0.1, 1) where the decade is right
+    j = tl.floor((within - 0.1) * (count * 1.1111111111111112) - 0.5)  # the decade's largest entry at or below x
     j = tl.minimum(tl.maximum(j, -1.0), count - 1.0)
     rank = (below + j).to(tl.int32)  # of the largest positive entry at or below the magnitude (-1: none)
     # below x: its magnitude's rank for x >= 0; for x < 0 the negative of the next larger magnitude

@@ -29,7 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 BLOCK = 256  # torchao's block: one fp32 scale per 256 codes
-ROWS = 8  # blocks per Triton program
+ROWS = 1  # blocks per Triton program (benchmarks/results/optimizer_step/h200_tune.json: the fastest of 8 shapes)
+WARPS = 1  # warps per program
 TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -159,24 +160,24 @@ def _corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
     return float(1 - beta1**t), float((1 - beta2**t).sqrt())
 
 
-def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool) -> None:
+def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool, rows: int = ROWS, warps: int = WARPS) -> None:
     """One AdamW step of tensor `p` in place, its moments `m`, `v` (torchao's 8-bit states or plain tensors):
     torchao's `single_param_adam` in one kernel. `scalars`: lr, lr x weight decay, 1 - beta1, 1 - beta2, the bias
-    corrections `1 - beta1**step` and `sqrt(1 - beta2**step)`, eps, the rounding's seed."""
+    corrections `1 - beta1**step` and `sqrt(1 - beta2**step)`, eps, the rounding's seed. `rows` blocks of 256 per
+    Triton program, `warps` warps each."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
     kernel, half = _kernel(), p.dtype is torch.bfloat16
     if isinstance(m, OptimState8bit):
         blocks = p.numel() // BLOCK
-        kernel[(triton_cdiv(blocks, ROWS),)](
+        kernel[(triton_cdiv(blocks, rows),)](
             p, grad, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, blocks, *scalars,
-            QUANTIZED=True, BF16=half, ROUND=stochastic_round, ROWS=ROWS, BLOCK=BLOCK,
+            QUANTIZED=True, BF16=half, ROUND=stochastic_round, ROWS=rows, BLOCK=BLOCK, num_warps=warps,
         )  # fmt: skip
     else:
-        rows = triton_cdiv(p.numel(), BLOCK)
-        kernel[(triton_cdiv(rows, ROWS),)](
+        kernel[(triton_cdiv(triton_cdiv(p.numel(), BLOCK), rows),)](
             p, grad, m, m, v, v, m, v, p.numel(), *scalars,
-            QUANTIZED=False, BF16=half, ROUND=stochastic_round, ROWS=ROWS, BLOCK=BLOCK,
+            QUANTIZED=False, BF16=half, ROUND=stochastic_round, ROWS=rows, BLOCK=BLOCK, num_warps=warps,
         )  # fmt: skip
 
 
