@@ -73,8 +73,9 @@ class Card:
     # it steps each weight tensor apart (ZeRO-1/2 hand it flat groups instead, timed as fused Adam). One value for
     # both cards, fitted by least squares on the defaults without DeepSpeed (`benchmarks/results/family_speed_h100`:
     # Qwen3-4B on 1 x H100, call 4; Qwen3-8B, Mistral-7B and Llama-3.1-8B widths on 1 x H200, call 7): their
-    # estimates were 1.13-1.29x the measurements without it, 0.94-1.12x with it. Fitted on whole steps, so it holds more
-    # than the step (torchao's alone measured 0.05 s per 1e9 at 4B, sft's fused one 0.011-0.014: optimizer_step results)
+    # estimates were 1.13-1.29x the measurements without it, 0.94-1.12x with it. Fitted on whole steps, so it holds
+    # more than the step (torchao's alone measured 0.05 s per 1e9 at 4B, sft's fused one 0.011-0.014:
+    # benchmarks/results/optimizer_step)
     eight_bit_step_s_per_gparam: float
     cpu_adam_s_per_gparam: float  # DeepSpeed's CPU Adam plus the copies, per 1e9 offloaded parameters
     link_gbps: float  # GB/s between a node's GPUs (NVLink) as collectives see it: fitted together with `overlap`
