@@ -1,12 +1,13 @@
 """Qwen3.5's Gated DeltaNet layers over packed rows on a GPU: flash-linear-attention's varlen kernels against the
 per-sample torch path (`sft.model.linear_attention`).
 
-    python -m benchmarks.linear_attention --path varlen|per-sample --out DIR   # one path, this process's packages
-    python -m benchmarks.linear_attention --compare DIR                         # the table of every run in DIR
+    python -m benchmarks.linear_attention --path varlen|batched|per-sample --out DIR   # one path, this process's
+    python -m benchmarks.linear_attention --compare DIR                                 # the table of every run in DIR
+    python -m benchmarks.linear_attention --path batched --device cpu --tiny --tokens 2048 --out DIR   # on the CPU
 
 A Qwen3.5 text model at its default widths (hidden 4096, 16 query / 4 key-value heads of 256 on the full layers, 32
 value / 16 key heads of 128 on the linear ones), `--layers` layers alternating linear and full attention, the
-vocabulary cut to 32,768, random weights, bf16:
+vocabulary cut to 32,768, random weights, bf16 (`--tiny`: the architecture tests' widths, fp32, for a CPU):
 
 1. **exactness**: four samples of 300-1500 tokens packed in one row, through the path, against each sample alone
    through transformers' own forward (eager attention on the full layers): per-token losses, written to the run's
@@ -17,6 +18,8 @@ vocabulary cut to 32,768, random weights, bf16:
 Which linear-attention kernels transformers uses is decided when it is imported: fla's `chunk_gated_delta_rule` where
 the `fla` package is importable, its torch reference otherwise (sft gives the layers the torch functions back where
 fla is installed but not used). The call script runs `per-sample` without fla and `varlen` with it, one process each.
+`batched` and `per-sample` are both the torch path: its recurrence once per group of similar-length samples, or once
+per sample.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -32,17 +36,26 @@ import torch
 SAMPLES = (300, 700, 1500, 1000)
 
 
-def _model(layers: int):
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _model(layers: int, tiny: bool = False):
     """The model without sft's converter (`benchmarks.architectures.build` applies it with its default path)."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.architectures import config_for
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(
-            config_for("qwen3_5", layers, tiny=False), attn_implementation="eager", dtype=torch.bfloat16
-        )
+            config_for("qwen3_5", layers, tiny=tiny), attn_implementation="eager",
+            dtype=torch.float32 if tiny else torch.bfloat16,
+        )  # fmt: skip
     model.config.use_cache = False
     return model.eval()
 
@@ -51,7 +64,7 @@ def exactness(model, convert) -> dict:
     from benchmarks.architectures import packed
     from sft.model.attention import VARLEN
 
-    batch = packed(SAMPLES, "cuda", seed=1)
+    batch = packed(SAMPLES, DEVICE, seed=1)
     ids, cu = batch["input_ids"][0], batch["cu_seq_lens_q"].tolist()
 
     def losses(logits, lo, hi):
@@ -72,14 +85,15 @@ def speed(model, tokens: int, steps: int) -> dict:
     """Forward alone (no gradients) and forward with backward over the same rows; an error is a result."""
     from benchmarks.architectures import packed, rows
 
-    batches = [packed(lengths, "cuda", seed=i) for i, lengths in enumerate(rows(tokens, 7, steps + 1))]
+    batches = [packed(lengths, DEVICE, seed=i) for i, lengths in enumerate(rows(tokens, 7, steps + 1))]
     out = {"samples_per_row": [len(r) for r in rows(tokens, 7, steps + 1)]}
     for mode in ("forward", "train"):
-        torch.cuda.reset_peak_memory_stats()
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         seconds = []
         try:
             for i, batch in enumerate(batches):
-                torch.cuda.synchronize()
+                _sync()
                 start = time.perf_counter()
                 with torch.set_grad_enabled(mode == "train"):
                     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
@@ -87,14 +101,15 @@ def speed(model, tokens: int, steps: int) -> dict:
                         labels = batch["labels"][0, 1:]
                         torch.nn.functional.cross_entropy(logits.float()[:-1], labels, ignore_index=-100).backward()
                         model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
+                _sync()
                 if i:  # the first row warms the kernels up (Triton's autotuning)
                     seconds.append(time.perf_counter() - start)
         except RuntimeError as e:
             out[mode] = {"error": str(e)[:400]}
             continue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
         out[mode] = {"tokens_per_second": tokens * len(seconds) / sum(seconds), "step_seconds": seconds,
-                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+                     "peak_memory_gib": peak}  # fmt: skip
     return out
 
 
@@ -114,17 +129,21 @@ def compare(folder: Path) -> str:
         against = float((torch.tensor(ex["packed"]) - reference).abs().max()) if reference is not None else None
         lines.append(f"| {name} | {r['path']} | {ex['max_token_loss_diff']:.4f} / {ex['median_token_loss_diff']:.4f} "
                      f"| {against if against is None else f'{against:.4f}'} | {cell(sp['forward'])} | "
-                     f"{cell(sp['train'])} | {sp['train'].get('peak_memory_gib', float('nan')):.1f} |")  # fmt: skip
+                     f"{cell(sp['train'])} | {sp['train'].get('peak_memory_gib') or float('nan'):.1f} |")  # fmt: skip
     first = next(iter(runs.values()), {})
     return (
         f"GPU: {first.get('gpu', '?')}; Qwen3.5 text widths, {first.get('layers')} layers, rows of "
-        f"{first.get('tokens_per_row')} tokens, bf16\n\n" + "\n".join(lines) + "\n"
+        f"{first.get('tokens_per_row')} tokens, {'fp32, tiny widths' if first.get('tiny') else 'bf16'}\n\n"
+        + "\n".join(lines)
+        + "\n"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--path", choices=("varlen", "per-sample"))
+    parser.add_argument("--path", choices=("varlen", "batched", "per-sample"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the architecture tests' widths, fp32")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -139,13 +158,16 @@ def main() -> None:
     from sft.model import linear_attention
     from sft.model.attention import register_varlen
 
+    global DEVICE
+    DEVICE = args.device
     register_varlen()
-    model = _model(args.layers)
+    model = _model(args.layers, args.tiny)
 
     def convert(m):
-        return linear_attention.by_sample(m, varlen=args.path == "varlen")
+        return linear_attention.by_sample(m, varlen=args.path == "varlen", batched=args.path == "batched")
 
-    result = {"path": args.path, "fla_installed": linear_attention.FLA, "gpu": torch.cuda.get_device_name(),
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    result = {"path": args.path, "fla_installed": linear_attention.FLA, "gpu": card, "tiny": args.tiny,
               "layers": args.layers, "tokens_per_row": args.tokens}  # fmt: skip
     result["exactness"] = exactness(model, convert)
     result["speed"] = speed(model, args.tokens, args.steps)

@@ -138,3 +138,51 @@ def test_the_varlen_path_keeps_cpu_rows_on_the_per_sample_path(models):
     for lo, hi in bounds:
         torch.testing.assert_close(logits[lo:hi], models["qwen3_5_text"](input_ids=ids[:, lo:hi]).logits[0],
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_the_samples_are_grouped_within_the_padding_bound():
+    """`groups`: longest first, a group padded to its longest holds at most 1.5 x its tokens; every sample once."""
+    lengths = [4000, 30, 31, 29, 900, 880, 870, 12]
+    found = linear_attention.groups(lengths)
+    assert sorted(i for group in found for i in group) == list(range(len(lengths)))
+    for group in found:
+        assert len(group) * lengths[group[0]] <= 1.5 * sum(lengths[i] for i in group)
+        assert lengths[group[0]] == max(lengths[i] for i in group)
+    assert found == [[0], [4, 5, 6, 2], [1, 3, 7]]  # 4 x 900 <= 1.5 x 2,681 tokens; 4,000 alone
+
+
+def test_the_batched_recurrence_equals_one_call_per_sample(monkeypatch):
+    """A row of six samples of 3-70 tokens (two groups: 70, 40, 38 and 11, 9, 3): the batched recurrence against one
+    call per sample, the logits and every weight's gradient (fp32, within 1e-5 / 1e-4), in 2 calls of transformers'
+    recurrence per layer instead of 6. (Off by default until a GPU measures it faster: `by_sample`'s docstring.)"""
+    torch.manual_seed(3)
+    lengths = (70, 9, 11, 40, 38, 3)
+    rows = [{"input_ids": torch.randint(3, 128, (sum(lengths),)).tolist(), "seq_lengths": list(lengths)}]
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    calls = []
+    batched = linear_attention._batched
+
+    def counted(torch_chunk, *args, **kwargs):
+        def chunk(*a, **k):
+            calls.append(a[0].shape[0])  # the samples in this call
+            return torch_chunk(*a, **k)
+
+        return batched(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(linear_attention, "_batched", counted)
+    results = {}
+    for together in (False, True):
+        model = build("qwen3_5_text").train()
+        linear_attention.by_sample(model, batched=together)
+        model.set_attn_implementation(VARLEN)
+        logits = model(**inputs).logits[0]
+        logits.float().pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[together] = (logits.detach(), grads)
+    (one, one_grads), (many, many_grads) = results[False], results[True]
+    torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
+    assert one_grads.keys() == many_grads.keys()
+    for name, grad in one_grads.items():
+        torch.testing.assert_close(many_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert calls == [3, 3] * 2, calls  # two linear-attention layers, two calls each

@@ -12,10 +12,17 @@ that restart at each boundary:
   `chunk_gated_delta_rule(cu_seqlens=...)` (transformers resolves it at import) and fla's
   `causal_conv1d(cu_seqlens=...)`. Forward measured on an H200 against the per-sample path
   (benchmarks/linear_attention.py); its training speed not yet (see `fla_cannot_train`).
-- **per sample** (anywhere else): transformers' torch recurrence and convolution once per sample's slice, each from a
-  zero state and a zero-padded window, as the sample alone (tests/test_linear_attention.py: packed rows equal their
-  samples one by one, gradients too). Where fla is installed but cannot train, transformers' torch functions are used
-  for single samples too (transformers picks fla's at import, and fla would stop the first backward).
+- **per sample** (anywhere else): transformers' torch convolution once per sample's slice from a zero-padded window,
+  and its torch recurrence (`torch_chunk_gated_delta_rule`) from a zero state per sample, as the sample alone
+  (tests/test_linear_attention.py: packed rows equal their samples one by one, gradients too). The recurrence takes
+  the row's samples in groups of similar length (`groups`), each group one call with its samples as the batch,
+  zero-padded at their ends to the group's longest (padding after a sample cannot reach it: the recurrence is causal),
+  so that a row of many samples costs a few calls, not one per sample (`batched=True`). That is exact (the tests) but
+  off by default: on the CPU it was not faster (Qwen3.5 at the tests' widths, rows of 4,096: forward 4,626 tokens/s
+  against 5,790 one call per sample, with backward 1,426 against 1,440; benchmarks/results/newest_families/
+  linear_attention_cpu.md), and on a GPU, where fewer calls should pay, it is not yet measured.
+  Where fla is installed but cannot train, transformers' torch functions are used for single samples too (transformers
+  picks fla's at import, and fla would stop the first backward).
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ FLA = importlib.util.find_spec("fla") is not None
 # fla-core 0.6's gated delta rule stops its backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, whose kernels
 # give it wrong gradients there (fla's issue #640; torch 2.11's Triton on the H200 measured, 2026-11-29)
 BAD_TRITON = ("3.4.0", "3.7.1")
+# a group of samples in one batched recurrence pads each to the group's longest: at most this share more tokens
+PADDING = 1.5
 
 
 def fla_cannot_train() -> str | None:
@@ -74,7 +83,7 @@ def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(CLASS_SUFFIX)]
 
 
-def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
+def by_sample(model: torch.nn.Module, varlen: bool | None = None, batched: bool = False) -> int:
     """Each Gated DeltaNet layer of `model` given the boundaries of a packed row (returns how many layers): the
     layer's forward runs once on the whole row with `cu_seq_lens_q`, and its module's two sequence kernels restart at
     each boundary: fla's varlen kernels on a GPU where fla can train (`varlen` None) or where asked (True), else
@@ -82,10 +91,11 @@ def by_sample(model: torch.nn.Module, varlen: bool | None = None) -> int:
     (DeepSpeed ZeRO-3 gathers each submodule's weights as it is called: a forward per sample made the processes'
     collectives differ). A decoder layer given only the row's positions (transformers keeps `position_ids` from its
     linear-attention layer) hands that layer the boundaries they mark."""
-    found, varlen = layers(model), path(varlen) == "varlen"
+    found = layers(model)
+    mode = "varlen" if path(varlen) == "varlen" else "batched" if batched else "per sample"
     for layer in found:
         _kernels_by_sample(sys.modules[type(layer).__module__])
-        layer.forward = _with_boundaries(layer.forward, varlen)
+        layer.forward = _with_boundaries(layer.forward, mode)
     for parent in model.modules():
         if any(child in found for child in parent.children()):
             parent.register_forward_pre_hook(_boundaries_from_positions, with_kwargs=True)
@@ -108,23 +118,62 @@ def _bounds(kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-# inside a converted layer's forward: whether its kernels take fla's varlen path; None elsewhere (transformers' own)
-_VARLEN: contextvars.ContextVar[bool | None] = contextvars.ContextVar("sft_linear_attention_varlen", default=None)
+# inside a converted layer's forward, its kernels' path: "varlen" (fla's), "batched" or "per sample" (transformers'
+# torch functions); None elsewhere (transformers' own)
+_PATH: contextvars.ContextVar[str | None] = contextvars.ContextVar("sft_linear_attention_path", default=None)
 
 
-def _with_boundaries(forward, varlen: bool):
+def groups(lengths: list[int], padding: float = PADDING) -> list[list[int]]:
+    """The samples (indices into `lengths`) in groups for one batched call each: longest first, a sample joining the
+    current group while the group padded to its longest stays within `padding` x its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    found: list[list[int]] = []
+    for i in order:
+        group = found[-1] if found else None
+        if group and (len(group) + 1) * lengths[group[0]] <= padding * (sum(lengths[j] for j in group) + lengths[i]):
+            group.append(i)
+        else:
+            found.append([i])
+    return found
+
+
+def _batched(torch_chunk, query, key, value, g, beta, bounds: list[int], **kwargs) -> torch.Tensor:
+    """transformers' torch recurrence over a packed row's samples, each from a zero state: one call per group of
+    `groups`, its samples the batch, zero-padded at their ends. Returns [1, tokens, value heads, value dim]."""
+    starts, lengths = bounds[:-1], [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    pieces: list[torch.Tensor | None] = [None] * len(lengths)
+    device = query.device
+    for group in groups(lengths):
+        longest = lengths[group[0]]
+        first = torch.tensor([starts[i] for i in group], device=device)
+        count = torch.tensor([lengths[i] for i in group], device=device)
+        steps = torch.arange(longest, device=device)
+        valid = steps[None, :] < count[:, None]  # [samples, longest]
+        index = first[:, None] + torch.minimum(steps[None, :], count[:, None] - 1)
+
+        def padded(x, valid=valid, index=index):
+            picked = x[0, index]  # [samples, longest, ...]
+            return picked * valid.view(*valid.shape, *([1] * (picked.dim() - 2))).to(picked.dtype)
+
+        out = torch_chunk(padded(query), padded(key), padded(value), g=padded(g), beta=padded(beta), **kwargs)[0]
+        for row, i in enumerate(group):
+            pieces[i] = out[row, : lengths[i]]
+    return torch.cat(pieces, dim=0).unsqueeze(0)
+
+
+def _with_boundaries(forward, mode: str):
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
         rest = {k: v for k, v in kwargs.items() if k not in BOUNDARIES} if bounds is not None else kwargs
-        token = _VARLEN.set(varlen)
+        token = _PATH.set(mode)
         try:
             if bounds is None or bounds.numel() <= 2:  # one sample (or a cache: generation), as transformers runs it
                 return forward(hidden_states, cache=cache, attention_mask=attention_mask, **rest)
             cu = bounds.to(device=hidden_states.device, dtype=torch.long)
             return forward(hidden_states, attention_mask=attention_mask, cu_seq_lens_q=cu, **rest)
         finally:
-            _VARLEN.reset(token)
+            _PATH.reset(token)
 
     return run
 
@@ -141,12 +190,12 @@ def _kernels_by_sample(module) -> None:
     torch_conv, torch_chunk = inspect.unwrap(conv), inspect.unwrap(chunk)
 
     def fast(tensor) -> bool:
-        return bool(_VARLEN.get()) and tensor.is_cuda
+        return _PATH.get() == "varlen" and tensor.is_cuda
 
     @functools.wraps(conv)
     def convolution(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
-        if cu is None or _VARLEN.get() is None:
+        if cu is None or _PATH.get() is None:
             return conv(hidden_states, weight, bias, activation=activation, **kwargs)
         if fast(hidden_states):
             from fla.modules.causal_conv1d import causal_conv1d
@@ -160,7 +209,7 @@ def _kernels_by_sample(module) -> None:
 
     @functools.wraps(chunk)
     def recurrence(query, key, value, g, beta, cu_seqlens=None, **kwargs):
-        if _VARLEN.get() is None:
+        if _PATH.get() is None:
             return chunk(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
         if cu_seqlens is None:
             return (chunk if fast(query) or not FLA else torch_chunk)(query, key, value, g=g, beta=beta, **kwargs)
@@ -168,8 +217,11 @@ def _kernels_by_sample(module) -> None:
             return chunk(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
             raise ValueError("a packed row's linear attention runs from a zero state and keeps none (no cache)")
+        bounds = cu_seqlens.tolist()
+        if _PATH.get() == "batched":
+            return _batched(torch_chunk, query, key, value, g, beta, bounds, **kwargs), None
         outputs = [torch_chunk(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
-                               **kwargs)[0] for lo, hi in itertools.pairwise(cu_seqlens.tolist())]  # fmt: skip
+                               **kwargs)[0] for lo, hi in itertools.pairwise(bounds)]  # fmt: skip
         return torch.cat(outputs, dim=1), None
 
     convolution.sft_by_sample = True
