@@ -205,7 +205,7 @@ class TrainConfig(SFTConfig):
             `sft.engines.deepspeed.autoep`): each keeps count / this of the experts and tokens travel to theirs by
             all-to-all. Must divide the data-parallel size; for the families AutoEP has a preset for, under ZeRO-0/1/2.
         report (`bool`, *optional*, defaults to `True`):
-            At the end of training, write `<output_dir>/report/` (`sft.tools.report`: one PNG per curve and an HTML
+            At the end of training, write `<output_dir>/report/` (`sft.run.report`: one PNG per curve and an HTML
             page with them inline, the settings and totals). `sft report RUN_DIR` writes it for any run, several
             overlaid.
         max_nonfinite_steps (`int`, *optional*, defaults to `1`):

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None, watch=None) -> None:
 def build(argv: list[str] | None, watch) -> tuple:
     """Everything before the first step: the arguments parsed, the run planned, the data loaded and checked, the
     output directory claimed, the model and the trainer built. Returns (trainer, plan, the checkpoint it resumes or
-    None, the model's path). `sft packing-check` builds the same, with its own output directory, and trains nothing."""
+    None, the model's path). `sft check` builds the same, with its own output directory, and trains nothing."""
     from sft.core import logs
     from sft.parallel import nodes
     from sft.parallel.distributed import init_process_group, timeout_seconds
@@ -157,7 +157,7 @@ def _save(trainer, training_args) -> None:
         )
     logger.info("Saved the model and tokenizer to %s", training_args.output_dir)
     if training_args.process_index == 0 and training_args.report:
-        from sft.tools import report
+        from sft.run import report
 
         try:
             logger.info("Report (curves, settings, totals): %s", report.write([training_args.output_dir]))

@@ -192,3 +192,11 @@ def test_steps_per_epoch_are_counted_only_in_the_batch_module():
                 if "accumulation" in text:
                     divisions.append((name, text))
     assert divisions and {name for name, _ in divisions} == {"sft.core.batch"}, divisions
+
+
+def test_the_entry_point_and_the_tools_do_not_import_each_other_both_ways():
+    """`sft.tools.check` builds its run through the entry point (`sft.train`), so the entry point imports no tool:
+    the report it writes at the end lives below both (`sft.run.report`)."""
+    assert any(module == "sft.train" for _, module in imported(TREES["sft.tools.check"]))
+    offending = [module for _, module in imported(TREES["sft.train"]) if module.startswith("sft.tools")]
+    assert not offending, offending

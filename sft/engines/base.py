@@ -1,6 +1,6 @@
 """What a run needs from the engine that shards and steps the model: the interface every engine implements.
 
-sft decides a run once (`sft.plan.memory.run.RunPlan`, which holds its engine) and the rest of the package asks the
+sft decides a run once (`sft.core.run.RunPlan`, which holds its engine) and the rest of the package asks the
 engine, never the library behind it: outside `sft/engines/` nothing imports deepspeed (tests/test_layout.py checks it).
 A second engine (FSDP2) is a sibling of `sft/engines/deepspeed/` implementing this class.
 """
@@ -95,7 +95,7 @@ class Engine(abc.ABC):
     def versions(self) -> dict[str, str]:
         """{library: version} recorded in every checkpoint's fingerprint."""
 
-    # --- the plan's decisions written into the configuration (`sft.plan.memory.preflight`) ---
+    # --- the plan's decisions written into the configuration (`sft.plan.preflight`) ---
     @abc.abstractmethod
     def offload_auto(self) -> tuple[bool, bool]:
         """Whether the optimizer states / the weights are offloaded only if the memory plan needs it (`"auto"`)."""

@@ -114,7 +114,7 @@ class ZeroLoss:
 
 
 def record(args, line: dict) -> None:
-    """One event line in metrics.jsonl (main process), beside the training logs (`sft.tools.report` shows them)."""
+    """One event line in metrics.jsonl (main process), beside the training logs (`sft.run.report` shows them)."""
     if args.process_index != 0:
         return
     from sft.run.metrics import append

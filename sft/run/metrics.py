@@ -71,7 +71,7 @@ class MetricsLog(TrainerCallback):
         logger.warning("metrics.jsonl: moved %d lines after step %d to %s", len(lines) - len(keep), step, f.name)
 
     def mark_resume(self, step: int) -> None:
-        """One line saying training resumed from `step` (`sft.tools.report` marks it on every plot)."""
+        """One line saying training resumed from `step` (`sft.run.report` marks it on every plot)."""
         append(self.output_dir, {"step": step, "time": time.time(), "resumed_from_step": step})
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -14,10 +14,10 @@ import safetensors.torch
 import torch
 
 from sft.core.retry import NONFINITE_EXIT_CODE
+from sft.run import report
 from sft.run.checkpoint import MARKER, RUN_MANIFEST
 from sft.run.failsafe import OOM_TEST_ENV
 from sft.run.metrics import samples_per_step
-from sft.tools import report
 from tests.conftest import ROOT, cli_env, read_jsonl, run_cli, run_cli_side_by_side
 
 # A learning rate of 1,000 (warmed up over 6 steps) drives the demo model's gradients to NaN within a few steps; a

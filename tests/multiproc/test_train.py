@@ -153,7 +153,7 @@ def test_rerun_of_a_finished_run_under_sft_train_exits_2_with_the_error_last(zer
 
 
 def test_the_run_ends_with_its_report_and_data_figures(zero_runs, tmp_path):
-    """The report written at the end (`sft.tools.report`): every plot a PNG that decodes and is inline in index.html,
+    """The report written at the end (`sft.run.report`): every plot a PNG that decodes and is inline in index.html,
     the plotted values those of metrics.jsonl; the data figures of the start (`sft.data.stats`) agree with the epochs
     the trainer counted; two runs overlay in one report."""
     import base64
