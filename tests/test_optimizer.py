@@ -234,5 +234,8 @@ def test_where_the_fused_step_cannot_run_torchaos_class_is_kept(monkeypatch, cap
 
 
 if __name__ == "__main__":
+    # 8 blocks per program, not the GPU's 1: Triton's interpreter runs each program apart (8x fewer here), and the
+    # last program of a 36 x 128 tensor (18 blocks) is then partly masked, which the checks cover that way
+    optimizer.ROWS = 8
     print(json.dumps({"equal": equal_to_torchao(), "fp32": fp32_weights(), "rounding": stochastic_rounding(),
                       "resume": resumed(), "quantization": quantization()}))  # fmt: skip

@@ -160,13 +160,15 @@ def _corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
     return float(1 - beta1**t), float((1 - beta2**t).sqrt())
 
 
-def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool, rows: int = ROWS, warps: int = WARPS) -> None:
+def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool, rows: int | None = None,
+               warps: int | None = None) -> None:  # fmt: skip
     """One AdamW step of tensor `p` in place, its moments `m`, `v` (torchao's 8-bit states or plain tensors):
     torchao's `single_param_adam` in one kernel. `scalars`: lr, lr x weight decay, 1 - beta1, 1 - beta2, the bias
     corrections `1 - beta1**step` and `sqrt(1 - beta2**step)`, eps, the rounding's seed. `rows` blocks of 256 per
-    Triton program, `warps` warps each."""
+    Triton program, `warps` warps each (default `ROWS`, `WARPS`)."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
+    rows, warps = rows or ROWS, warps or WARPS
     kernel, half = _kernel(), p.dtype is torch.bfloat16
     if isinstance(m, OptimState8bit):
         blocks = p.numel() // BLOCK
