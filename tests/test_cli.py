@@ -93,6 +93,7 @@ PUBLISHED_BILLIONS = {
     "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen2.5-7B": 7.61, "Qwen/Qwen2.5-72B": 72.7, "Qwen/Qwen3-8B": 8.2,
     "Qwen/Qwen3-32B": 32.8, "mistralai/Mistral-7B-v0.3": 7.25, "google/gemma-2-9b": 9.24,
     "google/gemma-3-4b": 3.88, "allenai/OLMo-2-1124-7B": 7.30, "microsoft/Phi-3-mini-4k-instruct": 3.82,
+    "Qwen/Qwen2.5-VL-7B": 8.29,  # its vision encoder included
 }  # fmt: skip
 
 
@@ -114,6 +115,23 @@ def test_planner_offline_fails_fast_naming_what_it_knows(capsys, monkeypatch):
     assert "meta-llama/Llama-3.1-8B" in err  # the shipped ones are named
     assert plan_cli.main(["--model", "not-a-path-or-id"]) == 2
     assert "neither a file, a directory nor a hub id" in capsys.readouterr().err
+
+
+def test_an_image_text_model_is_planned_offline_and_a_text_only_entry_says_so(capsys, monkeypatch):
+    """`sft plan` knows Qwen2.5-VL-7B offline (its frozen encoder counted apart) and ranks settings for it on one
+    80 GB card; Gemma 3's shipped entries are its text model, which the plan says (the published checkpoints are
+    image+text), where a text family's is silent."""
+    monkeypatch.setattr(shapes, "_hub_reachable", lambda: pytest.fail("a shipped model must not touch the hub"))
+    args = ["--gpus", "1", "--gpu-memory", "79.18", "--seq-len", "4096"]
+    plan_cli.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", *args, "--suggest"])
+    out = capsys.readouterr().out
+    assert out.startswith("Qwen/Qwen2.5-VL-7B-Instruct: qwen2_5_vl_text, 8.292B parameters (0.632B in the frozen")
+    assert "fastest setting that fits:" in out and "| 1 | " in out and "Planned as a text model" not in out
+    plan_cli.main(["--model", "google/gemma-3-12b-it", *args])
+    assert "Planned as a text model: the published checkpoint is image+text" in capsys.readouterr().out
+    plan_cli.main(["--model", "meta-llama/Llama-3.1-8B", *args])
+    assert "Planned as a text model" not in capsys.readouterr().out
+    assert "_text_only" not in shapes.shipped_config("google/gemma-3-12b")  # a note, not a config field
 
 
 def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):

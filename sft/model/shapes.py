@@ -62,8 +62,21 @@ HUB_PROBE_SECONDS = 3.0
 
 
 def shipped_config(model: str) -> dict | None:
-    """The architecture of a common hub model shipped with sft (Llama 3.x, Qwen2.5/3, Mistral, Gemma 2), so the
-    planner needs no network for them; `-Instruct`/`-it` variants have their base model's shape."""
+    """The architecture of a common hub model shipped with sft (Llama 3.x, Qwen2.5/3, Qwen2.5-VL, Mistral, Gemma 2/3,
+    ...), so the planner needs no network for them; `-Instruct`/`-it` variants have their base model's shape. Keys
+    starting with `_` are sft's notes on the entry (`shipped_note`), not config fields."""
+    entry = _shipped_entry(model)
+    return None if entry is None else {k: v for k, v in entry.items() if not k.startswith("_")}
+
+
+def shipped_note(model: str) -> str | None:
+    """What sft's shipped config of `model` leaves out, where it does (`_text_only`: an image+text checkpoint planned
+    as its text model), else None."""
+    entry = _shipped_entry(model)
+    return None if entry is None else entry.get("_text_only")
+
+
+def _shipped_entry(model: str) -> dict | None:
     configs = {key.lower(): value for key, value in json.loads(SHIPPED_CONFIGS.read_text()).items()}
     name = model.strip().lower()
     for suffix in ("", "-instruct", "-it"):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import sys
+from pathlib import Path
 
 from sft import engines
 from sft.core import flags, logs
@@ -17,7 +18,7 @@ from sft.core.batch import micro_batches_for
 from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model import architectures
-from sft.model.shapes import ModelShape, load_config, load_shape
+from sft.model.shapes import ModelShape, load_config, load_shape, shipped_note
 from sft.plan import memory as plan
 from sft.plan import speed
 from sft.plan.memory import (
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"{args.model}: {shape.model_type}, {shape.n_params / 1e9:.3f}B parameters"
         + (f" ({shape.frozen_params / 1e9:.3f}B in the frozen vision encoder)" if shape.frozen_params else "")
     )
+    note = None if Path(args.model).exists() else shipped_note(args.model)
+    if note:
+        print(f"Planned as a text model: {note} (give the checkpoint's config.json or folder to plan it whole).")
     print(setting.describe())
     print(result.table())
     if memory is None and (args.suggest or args.longest):
