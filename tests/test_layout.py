@@ -200,3 +200,14 @@ def test_the_entry_point_and_the_tools_do_not_import_each_other_both_ways():
     assert any(module == "sft.train" for _, module in imported(TREES["sft.tools.check"]))
     offending = [module for _, module in imported(TREES["sft.train"]) if module.startswith("sft.tools")]
     assert not offending, offending
+
+
+def test_no_folder_below_the_plan_reads_the_run_arguments_engine():
+    """`run_engine` is an attribute of `sft.plan.arguments.RunArguments`, above `core`, `engines`, `model`, `parallel`
+    and `data`: those folders are handed the engine (`sft.parallel.sequence.check(dims, engine, ...)`) instead of
+    reading it off the training arguments, which the layout rules cannot see."""
+    below = LAYERS[: LAYERS.index("plan")]
+    reads = [f"{MODULES[name].relative_to(ROOT)}:{node.lineno}" for name, tree in TREES.items()
+             if name.split(".")[1:2] and name.split(".")[1] in below
+             for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "run_engine"]  # fmt: skip
+    assert not reads, reads

@@ -88,17 +88,17 @@ def test_checks_name_the_setting_and_the_fix():
     _, _, training_args, _ = parse_args(DEMO)
     dims = ParallelDims.build(2, 2)
     with pytest.raises(ConfigError, match="per_device_train_batch_size: 2.*one packed row"):
-        seqpar.check(dims, training_args, True)
+        seqpar.check(dims, training_args.run_engine, training_args, True)
     with pytest.raises(ConfigError, match="padding-free"):
-        seqpar.check(dims, training_args, False)
+        seqpar.check(dims, training_args.run_engine, training_args, False)
     _, _, no_ds, _ = parse_args([*DEMO, "--deepspeed", "none", "--per_device_train_batch_size", "1"])
     with pytest.raises(ConfigError, match="runs on DeepSpeed"):
-        seqpar.check(dims, no_ds, True)
+        seqpar.check(dims, no_ds.run_engine, no_ds, True)
     with pytest.raises(ConfigError, match="sequence_parallel_size.*whole number"):
         parse_args([*DEMO, "--sequence_parallel_size", "two"])
     _, _, with_eval, _ = parse_args([*DEMO, "--per_device_train_batch_size", "1"])  # the demo evaluates each epoch
     with pytest.raises(ConfigError, match="eval_strategy: epoch.*wrong eval loss.*Set eval_strategy: no"):
-        seqpar.check(dims, with_eval, True)
+        seqpar.check(dims, with_eval.run_engine, with_eval, True)
 
 
 def test_plan_divides_activations_by_sp_and_suggests_the_smallest_sp():

@@ -62,11 +62,11 @@ class ShardInfo:
         return sum(self.lengths)
 
 
-def check(dims, training_args, padding_free: bool) -> None:
-    """Refuse a sequence-parallel setting that cannot run, before data or model are loaded."""
+def check(dims, engine, training_args, padding_free: bool) -> None:
+    """Refuse a sequence-parallel setting that cannot run, before data or model are loaded (`engine`: the run's, as
+    the plan built it)."""
     if dims.sp == 1:
         return
-    engine = training_args.run_engine
     if not (engine.on and engine.traits.sequence_parallel):
         raise ConfigError(
             f"`sequence_parallel_size: {dims.sp}` runs on DeepSpeed (Ulysses / ALST): add `--deepspeed "

@@ -112,7 +112,7 @@ class Decided:
 def _target_step(d: Decided) -> Decided:
     """The global-batch target (the checkpoint's on a resume) and a micro batch cap after running out of memory."""
     args = d.training_args
-    seqpar.check(args.parallel, args, args.padding_free_batches)
+    seqpar.check(args.parallel, args.run_engine, args, args.padding_free_batches)
     retry = Retry.from_env() if "per_device_train_batch_size" in args.auto_settings else None
     return dataclasses.replace(d, retry=retry, target=_target(args, d.resume, retry),
                                micro_cap=retry.micro_cap if retry else None)  # fmt: skip
@@ -212,7 +212,7 @@ def _parallel_step(d: Decided) -> Decided:
         changes["sequence_parallel_size"] = sp
         changes[engine.traits.config_field] = engine.unresolved(args)  # resolved again for this sp
         dims = ParallelDims.build(dims.world_size, sp, dims.gpus_per_node, dims.rank)
-        seqpar.check(dims, args, args.padding_free_batches)
+        seqpar.check(dims, args.run_engine, args, args.padding_free_batches)
     seqpar.check_model(d.model_config, sp, d.attn, d.arch)
     vision = _vision_changes(args, d.model_config, sp, changes) if d.image_text else None
     return d.with_changes(changes, dims=dims, vision=vision)
