@@ -153,7 +153,7 @@ def _fusable(p: torch.Tensor, state: dict, group: dict, is_adamw: bool) -> bool:
             and (quantized and m.block_size == BLOCK and v.block_size == BLOCK or same))  # fmt: skip
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)  # a step's tensors share one; a run of 100,000 steps would keep 100,000
 def _corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
     """`1 - beta1**step` and `sqrt(1 - beta2**step)` in fp32, as torchao computes them from its fp32 step tensor."""
     t = torch.tensor(float(step))
