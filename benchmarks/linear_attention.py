@@ -81,6 +81,56 @@ def exactness(model, convert) -> dict:
             "max_token_loss_diff": float(diffs.max()), "median_token_loss_diff": float(diffs.median())}  # fmt: skip
 
 
+def gradients(layers: int, tiny: bool, convert) -> dict:
+    """Every parameter's gradient of a packed row's loss through the path (`convert`, in the benchmark's dtype) and
+    through the per-sample torch path in the same dtype (bf16's own noise), each against the per-sample torch path in
+    fp32 (exact against each sample alone: tests/test_linear_attention.py): the largest relative difference
+    |g - g_fp32| / |g_fp32| over the parameters, over the linear-attention layers' ones, and their median."""
+    from benchmarks.architectures import packed
+    from sft.model import linear_attention
+
+    batch = packed(SAMPLES, DEVICE, seed=1)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+    def grads(model) -> dict:
+        logits = model(**inputs).logits[0].float()
+        torch.nn.functional.cross_entropy(logits[:-1], batch["labels"][0, 1:], ignore_index=-100).backward()
+        out = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    def model_of(dtype, path_convert):
+        torch.manual_seed(0)
+        from transformers import AutoModelForCausalLM
+
+        from benchmarks.architectures import config_for
+
+        with torch.device(DEVICE):
+            m = AutoModelForCausalLM.from_config(config_for("qwen3_5", layers, tiny=tiny), attn_implementation="eager",
+                                                 dtype=dtype)  # fmt: skip
+        m.config.use_cache = False
+        path_convert(m)
+        from sft.model.attention import VARLEN
+
+        m.set_attn_implementation(VARLEN)
+        return m
+
+    def per_sample(m):
+        return linear_attention.by_sample(m, varlen=False)
+
+    reference = grads(model_of(torch.float32, per_sample))
+    dtype = torch.float32 if tiny else torch.bfloat16
+    result = {}
+    for name, fn in (("path", convert), ("torch_same_dtype", per_sample)):
+        g = grads(model_of(dtype, fn))
+        rel = {n: float((g[n] - r).norm() / r.norm().clamp_min(1e-30)) for n, r in reference.items()}
+        linear = [v for n, v in rel.items() if "linear_attn" in n]
+        result[name] = {"max_rel": max(rel.values()), "median_rel": float(torch.tensor(list(rel.values())).median()),
+                        "linear_attn_max_rel": max(linear), "worst": max(rel, key=rel.get)}  # fmt: skip
+        del g
+    return result
+
+
 def speed(model, tokens: int, steps: int) -> dict:
     """Forward alone (no gradients) and forward with backward over the same rows; an error is a result."""
     from benchmarks.architectures import packed, rows
@@ -118,8 +168,17 @@ def compare(folder: Path) -> str:
     torch_runs = [r for r in runs.values() if not r["fla_installed"]]
     reference = torch.tensor(torch_runs[0]["exactness"]["alone"]) if torch_runs else None
     lines = ["| run | path | packed vs alone, same kernels (max / median token loss diff) | packed vs torch alone "
-             "(max) | forward tokens/s | forward+backward tokens/s | peak GiB (train) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "(max) | gradients vs fp32 torch (max rel: path / bf16 torch) | forward tokens/s | forward+backward "
+             "tokens/s | peak GiB (train) | Triton |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+
+    def grads(r: dict) -> str:
+        g = r.get("gradients")
+        if not g:
+            return "-"
+        if "error" in g:
+            return g["error"][:80]
+        return f"{g['path']['max_rel']:.4f} / {g['torch_same_dtype']['max_rel']:.4f}"
 
     def cell(mode: dict) -> str:
         return f"{mode['tokens_per_second']:,.0f}" if "tokens_per_second" in mode else mode["error"][:120]
@@ -128,8 +187,9 @@ def compare(folder: Path) -> str:
         ex, sp = r["exactness"], r["speed"]
         against = float((torch.tensor(ex["packed"]) - reference).abs().max()) if reference is not None else None
         lines.append(f"| {name} | {r['path']} | {ex['max_token_loss_diff']:.4f} / {ex['median_token_loss_diff']:.4f} "
-                     f"| {against if against is None else f'{against:.4f}'} | {cell(sp['forward'])} | "
-                     f"{cell(sp['train'])} | {sp['train'].get('peak_memory_gib') or float('nan'):.1f} |")  # fmt: skip
+                     f"| {against if against is None else f'{against:.4f}'} | {grads(r)} | {cell(sp['forward'])} | "
+                     f"{cell(sp['train'])} | {sp['train'].get('peak_memory_gib') or float('nan'):.1f} | "
+                     f"{r.get('triton', '?')} |")  # fmt: skip
     first = next(iter(runs.values()), {})
     return (
         f"GPU: {first.get('gpu', '?')}; Qwen3.5 text widths, {first.get('layers')} layers, rows of "
@@ -137,6 +197,14 @@ def compare(folder: Path) -> str:
         + "\n".join(lines)
         + "\n"
     )
+
+
+def _triton() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def main() -> None:
@@ -149,6 +217,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--grads", action="store_true", help="also every gradient against the fp32 torch path's")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compare:
@@ -168,8 +237,14 @@ def main() -> None:
 
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU ({os.cpu_count()} cores)"
     result = {"path": args.path, "fla_installed": linear_attention.FLA, "gpu": card, "tiny": args.tiny,
-              "layers": args.layers, "tokens_per_row": args.tokens}  # fmt: skip
+              "layers": args.layers, "tokens_per_row": args.tokens, "triton": _triton()}  # fmt: skip
     result["exactness"] = exactness(model, convert)
+    if args.grads:
+        try:
+            result["gradients"] = gradients(args.layers, args.tiny, convert)
+        except RuntimeError as e:  # fla refusing its backward is a result
+            result["gradients"] = {"error": str(e)[:400]}
+        print("gradients", result["gradients"], flush=True)
     result["speed"] = speed(model, args.tokens, args.steps)
     name = f"linear_attention_{args.path}{'_fla' if linear_attention.FLA else '_torch'}"
     (args.out / f"{name}.json").write_text(json.dumps(result))

@@ -176,9 +176,10 @@ def _linear_attention(model, plan) -> None:
                     " varlen kernels on GPU (each sample from a zero state; one sample at a time on CPU)",
                     plan.arch.family, count)  # fmt: skip
     else:
-        logger.info("Linear attention (%s): %d Gated DeltaNet layers run one sample at a time over packed rows, each "
-                    "from a zero state, on transformers' torch kernels (not flash-linear-attention's varlen ones: "
-                    "%s)", plan.arch.family, count, linear_attention.fla_cannot_train())  # fmt: skip
+        logger.info("Linear attention (%s): %d Gated DeltaNet layers over packed rows, each sample from a zero state, "
+                    "on transformers' torch kernels, the recurrence batched over samples of similar length on GPU "
+                    "(one sample at a time on CPU), not flash-linear-attention's varlen ones: %s", plan.arch.family,
+                    count, linear_attention.fla_cannot_train())  # fmt: skip
 
 
 def _args(*names: str) -> Callable:

@@ -17,10 +17,12 @@ that restart at each boundary:
   (tests/test_linear_attention.py: packed rows equal their samples one by one, gradients too). The recurrence takes
   the row's samples in groups of similar length (`groups`), each group one call with its samples as the batch,
   zero-padded at their ends to the group's longest (padding after a sample cannot reach it: the recurrence is causal),
-  so that a row of many samples costs a few calls, not one per sample (`batched=True`). That is exact (the tests) but
-  off by default: on the CPU it was not faster (Qwen3.5 at the tests' widths, rows of 4,096: forward 4,626 tokens/s
-  against 5,790 one call per sample, with backward 1,426 against 1,440; benchmarks/results/newest_families/
-  linear_attention_cpu.md), and on a GPU, where fewer calls should pay, it is not yet measured.
+  so that a row of many samples costs a few calls, not one per sample. That is exact (the tests; on an H200 in bf16
+  every gradient within bf16's own noise of the fp32 per-sample path's, as the per-sample path's) and taken where the
+  row is on a GPU: there it was faster (Qwen3.5 text widths, 4 layers, rows of 8,192: forward and backward 31,451
+  tokens/s against 22,051, forward 127,532 against 84,163; benchmarks/results/families_2026/linear_attention.md),
+  on the CPU not (the tests' widths, rows of 4,096: forward 4,626 against 5,790, with backward 1,426 against 1,440;
+  benchmarks/results/newest_families/linear_attention_cpu.md), so a CPU row keeps one call per sample.
   Where fla is installed but cannot train, transformers' torch functions are used for single samples too (transformers
   picks fla's at import, and fla would stop the first backward).
 """
@@ -83,16 +85,17 @@ def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(CLASS_SUFFIX)]
 
 
-def by_sample(model: torch.nn.Module, varlen: bool | None = None, batched: bool = False) -> int:
+def by_sample(model: torch.nn.Module, varlen: bool | None = None, batched: bool | None = None) -> int:
     """Each Gated DeltaNet layer of `model` given the boundaries of a packed row (returns how many layers): the
     layer's forward runs once on the whole row with `cu_seq_lens_q`, and its module's two sequence kernels restart at
     each boundary: fla's varlen kernels on a GPU where fla can train (`varlen` None) or where asked (True), else
-    transformers' torch kernels once per sample. One forward per layer keeps the module calls the same on every process
-    (DeepSpeed ZeRO-3 gathers each submodule's weights as it is called: a forward per sample made the processes'
-    collectives differ). A decoder layer given only the row's positions (transformers keeps `position_ids` from its
-    linear-attention layer) hands that layer the boundaries they mark."""
+    transformers' torch kernels, the recurrence batched over groups of samples where the row is on a GPU (`batched`
+    None) or where asked (True), else once per sample. One forward per layer keeps the module calls the same on every
+    process (DeepSpeed ZeRO-3 gathers each submodule's weights as it is called: a forward per sample made the
+    processes' collectives differ). A decoder layer given only the row's positions (transformers keeps `position_ids`
+    from its linear-attention layer) hands that layer the boundaries they mark."""
     found = layers(model)
-    mode = "varlen" if path(varlen) == "varlen" else "batched" if batched else "per sample"
+    mode = "varlen" if path(varlen) == "varlen" else {None: "torch", True: "batched", False: "per sample"}[batched]
     for layer in found:
         _kernels_by_sample(sys.modules[type(layer).__module__])
         layer.forward = _with_boundaries(layer.forward, mode)
@@ -118,8 +121,8 @@ def _bounds(kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-# inside a converted layer's forward, its kernels' path: "varlen" (fla's), "batched" or "per sample" (transformers'
-# torch functions); None elsewhere (transformers' own)
+# inside a converted layer's forward, its kernels' path: "varlen" (fla's), "batched", "per sample" or "torch" (batched
+# on a GPU, per sample on the CPU: transformers' torch functions); None elsewhere (transformers' own)
 _PATH: contextvars.ContextVar[str | None] = contextvars.ContextVar("sft_linear_attention_path", default=None)
 
 
@@ -218,7 +221,7 @@ def _kernels_by_sample(module) -> None:
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
             raise ValueError("a packed row's linear attention runs from a zero state and keeps none (no cache)")
         bounds = cu_seqlens.tolist()
-        if _PATH.get() == "batched":
+        if _PATH.get() == "batched" or (_PATH.get() == "torch" and query.is_cuda):
             return _batched(torch_chunk, query, key, value, g, beta, bounds, **kwargs), None
         outputs = [torch_chunk(query[:, lo:hi], key[:, lo:hi], value[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
                                **kwargs)[0] for lo, hi in itertools.pairwise(bounds)]  # fmt: skip
