@@ -328,6 +328,10 @@ def cli_runs(args, work: Path, results: dict) -> None:
                   "output_dir": str(work / name), "max_steps": args.steps, "max_length": args.tokens}  # fmt: skip
         if args.tiny:
             recipe.update(bf16=False, dtype="float32", peak_tflops=1.0)
+        if args.gpu_memory:
+            recipe["max_gpu_memory_gib"] = args.gpu_memory
+        if args.attn:
+            recipe["attn_implementation"] = args.attn
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
         log = work / f"{name}.log"
         rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log)
@@ -370,6 +374,9 @@ def main() -> None:
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny widths, fp32, plain variant only")
     parser.add_argument("--cli", action="store_true", help="part 3 only: sft's defaults through sft/train.py")
+    parser.add_argument("--attn", help="with --cli: attn_implementation instead of sft's auto (e.g. sdpa)")
+    parser.add_argument("--gpu-memory", type=float, help="with --cli: GiB each run is planned for and capped at "
+                        "(max_gpu_memory_gib; 79.18 for an 80 GB card)")  # fmt: skip
     args = parser.parse_args()
     from benchmarks.common import environment
     from sft.model.attention import register_varlen

@@ -205,19 +205,22 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
 def test_per_layer_widths_are_planned_and_what_else_varies_is_refused():
     """Gemma 4 (transformers' per-layer configs: head dim 512 on its 5 full layers, 256 on its 25 sliding ones): the
     plan reads the layers' means, the attention backends the widest head (FlashAttention's kernels take 256: refused on
-    a GPU, sdpa and eager honour it; sft_varlen on the CPU only); a layer that varies in anything else is refused,
-    naming it."""
-    from sft.model.attention import check_backend
+    a GPU, sdpa and eager honour it; sft_varlen per layer: FA2 on a GPU where the heads fit, sdpa per sample on the
+    wider ones and on the CPU); a layer that varies in anything else is refused, naming it."""
+    from sft.model.attention import check_backend, packed_kernel, per_sample_sdpa
 
     arch = architectures.of(AutoConfig.for_model("gemma4_text"))
     assert arch.attention.head_dims.count(512) == 5 and arch.attention.head_dims.count(256) == 25
     assert arch.head_dim == round((5 * 512 + 25 * 256) / 30) and arch.kv_head_counts == (4,) * 30
     assert "a head dim of 512 on 5 of 30 layers (FlashAttention's kernels take at most 256)" in arch.describe()
-    for backend in ("flash_attention_2", "flash_attention_3", VARLEN):
+    for backend in ("flash_attention_2", "flash_attention_3"):
         with pytest.raises(ConfigError, match=f"`attn_implementation: {backend}` cannot honour .* a head dim of 512"):
             check_backend(arch, backend, padding_free=True, on_gpu=True)
-    for backend, on_gpu in (("sdpa", True), ("eager", True), (VARLEN, False)):
+    for backend, on_gpu in (("sdpa", True), ("eager", True), (VARLEN, False), (VARLEN, True)):
         check_backend(arch, backend, padding_free=True, on_gpu=on_gpu)
+    assert packed_kernel(512, on_gpu=True) is per_sample_sdpa and packed_kernel(256, on_gpu=False) is per_sample_sdpa
+    if torch.cuda.is_available():  # the GPU's varlen FlashAttention-2 for the layers whose heads it takes
+        assert packed_kernel(256, on_gpu=True) is not per_sample_sdpa
     moe = architectures.of(config_of("gemma4_moe"))
     assert moe.kv_head_counts == (2, 1, 2, 1) and moe.experts.active == 2 and moe.experts.shared_width == 96
     assert architectures.of(config_of("gemma4")).intermediate == 96 * 6 // 4  # two of four layers twice as wide

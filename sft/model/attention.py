@@ -11,7 +11,9 @@ boundaries (`cu_seq_lens_q/k`, `max_length_q/k`) that TRL's padding-free collato
 parallelism hands them back for the whole row); without them it derives them from `position_ids` (a sample starts
 where its position is 0);
 it falls back to boundaries from a 2D padding mask, or to one sequence per row, for unpacked batches. On CPU (no
-varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample. A row
+varlen kernel) the same boundaries run through sdpa one sample at a time: exact, and quadratic only per sample; on a
+GPU too for a layer whose heads are wider than FlashAttention takes (`packed_kernel`: Gemma 4's 512-wide full layers,
+while its sliding ones run FA2: the kernel is chosen per layer). A row
 that holds one sample (long-context training) goes to plain causal sdpa instead, whose cuDNN kernel is much faster
 than varlen FlashAttention-2 on Hopper.
 """
@@ -26,6 +28,7 @@ import logging
 import torch
 
 from sft.errors import ConfigError
+from sft.model.architectures import FLASH_HEAD_DIM
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,18 @@ def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(
         )  # fmt: skip
         out[start:end] = attended.transpose(0, 1)
     return out
+
+
+def packed_kernel(head_dim: int, on_gpu: bool):
+    """The kernel `sft_varlen` runs a layer's packed row through, decided per layer by its head dim: on a GPU PyTorch's
+    varlen FlashAttention-2 where it takes the heads, else causal sdpa once per sample (`per_sample_sdpa`, torch's
+    memory-efficient kernel). For Gemma 4's full layers (8 query / 4 key-value heads of 512, rows of 4,096 tokens of
+    SFT-like samples, 2 rows, bf16, 1 x H200) forward and backward took 17.1 ms that way against 77.8 ms through one
+    sdpa call with the row's block-diagonal mask (transformers' sdpa path), within the same 0.0017 of fp32 math; its
+    sliding layers (heads of 256, window 512) 1.1 ms on FA2 against 10.0 ms masked; flex_attention failed to compile at
+    512 (benchmarks/wide_heads.py, benchmarks/results/families_2026/wide_heads.json). On the CPU `per_sample_sdpa`."""
+    kernel = _varlen_attn() if on_gpu and head_dim <= FLASH_HEAD_DIM else None
+    return kernel or per_sample_sdpa
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -232,10 +247,9 @@ def varlen_attention_forward(
             f"with). Use `attn_implementation: auto`, which picks a backend that has "
             f"{' and '.join(refused)}."
         )
-    kernel = _varlen_attn() if query.is_cuda else None
-    on_gpu = kernel is not None
-    varlen_attn = kernel if on_gpu else per_sample_sdpa
+    on_gpu = query.is_cuda and _varlen_attn() is not None
     batch, heads, seq, dim = query.shape
+    varlen_attn = packed_kernel(dim, on_gpu)
     dtype = query.dtype
     if on_gpu and query.dtype not in (torch.float16, torch.bfloat16):  # fp32 weights under autocast: as flash does
         half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
@@ -270,16 +284,19 @@ def varlen_attention_forward(
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query, key, value))
     if keep is not None:
         q, k, v = q[keep], k[keep], v[keep]
+    if scored and on_gpu and dim > FLASH_HEAD_DIM:  # no family asks for both; flex_attention failed at 512
+        raise ConfigError(f"{VARLEN}: soft-capping or sinks on heads wider than {FLASH_HEAD_DIM} is not implemented.")
     if scored:
         out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
     else:
         window = sliding_window if windowed else None
-        if on_gpu:
+        if varlen_attn is not per_sample_sdpa:
             masking = _causal_kwargs(varlen_attn, window, causal)
         else:
             masking = {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
         v_dim = v.shape[-1]
-        if on_gpu and v_dim != dim:  # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
+        # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
+        if varlen_attn is not per_sample_sdpa and v_dim != dim:
             v = torch.nn.functional.pad(v, (0, dim - v_dim))
         out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **masking)[..., :v_dim]
     dim = out.shape[-1]
@@ -329,7 +346,7 @@ HONOURS = {
     "sdpa": {"window", "wide_heads"},
     "flash_attention_2": {"window", "softcap"},
     "flash_attention_3": {"window", "softcap"},
-    VARLEN: {"window", "softcap", "sinks", "wide_heads"},  # wide heads on the CPU only (its GPU kernel is FA2's)
+    VARLEN: {"window", "softcap", "sinks", "wide_heads"},  # wide heads per sample (`packed_kernel`)
 }
 
 
@@ -355,8 +372,6 @@ def honours(backend: str | None, on_gpu: bool) -> set[str]:
     have = set(HONOURS.get(backend or "", set()))
     if backend == VARLEN and on_gpu and not varlen_has_window():
         have.discard("window")
-    if backend == VARLEN and on_gpu:
-        have.discard("wide_heads")
     return have
 
 
@@ -406,14 +421,14 @@ def resolve_attn_implementation(
             register_varlen()
     elif on_gpu:
         major, _ = torch.cuda.get_device_capability()
-        if "wide_heads" in needs and not scored and arch.packed_mask:  # no FlashAttention kernel takes the heads
-            chosen, why = "sdpa", (f"{'; '.join(arch.attention.needs())}: transformers' mask from the position ids, "
-                                   "torch's memory-efficient or math kernel")  # fmt: skip
-        elif importlib.util.find_spec("flash_attn") is not None and major >= 8 and not scored:
+        if importlib.util.find_spec("flash_attn") is not None and major >= 8 and not needs - {"window"}:
             chosen, why = "flash_attention_2", "flash-attn is installed"
         elif _varlen_attn() is not None and (varlen_has_window() or "window" not in needs):
             register_varlen()
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
+            if "wide_heads" in needs:
+                why = (f"{'; '.join(arch.attention.needs())}: per layer, varlen FlashAttention-2 where it takes the "
+                       "heads, causal sdpa once per sample on the wider ones")  # fmt: skip
             if scored:
                 why = (
                     f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask, compiled "

@@ -1,0 +1,68 @@
+#!/bin/bash
+# Issue #79 on one GPU: flash-linear-attention's Gated DeltaNet kernels trained under Triton 3.7.1 (fla issue #640:
+# wrong gradients below it on Hopper), brought beside the image's torch 2.11 / Triton 3.6, and Gemma 4's attention
+# kernels. Carry `.tri` (benchmarks/calls/pack_triton.sh) and run with the NCCL variables of ../shared/gpu/README.md
+# set: `triton371.sh PART...`. Three Python paths: $site (the image's missing packages), $fla (fla-core) and $tri
+# (Triton 3.7.1, first on the path where used). Parts:
+#   check      benchmarks/triton_check.py under 3.7.1 and under 3.6: torch.compile, flex_attention, Liger vs eager
+#   linear     benchmarks/linear_attention.py (Qwen3.5 text widths, 4 layers, rows of 8,192, --grads): fla varlen
+#              under 3.7.1, the per-sample and batched torch paths under 3.6 without fla; the table
+#   varlen     its fla run alone
+#   cli        sft's defaults through sft/train.py (benchmarks/architectures.py --cli, $LAYERS layers, rows of 4,096,
+#              planned for and capped at 79.18 GiB): Qwen3.5 and Qwen3.5-MoE with fla under 3.7.1, then Qwen3.5,
+#              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES: others)
+#   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
+#   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
+#              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa, and Llama
+set -u
+site=/tmp/site tri=/tmp/tri37 fla=/tmp/fla-site work=/tmp/t37
+mkdir -p "$site" "$tri" "$fla" "$work"
+tar -xJf .tri/site312.tar.xz -C "$site" && tar -xJf .tri/triton371.tar.xz -C "$tri" || exit
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$fla" .tri/fla/*.whl || exit
+old=$(python3 -c "import triton, os; print(os.path.dirname(triton.__file__))")
+cp -r "$old/backends/nvidia/bin" "$tri/triton/backends/nvidia/"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+t36() { PYTHONPATH="$site:$PWD" "$@"; }
+t37() { PYTHONPATH="$tri:$fla:$site:$PWD" "$@"; }
+late() { (( SECONDS > ${DEADLINE:-540} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
+linear=(python3 -m benchmarks.linear_attention --grads --out "$work/linear")
+cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18)
+read -ra with_fla <<< "${FAMILIES:-qwen3_5 qwen3_5_moe}"
+read -ra without <<< "${TORCH_FAMILIES:-qwen3_5 llama qwen3_5_moe}"
+for part in "$@"; do
+    late "$part" && continue
+    case $part in
+    check)
+        t37 timeout 150 python3 -m benchmarks.triton_check --out "$OUT/triton_check_371.json" > "$work/check37.log" 2>&1
+        t36 timeout 150 python3 -m benchmarks.triton_check --out "$OUT/triton_check_360.json" > "$work/check36.log" 2>&1
+        grep -h "^[a-z_]* {" "$work"/check3*.log | cut -c1-400 ;;
+    linear | varlen)
+        t37 timeout "${VARLEN_S:-300}" "${linear[@]}" --path varlen >> "$work/linear.log" 2>&1 || echo "varlen rc $?"
+        if [ "$part" = linear ]; then
+            late per-sample || t36 timeout 120 "${linear[@]}" --path per-sample >> "$work/linear.log" 2>&1
+            late batched || t36 timeout 120 "${linear[@]}" --path batched >> "$work/linear.log" 2>&1
+        fi
+        t36 python3 -m benchmarks.linear_attention --compare --out "$work/linear" > "$OUT/linear_attention.md" 2>&1
+        grep -E "^gradients|^linear_attention_|Error" "$work/linear.log" | cut -c1-500 ;;
+    cli)
+        t37 timeout 240 "${cli[@]}" --families "${with_fla[@]}" --out "$work/cli_fla" \
+            > "$work/cli_fla.log" 2>&1
+        late cli-torch || t36 timeout 240 "${cli[@]}" --families "${without[@]}" \
+            --out "$work/cli_torch" > "$work/cli_torch.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-700 ;;
+    gemma)
+        t36 timeout 150 python3 -m benchmarks.architectures --families gemma4 gemma4_moe --variants plain --layers 2 \
+            --steps 3 --out "$work/gemma_exact" > "$work/gemma_exact.log" 2>&1
+        grep -hE "exactness" "$work/gemma_exact.log" | cut -c1-400
+        for attn in auto sdpa; do
+            late "gemma-$attn" || t36 timeout 150 "${cli[@]}" --families gemma4 --attn "$attn" \
+                --out "$work/cli_gemma_$attn" > "$work/cli_gemma_$attn.log" 2>&1
+        done
+        late llama || t36 timeout 100 "${cli[@]}" --families llama --out "$work/cli_llama" > "$work/cli_llama.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_gemma_*.log "$work"/cli_llama.log | cut -c1-500 ;;
+    wide)
+        t36 timeout 200 python3 -m benchmarks.wide_heads --out "$OUT/wide_heads.json" > "$work/wide.log" 2>&1
+        grep -E "^(256|512) " "$work/wide.log" | cut -c1-300 ;;
+    esac
+done
+tar -czf "$OUT/triton371.tar.gz" -C "$work" --exclude='model-*' --exclude='*.safetensors' .
