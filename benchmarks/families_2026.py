@@ -1,0 +1,54 @@
+"""benchmarks/results/families_2026/summary.json from that folder's runs (issue #79): one row per family and path.
+
+    python -m benchmarks.families_2026 [--folder benchmarks/results/families_2026]
+
+Each row: a family's `sft/train.py` run (`benchmarks/architectures.py --cli`: its public widths at `layers` decoder
+layers, rows of 4,096, planned for and capped at 79.18 GiB, ZeRO-2 on one process) beside the Llama run of the same
+device call (the same depth), and their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the family, the
+speed model's estimate) stay null until measured: no row claims them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (file, family in it, the path it ran, the same call's Llama file, the call)
+RUNS = (
+    ("cli_call2_fla.json", "qwen3_5", "fla varlen kernels, Triton 3.7.1", "cli_call2_torch.json", 2),
+    ("cli_call2_torch.json", "qwen3_5", "torch recurrence, batched, Triton 3.6", "cli_call2_torch.json", 2),
+    ("cli_call4_gemma4_auto.json", "gemma4", "sft_varlen per layer", "cli_call4_llama.json", 4),
+    ("cli_call4_gemma4_sdpa.json", "gemma4", "sdpa with the packed mask (before)", "cli_call4_llama.json", 4),
+)
+
+
+def summary(folder: Path) -> dict:
+    card = (folder / "gpu.txt").read_text().split(",")[0].strip()
+    rows = []
+    for name, family, path, llama_file, call in RUNS:
+        data = json.loads((folder / name).read_text())
+        run, llama = data["families"][family], json.loads((folder / llama_file).read_text())["families"]["llama"]
+        rows.append({
+            "family": family, "path": path, "layers": data["layers"], "card": card, "memory_cap_gib": 79.18,
+            "device_call": call, "tokens_per_second": round(run["tokens_per_second"]), "mfu": round(run["mfu"], 4),
+            "peak_gib": round(run["peak_memory_gib"], 1), "finite": run["finite"], "loss_fell": run["loss_fell"],
+            "llama": {"tokens_per_second": round(llama["tokens_per_second"]), "mfu": round(llama["mfu"], 4)},
+            "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": None,
+        })  # fmt: skip
+    return {"source": "benchmarks/families_2026.py over " + ", ".join(sorted({r[0] for r in RUNS})), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, default=Path("benchmarks/results/families_2026"))
+    args = parser.parse_args()
+    out = summary(args.folder)
+    (args.folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    for r in out["rows"]:
+        print(f"{r['family']:8} {r['path']:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
+              f"{r['mfu_of_llama']:.2f} of Llama's {r['llama']['mfu']:.3f}  peak {r['peak_gib']} GiB")
+
+
+if __name__ == "__main__":
+    main()
