@@ -46,8 +46,10 @@ def main() -> None:
     out = summary(args.folder)
     (args.folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
     for r in out["rows"]:
-        print(f"{r['family']:8} {r['path']:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
-              f"{r['mfu_of_llama']:.2f} of Llama's {r['llama']['mfu']:.3f}  peak {r['peak_gib']} GiB")
+        print(
+            f"{r['family']:8} {r['path']:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
+            f"{r['mfu_of_llama']:.2f} of Llama's {r['llama']['mfu']:.3f}  peak {r['peak_gib']} GiB"
+        )
 
 
 if __name__ == "__main__":

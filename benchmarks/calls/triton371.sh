@@ -10,7 +10,8 @@
 #   varlen     its fla run alone
 #   cli        sft's defaults through sft/train.py (benchmarks/architectures.py --cli, $LAYERS layers, rows of 4,096,
 #              planned for and capped at 79.18 GiB): Qwen3.5 and Qwen3.5-MoE with fla under 3.7.1, then Qwen3.5,
-#              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES: others)
+#              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES, $TORCH_FAMILIES: others; ENGINE_AUTO=1:
+#              the engine sft's plan picks instead of ds_configs/zero2.json)
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa, and Llama
@@ -26,7 +27,7 @@ t36() { PYTHONPATH="$site:$PWD" "$@"; }
 t37() { PYTHONPATH="$tri:$fla:$site:$PWD" "$@"; }
 late() { (( SECONDS > ${DEADLINE:-540} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
 linear=(python3 -m benchmarks.linear_attention --grads --out "$work/linear")
-cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18)
+cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18 ${ENGINE_AUTO:+--engine-auto})
 read -ra with_fla <<< "${FAMILIES:-qwen3_5 qwen3_5_moe}"
 read -ra without <<< "${TORCH_FAMILIES:-qwen3_5 llama qwen3_5_moe}"
 for part in "$@"; do
