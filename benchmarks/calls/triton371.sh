@@ -15,6 +15,8 @@
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa, and Llama
+# Each part's result files go straight under $OUT (a call cut by its time limit still returns them); logs and the rest
+# are tarred at the end.
 set -u
 site=/tmp/site tri=/tmp/tri37 fla=/tmp/fla-site work=/tmp/t37
 mkdir -p "$site" "$tri" "$fla" "$work"
@@ -46,10 +48,10 @@ for part in "$@"; do
         t36 python3 -m benchmarks.linear_attention --compare --out "$work/linear" > "$OUT/linear_attention.md" 2>&1
         grep -E "^gradients|^linear_attention_|Error" "$work/linear.log" | cut -c1-500 ;;
     cli)
-        t37 timeout 240 "${cli[@]}" --families "${with_fla[@]}" --out "$work/cli_fla" \
+        t37 timeout 240 "${cli[@]}" --families "${with_fla[@]}" --out "$OUT/cli_fla" \
             > "$work/cli_fla.log" 2>&1
         late cli-torch || t36 timeout 240 "${cli[@]}" --families "${without[@]}" \
-            --out "$work/cli_torch" > "$work/cli_torch.log" 2>&1
+            --out "$OUT/cli_torch" > "$work/cli_torch.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-700 ;;
     gemma)
         t36 timeout 150 python3 -m benchmarks.architectures --families gemma4 gemma4_moe --variants plain --layers 2 \
