@@ -175,3 +175,30 @@ def test_lora_on_attention_and_experts_trains_and_merges(tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "gpt_oss"))
+def test_the_router_load_is_each_layers_expert_choices_counted_in_training_forwards(name):
+    """`RouterLoad` against the routers' own choices: each layer's top-k of its router logits (transformers'
+    `output_router_logits`) counted by hand over two training forwards (a checkpoint's recompute counts again, so it
+    reads shares), the busiest expert's share over an even share and the idle experts' fraction; an eval forward and
+    a summary reset count nothing more."""
+    model = _model(name).train()
+    load = experts.RouterLoad(model)
+    assert len(load.layers) == model.config.num_hidden_layers
+    k, count = model.config.num_experts_per_tok, load.layers[0].num_experts
+    torch.manual_seed(3)
+    hand = torch.zeros(len(load.layers), count)
+    for _ in range(2):
+        ids = torch.randint(3, model.config.vocab_size, (2, 24))
+        logits = model(input_ids=ids, output_router_logits=True).router_logits
+        for layer, router in enumerate(logits):
+            hand[layer] += torch.bincount(router.topk(k, dim=-1).indices.reshape(-1), minlength=count)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    got = load.summary()
+    shares = hand / hand.sum(-1, keepdim=True) * count
+    assert got["router_load_max"] == pytest.approx(float(shares.max()), rel=1e-6)
+    assert got["router_idle_experts"] == pytest.approx(float((hand == 0).float().mean()))
+    assert got["router_load_max"] > 1.0 and load.summary() == {}  # counted once, then reset

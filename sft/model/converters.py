@@ -40,6 +40,14 @@ def _experts(model, plan) -> None:
     experts.apply(model, experts.decide(plan.arch, plan.training_args.model_init_kwargs)[0])
 
 
+def _router_load(model, plan) -> None:
+    from sft.model import experts
+
+    model.sft_router_load = experts.RouterLoad(model)
+    logger.info("Router load: %d MoE layers' expert choices counted for the log (router_load_max, "
+                "router_idle_experts)", len(model.sft_router_load.layers))  # fmt: skip
+
+
 def _fp8(model, plan) -> None:
     from sft.model import fp8
 
@@ -189,6 +197,18 @@ def _args(*names: str) -> Callable:
 
 ORDER = (
     Converter("sft experts", "build", lambda plan: plan.arch.is_moe, _experts),
+    # counted outside compiled layers only (a hook's side effect inside one would break its graph), and not where
+    # expert parallelism gives each rank part of the experts
+    Converter(
+        "router load",
+        "build",
+        lambda plan: (
+            plan.arch.is_moe
+            and (plan.dims is None or plan.dims.ep == 1)
+            and not plan.training_args.compile_decoder_layers
+        ),
+        _router_load,
+    ),
     Converter(
         "linear attention by sample",
         "build",

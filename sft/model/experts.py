@@ -212,3 +212,46 @@ def apply(model: torch.nn.Module, name: str | None) -> None:
     if name is None or name == getattr(model.config, "_experts_implementation", None):
         return
     model.set_experts_implementation(name)
+
+
+class RouterLoad:
+    """How evenly each MoE layer's router spreads tokens over its experts, for the training log: forward pre-hooks on
+    the model's experts modules (transformers calls them `(hidden_states, <expert index per token and choice>,
+    weights)`) add each training forward's choices into per-layer counts on the device (a scatter-add: no wait for the
+    host); `summary` reads them once per log. Shares, not counts, so a layer recomputed by activation checkpointing
+    (its choices counted twice, as every checkpointed layer's) reads the same; evaluation forwards are not counted."""
+
+    def __init__(self, model: torch.nn.Module):
+        from sft.model.architectures import experts_modules
+
+        # not a rank's share of the experts (expert parallelism: the indices are global)
+        self.layers = [m for m in experts_modules(model) if not getattr(m, "_is_expert_parallel", False)]
+        self.counts: list[torch.Tensor | None] = [None] * len(self.layers)
+        for i, module in enumerate(self.layers):
+            module.register_forward_pre_hook(functools.partial(self._count, i))
+
+    def _count(self, i: int, module: torch.nn.Module, args: tuple) -> None:
+        index = args[1] if len(args) > 1 else None
+        if not module.training or not torch.is_tensor(index) or index.is_floating_point() or index.dtype == torch.bool:
+            return
+        if self.counts[i] is None:
+            self.counts[i] = torch.zeros(module.num_experts, dtype=torch.float32, device=index.device)
+        flat = index.reshape(-1).long()
+        self.counts[i].scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+
+    def summary(self, reduce=None) -> dict[str, float]:
+        """Since the last summary: `router_load_max`, the busiest expert's share of its layer's choices over an even
+        share (1.0: perfectly balanced; the largest over the layers), and `router_idle_experts`, the fraction of
+        experts (over every layer) that no token chose; `reduce` (a sum over processes, in place) first. Empty where
+        nothing was counted. Resets the counts."""
+        counted = [c for c in self.counts if c is not None]
+        if not counted:
+            return {}
+        if reduce is not None:  # one collective for every layer's counts
+            joined = torch.cat(counted)
+            reduce(joined)
+            counted = list(joined.split([c.numel() for c in counted]))
+        busiest = max(float(c.max() / c.sum().clamp_min(1) * c.numel()) for c in counted)
+        idle = sum(int((c == 0).sum()) for c in counted) / sum(c.numel() for c in counted)
+        self.counts = [None] * len(self.layers)
+        return {"router_load_max": busiest, "router_idle_experts": idle}

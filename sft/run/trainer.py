@@ -21,6 +21,7 @@ import math
 import sys
 from pathlib import Path
 
+import torch
 from trl import SFTTrainer
 
 from sft.core.batch import steps_per_epoch
@@ -267,6 +268,10 @@ class Trainer(SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here (the loss was just all-gathered)
             self.throughput.log(logs, self.state.global_step, self._total_train_tokens, self.args.device)
+            load = getattr(self.model, "sft_router_load", None)
+            if load is not None:
+                reduce = torch.distributed.all_reduce if torch.distributed.is_initialized() else None
+                logs.update(load.summary(reduce))
             self.zero_loss.log(self.state.global_step, logs["loss"])
         super().log(logs, start_time)
         if not self._wandb_recorded:

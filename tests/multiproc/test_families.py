@@ -112,6 +112,11 @@ def test_a_family_trains_under_zero3_and_fsdp2_and_reloads(runs, name, engine):
         assert "router load-balancing loss x0.001 trained (aux_loss in the logs)" in log
         aux = [r["aux_loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
         assert len(aux) == STEPS // 4 and all(math.isfinite(a) and a > 0 for a in aux), aux
+    if name in ("qwen3_moe", "gpt_oss"):  # the router's load, summed over both processes, in every logged step
+        assert "Router load: " in log
+        load = [r["router_load_max"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+        experts = MODELS[name].get("num_experts") or MODELS[name]["num_local_experts"]
+        assert len(load) == STEPS // 4 and all(1.0 <= x <= experts for x in load), load
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == family
     tokenizer = AutoTokenizer.from_pretrained(out)
