@@ -663,9 +663,10 @@ def decoder_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """transformers' fused expert modules (`<Family>Experts`: 3-D weights, one slice per expert)."""
+    """transformers' fused expert modules (`<Family>Experts`: 3-D weights, one slice per expert; under ZeRO-3 by their
+    full shape, a rank's slice being flat)."""
     return [m for m in model.modules() if getattr(m, "num_experts", None) and any(
-        p.dim() == 3 for p in m.parameters(recurse=False))]  # fmt: skip
+        len(_shape(p)) == 3 for p in m.parameters(recurse=False))]  # fmt: skip
 
 
 def _shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -691,7 +692,7 @@ def matmul_flops_per_token(model: torch.nn.Module, arch: Architecture | None = N
         elif id(module) in experts:
             share = (arch.experts.active if arch and arch.experts else module.num_experts) / module.num_experts
             for p in module.parameters(recurse=False):
-                if p.dim() == 3:
+                if len(_shape(p)) == 3:
                     total += (6 if p.requires_grad else 4) * math.prod(_shape(p)) * share
         elif type(module).__name__.endswith("Router"):
             weight = getattr(module, "weight", None)
