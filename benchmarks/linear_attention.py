@@ -44,8 +44,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _model(layers: int, tiny: bool = False):
-    """The model without sft's converter (`benchmarks.architectures.build` applies it with its default path)."""
+def _model(layers: int, tiny: bool = False, dtype: torch.dtype | None = None):
+    """The model without sft's converter (`benchmarks.architectures.build` applies it with its default path), in
+    `dtype` (default: fp32 at the tiny widths, else bf16)."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.architectures import config_for
@@ -54,7 +55,7 @@ def _model(layers: int, tiny: bool = False):
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(
             config_for("qwen3_5", layers, tiny=tiny), attn_implementation="eager",
-            dtype=torch.float32 if tiny else torch.bfloat16,
+            dtype=dtype or (torch.float32 if tiny else torch.bfloat16),
         )  # fmt: skip
     model.config.use_cache = False
     return model.eval()
@@ -100,18 +101,10 @@ def gradients(layers: int, tiny: bool, convert) -> dict:
         return out
 
     def model_of(dtype, path_convert):
-        torch.manual_seed(0)
-        from transformers import AutoModelForCausalLM
-
-        from benchmarks.architectures import config_for
-
-        with torch.device(DEVICE):
-            m = AutoModelForCausalLM.from_config(config_for("qwen3_5", layers, tiny=tiny), attn_implementation="eager",
-                                                 dtype=dtype)  # fmt: skip
-        m.config.use_cache = False
-        path_convert(m)
         from sft.model.attention import VARLEN
 
+        m = _model(layers, tiny, dtype)
+        path_convert(m)
         m.set_attn_implementation(VARLEN)
         return m
 

@@ -290,13 +290,14 @@ def varlen_attention_forward(
         out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
     else:
         window = sliding_window if windowed else None
-        if varlen_attn is not per_sample_sdpa:
+        flash = varlen_attn is not per_sample_sdpa
+        if flash:
             masking = _causal_kwargs(varlen_attn, window, causal)
         else:
             masking = {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
         v_dim = v.shape[-1]
         # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
-        if varlen_attn is not per_sample_sdpa and v_dim != dim:
+        if flash and v_dim != dim:
             v = torch.nn.functional.pad(v, (0, dim - v_dim))
         out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **masking)[..., :v_dim]
     dim = out.shape[-1]
