@@ -334,6 +334,7 @@ def cli_runs(args, work: Path, results: dict) -> None:
             recipe["attn_implementation"] = args.attn
         if args.engine_auto:
             del recipe["deepspeed"]
+        recipe.update(yaml.safe_load(f"{{{', '.join(args.set)}}}") if args.set else {})
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
         log = work / f"{name}.log"
         rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log)
@@ -378,6 +379,13 @@ def main() -> None:
     parser.add_argument("--cli", action="store_true", help="part 3 only: sft's defaults through sft/train.py")
     parser.add_argument("--engine-auto", action="store_true", help="with --cli: no DeepSpeed config, the engine and "
                         "optimizer sft's plan picks (one GPU: no engine, 8-bit AdamW)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD: VALUE",
+        help="with --cli: recipe fields over the defaults, YAML ('compile_decoder_layers: true')",
+    )
     parser.add_argument("--attn", help="with --cli: attn_implementation instead of sft's auto (e.g. sdpa)")
     parser.add_argument("--gpu-memory", type=float, help="with --cli: GiB each run is planned for and capped at "
                         "(max_gpu_memory_gib; 79.18 for an 80 GB card)")  # fmt: skip

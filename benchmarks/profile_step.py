@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from benchmarks.architectures import FAMILIES
 from benchmarks.common import LLAMA_SHAPES, ROOT, environment, make_sft_data, model_dir, run, torchrun
 from benchmarks.throughput import COMMON, GLOBAL_BATCH, SETTINGS
 from sft.model import architectures
@@ -153,6 +154,8 @@ def recipe(name: str, args, work: Path, data: Path) -> Path:
     if deepspeed:
         r["deepspeed"] = deepspeed
     r.update(variant)
+    if args.gpu_memory:
+        r["max_gpu_memory_gib"] = args.gpu_memory
     if args.tiny:
         r.update(bf16=False, dtype="float32", max_length=512, peak_tflops=1.0, global_batch_size=4)
     path = work / f"{name}.yaml"
@@ -309,9 +312,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", nargs="*", choices=sorted({*VARIANTS, *MOE_VARIANTS}))
-    parser.add_argument("--shape", choices=["llama-1b", *MOE_SHAPES, *(f"dense:{s}" for s in MOE_SHAPES)],
-                        default="llama-1b")  # fmt: skip
+    parser.add_argument("--shape", choices=["llama-1b", *FAMILIES, *(f"dense:{s}" for s in MOE_SHAPES)],
+                        default="llama-1b", help="Llama-3.2-1B, or a family of benchmarks/architectures.py at its "
+                        "widths and --layers layers (MOE_VARIANTS apply to any of them)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the MoE shape")
+    parser.add_argument("--gpu-memory", type=float, help="GiB each run is planned for and capped at (79.18: an H100)")
     parser.add_argument("--warmup", type=int, default=4, help="Logged steps left out of the averages")
     parser.add_argument("--profile-step", type=int, default=9, help="The optimizer step to profile (1-based)")
     parser.add_argument("--records", type=int, default=6000)

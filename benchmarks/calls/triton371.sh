@@ -15,6 +15,11 @@
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa, and Llama
+#   profile    benchmarks/profile_step.py --shape $SHAPE (gemma4) at $LAYERS layers, capped at 79.18 GiB: variants
+#              $VARIANTS (sft sft_compile), one step under torch.profiler each; fla under 3.7.1 for qwen3_5*
+#   dense      --cli: $DENSE (olmo3 smollm3 gemma3 llama) under 3.6
+#   moe        --cli --engine-auto: $MOE (gemma4_moe qwen3_moe gpt_oss glm4_moe llama) under 3.6, then
+#              qwen3_5_moe with fla under 3.7.1
 # Each part's result files go straight under $OUT (a call cut by its time limit still returns them); logs and the rest
 # are tarred at the end.
 set -u
@@ -63,6 +68,23 @@ for part in "$@"; do
         done
         late llama || t36 timeout 100 "${cli[@]}" --families llama --out "$work/cli_llama" > "$work/cli_llama.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_gemma_*.log "$work"/cli_llama.log | cut -c1-500 ;;
+    profile)
+        shape=${SHAPE:-gemma4} run=t36
+        [[ $shape == qwen3_5* ]] && run=t37
+        read -ra variants <<< "${VARIANTS:-sft sft_compile}"
+        $run timeout 400 python3 -m benchmarks.profile_step --shape "$shape" --layers "${LAYERS:-8}" --gpu-memory 79.18 \
+            --only "${variants[@]}" --out "$OUT/profile_$shape" > "$work/profile.log" 2>&1
+        sed -n 1,12p "$OUT/profile_$shape/profile.md"; grep -E "exit [1-9]" "$work/profile.log" ;;
+    dense)
+        read -ra dense <<< "${DENSE:-olmo3 smollm3 gemma3 llama}"
+        t36 timeout 420 "${cli[@]}" --families "${dense[@]}" --out "$OUT/cli_dense" > "$work/cli_dense.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work/cli_dense.log" | cut -c1-600 ;;
+    moe)
+        read -ra moe <<< "${MOE:-gemma4_moe qwen3_moe gpt_oss glm4_moe llama}"
+        t36 timeout 420 "${cli[@]}" --engine-auto --families "${moe[@]}" --out "$OUT/cli_moe" > "$work/cli_moe.log" 2>&1
+        late moe-fla || t37 timeout 200 "${cli[@]}" --engine-auto --families qwen3_5_moe --out "$OUT/cli_moe_fla" \
+            > "$work/cli_moe_fla.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_moe*.log | cut -c1-600 ;;
     wide)
         t36 timeout 200 python3 -m benchmarks.wide_heads --out "$OUT/wide_heads.json" > "$work/wide.log" 2>&1
         grep -E "^(256|512) " "$work/wide.log" | cut -c1-300 ;;
