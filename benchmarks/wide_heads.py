@@ -3,14 +3,15 @@
     python -m benchmarks.wide_heads --out FILE.json
 
 Gemma 4's full-attention layers have heads of 512, which FlashAttention's kernels do not take; its sliding layers
-heads of 256 (window 512 here), which they do. Today the whole model runs transformers' sdpa with a block-diagonal
+heads of 256 (window 512 here), which they do. transformers' sdpa path runs the whole model with a block-diagonal
 mask from the position ids (`masked_sdpa`, the dense row x row mask). Per layer kind, on rows of `--tokens` tokens of
 SFT-like samples (`benchmarks.architectures.rows`), `--rows` rows per micro batch, bf16, Gemma 4 E4B-like heads (8
 query, 4 key-value):
 
 - full layers (head dim 512): `masked_sdpa`, `per_sample_sdpa` (`sft.model.attention.per_sample_sdpa`: causal sdpa
-  once per sample) and `flex` (`sft.model.attention._flex_scored`: flex_attention with the samples' block mask,
-  compiled);
+  once per sample), `efficient_varlen` (`sft.model.attention.efficient_varlen`: torch's memory-efficient kernel over
+  the row's samples through its `cu_seqlens`, one call) and `flex` (`sft.model.attention._flex_scored`: flex_attention
+  with the samples' block mask, compiled);
 - sliding layers (head dim 256): `masked_sdpa` (the window in the mask) and `varlen` (PyTorch's varlen
   FlashAttention-2 with the window, what `sft_varlen` runs).
 
@@ -65,6 +66,13 @@ def _per_sample(q, k, v, cu, window):
     return per_sample_sdpa(q, k, v, cu, cu, 0, 0, window_size=(-1 if window is None else window - 1, 0))
 
 
+def _efficient(q, k, v, cu, window):
+    from sft.model.attention import efficient_varlen
+
+    max_len = int(cu.diff().max())
+    return efficient_varlen(q, k, v, cu, cu, max_len, max_len, window_size=(-1 if window is None else window - 1, 0))
+
+
 def _flex(q, k, v, cu, window):
     from sft.model.attention import _flex_scored
 
@@ -78,7 +86,8 @@ def _varlen(q, k, v, cu, window):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1 if window is None else window - 1, 0))
 
 
-KERNELS = {512: {"masked_sdpa": _masked_sdpa, "per_sample_sdpa": _per_sample, "flex": _flex},
+KERNELS = {512: {"masked_sdpa": _masked_sdpa, "per_sample_sdpa": _per_sample, "efficient_varlen": _efficient,
+                 "flex": _flex},
            256: {"masked_sdpa": _masked_sdpa, "varlen": _varlen}}  # fmt: skip
 
 

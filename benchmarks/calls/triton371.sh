@@ -12,9 +12,11 @@
 #              planned for and capped at 79.18 GiB): Qwen3.5 and Qwen3.5-MoE with fla under 3.7.1, then Qwen3.5,
 #              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES, $TORCH_FAMILIES: others; ENGINE_AUTO=1:
 #              the engine sft's plan picks instead of ds_configs/zero2.json)
+#   gputest    tests/test_gpu.py under 3.6 (its output in test_gpu.txt)
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
-#              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa, and Llama
+#              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa ($GEMMA_ATTN),
+#              and Llama
 #   profile    benchmarks/profile_step.py --shape $SHAPE (gemma4) at $LAYERS layers, capped at 79.18 GiB: variants
 #              $VARIANTS (sft sft_compile), one step under torch.profiler each; fla under 3.7.1 for qwen3_5*
 #   dense      --cli: $DENSE (olmo3 smollm3 gemma3 llama) under 3.6
@@ -60,13 +62,14 @@ for part in "$@"; do
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-700 ;;
     gemma)
         t36 timeout 150 python3 -m benchmarks.architectures --families gemma4 gemma4_moe --variants plain --layers 2 \
-            --steps 3 --out "$work/gemma_exact" > "$work/gemma_exact.log" 2>&1
+            --steps 3 --out "$OUT/gemma_exact" > "$work/gemma_exact.log" 2>&1
         grep -hE "exactness" "$work/gemma_exact.log" | cut -c1-400
-        for attn in auto sdpa; do
+        read -ra attns <<< "${GEMMA_ATTN:-auto sdpa}"
+        for attn in "${attns[@]}"; do
             late "gemma-$attn" || t36 timeout 150 "${cli[@]}" --families gemma4 --attn "$attn" \
-                --out "$work/cli_gemma_$attn" > "$work/cli_gemma_$attn.log" 2>&1
+                --out "$OUT/cli_gemma_$attn" > "$work/cli_gemma_$attn.log" 2>&1
         done
-        late llama || t36 timeout 100 "${cli[@]}" --families llama --out "$work/cli_llama" > "$work/cli_llama.log" 2>&1
+        late llama || t36 timeout 100 "${cli[@]}" --families llama --out "$OUT/cli_llama" > "$work/cli_llama.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_gemma_*.log "$work"/cli_llama.log | cut -c1-500 ;;
     profile)
         shape=${SHAPE:-gemma4} run=t36
@@ -85,6 +88,9 @@ for part in "$@"; do
         late moe-fla || t37 timeout 200 "${cli[@]}" --engine-auto --families qwen3_5_moe --out "$OUT/cli_moe_fla" \
             > "$work/cli_moe_fla.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_moe*.log | cut -c1-600 ;;
+    gputest)
+        t36 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$OUT/test_gpu.txt" 2>&1
+        tail -5 "$OUT/test_gpu.txt" ;;
     wide)
         t36 timeout 200 python3 -m benchmarks.wide_heads --out "$OUT/wide_heads.json" > "$work/wide.log" 2>&1
         grep -E "^(256|512) " "$work/wide.log" | cut -c1-300 ;;

@@ -73,35 +73,75 @@ def _causal_kwargs(fn, window: int | None = None, causal: bool = True) -> dict:
 
 def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
     """`varlen_attn`'s contract ([total, heads, dim] tensors, causal or both ways (`window_size=(-1, -1)`), GQA, a
-    left window) on sdpa, one sample at a time: for CPU."""
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bounds = cu_q.tolist()
+    left window) on sdpa, one sample at a time: for CPU. The row is split once and the samples' outputs joined once
+    (slicing it per sample would cost a row-sized zero tensor per sample in the backward)."""
+    lengths = cu_q.diff().tolist()
     left, causal = window_size[0], window_size[1] == 0
-    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        mask = None
-        if causal and 0 <= left < end - start - 1:  # causal and at most `left` tokens back
-            pos = torch.arange(end - start, device=q.device)
+    outs = []
+    for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
+        qs, ks, vs = (t.transpose(0, 1) for t in (qs, ks, vs))
+        n, mask = qs.shape[1], None
+        if causal and 0 <= left < n - 1:  # causal and at most `left` tokens back
+            pos = torch.arange(n, device=q.device)
             distance = pos[:, None] - pos[None, :]
             mask = (distance >= 0) & (distance <= left)
         attended = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
             enable_gqa=ks.shape[0] != qs.shape[0],
         )  # fmt: skip
-        out[start:end] = attended.transpose(0, 1)
-    return out
+        outs.append(attended.transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[-1])
+
+
+class _EfficientVarlen(torch.autograd.Function):
+    """torch's memory-efficient (CUTLASS) attention kernel over a packed row, each sample its own causal block through
+    the kernel's `cu_seqlens` (as xformers' block-diagonal masks run): one kernel forward and one backward per layer,
+    no mask built, any head dim. [total, heads, dim] in and out, as many key-value heads as query heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        mask_type = 1 if causal else 0  # 1: causal from the top left of each sample's block
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q[None], k[None], v[None], None, cu_q, cu_k, max_q, max_k, 0.0, mask_type, True, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+        ctx.args = (max_q, max_k, scale, mask_type)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        max_q, max_k, scale, mask_type = ctx.args
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad[None].contiguous(), q[None], k[None], v[None], None, out, cu_q, cu_k, max_q, max_k, lse, 0.0, seed,
+            offset, mask_type, False, scale=scale,
+        )  # fmt: skip
+        return dq[0], dk[0], dv[0], None, None, None, None, None, None
+
+
+def efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **kwargs):
+    """`varlen_attn`'s contract on torch's memory-efficient kernel (`_EfficientVarlen`), CUDA only: for heads wider
+    than FlashAttention takes. Grouped key-value heads are repeated to the query heads (the kernel has no GQA; the
+    backward sums their gradients back). A left window goes to `per_sample_sdpa` (no family has one on such heads)."""
+    if window_size[0] >= 0:
+        return per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, **kwargs)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    return _EfficientVarlen.apply(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, window_size[1] == 0)
 
 
 def packed_kernel(head_dim: int, on_gpu: bool):
     """The kernel `sft_varlen` runs a layer's packed row through, decided per layer by its head dim: on a GPU PyTorch's
-    varlen FlashAttention-2 where it takes the heads, else causal sdpa once per sample (`per_sample_sdpa`, torch's
-    memory-efficient kernel). For Gemma 4's full layers (8 query / 4 key-value heads of 512, rows of 4,096 tokens of
-    SFT-like samples, 2 rows, bf16, 1 x H200) forward and backward took 17.1 ms that way against 77.8 ms through one
-    sdpa call with the row's block-diagonal mask (transformers' sdpa path), within the same 0.0017 of fp32 math; its
-    sliding layers (heads of 256, window 512) 1.1 ms on FA2 against 10.0 ms masked; flex_attention failed to compile at
-    512 (benchmarks/wide_heads.py, benchmarks/results/families_2026/wide_heads.json). On the CPU `per_sample_sdpa`."""
-    kernel = _varlen_attn() if on_gpu and head_dim <= FLASH_HEAD_DIM else None
-    return kernel or per_sample_sdpa
+    varlen FlashAttention-2 where it takes the heads, else torch's memory-efficient kernel over the row's samples
+    (`efficient_varlen`). For Gemma 4's full layers (heads of 512) PENDING; its sliding layers (heads of 256, window
+    512) 1.1 ms on FA2 against 10.0 ms masked; flex_attention failed to compile at 512 (benchmarks/wide_heads.py,
+    benchmarks/results/families_2026/wide_heads.json). On the CPU `per_sample_sdpa`."""
+    if not on_gpu:
+        return per_sample_sdpa
+    kernel = _varlen_attn() if head_dim <= FLASH_HEAD_DIM else None
+    return kernel or efficient_varlen
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
