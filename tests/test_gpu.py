@@ -83,7 +83,7 @@ def test_efficient_varlen_takes_512_wide_heads_exactly_as_each_sample_alone():
     grad = torch.randn(total, 8, 512, device="cuda")
 
     def run(kernel, dtype):
-        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = kernel(*inputs, cu, cu, longest, longest, scale=0.05, window_size=(-1, 0))
         out.backward(grad.to(dtype))
         return [out.float(), *(t.grad.float() for t in inputs)]
@@ -93,5 +93,7 @@ def test_efficient_varlen_takes_512_wide_heads_exactly_as_each_sample_alone():
     def errors(kernel):
         return [float((a - b).norm() / b.norm()) for a, b in zip(run(kernel, torch.bfloat16), reference, strict=True)]
 
+    # bf16 noise: below its unit roundoff (2^-8), and at most 2.5x bf16 sdpa's (the repeated key-value heads' gradients
+    # are summed in bf16; measured 0.0035 against 0.0017 at Gemma 4's widths, benchmarks/wide_heads.py)
     fast, noise = errors(efficient_varlen), errors(per_sample_sdpa)
-    assert all(f < 1.5 * n + 1e-3 for f, n in zip(fast, noise, strict=True)), (fast, noise)
+    assert all(f < min(2**-8, 2.5 * n) for f, n in zip(fast, noise, strict=True)), (fast, noise)
