@@ -78,8 +78,9 @@ for part in "$@"; do
         [[ $shape == qwen3_5* ]] && run=t37
         read -ra variants <<< "${VARIANTS:-sft sft_compile}"
         $run timeout 400 python3 -m benchmarks.profile_step --shape "$shape" --layers "${LAYERS:-8}" --gpu-memory 79.18 \
-            --only "${variants[@]}" --out "$OUT/profile_$shape" > "$work/profile.log" 2>&1
-        sed -n 1,12p "$OUT/profile_$shape/profile.md"; grep -E "exit [1-9]" "$work/profile.log" ;;
+            --only "${variants[@]}" --out "$work/profile_$shape" > "$work/profile.log" 2>&1
+        cp "$work/profile_$shape/profile.md" "$OUT/profile_$shape.md"
+        sed -n 1,12p "$OUT/profile_$shape.md"; grep -E "exit [1-9]" "$work/profile.log" ;;
     dense)
         read -ra dense <<< "${DENSE:-olmo3 smollm3 gemma3 llama}"
         t36 timeout 420 "${cli[@]}" --families "${dense[@]}" --out "$OUT/cli_dense" > "$work/cli_dense.log" 2>&1
