@@ -3,9 +3,10 @@
     python -m benchmarks.families_2026 [--folder benchmarks/results/families_2026]
 
 Each row: a family's `sft/train.py` run (`benchmarks/architectures.py --cli`: its public widths at `layers` decoder
-layers, rows of 4,096, planned for and capped at 79.18 GiB, ZeRO-2 on one process) beside the Llama run of the same
-device call (the same depth), and their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the family, the
-speed model's estimate) stay null until measured: no row claims them.
+layers, rows of 4,096, planned for and capped at 79.18 GiB; `engine`: ZeRO-2 on one process (`ds_configs/zero2.json`)
+or what sft's plan picks on one GPU (`--engine-auto`: no engine, 8-bit AdamW)) beside the Llama run of the same device
+call (the same depth and engine), and their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the
+family, the speed model's estimate) stay null until measured: no row claims them.
 """
 
 from __future__ import annotations
@@ -14,24 +15,34 @@ import argparse
 import json
 from pathlib import Path
 
-# (file, family in it, the path it ran, the same call's Llama file, the call)
+# (file, family in it, the path it ran, the same call's Llama file, the call, the engine)
+ZERO2, PLANNED = "ZeRO-2 (ds_configs/zero2.json)", "sft's one-GPU plan (no engine, 8-bit AdamW)"
 RUNS = (
-    ("cli_call2_fla.json", "qwen3_5", "fla varlen kernels, Triton 3.7.1", "cli_call2_torch.json", 2),
-    ("cli_call2_torch.json", "qwen3_5", "torch recurrence, batched, Triton 3.6", "cli_call2_torch.json", 2),
-    ("cli_call4_gemma4_auto.json", "gemma4", "sft_varlen per layer", "cli_call4_llama.json", 4),
-    ("cli_call4_gemma4_sdpa.json", "gemma4", "sdpa with the packed mask (before)", "cli_call4_llama.json", 4),
-)
+    ("cli_call2_fla.json", "qwen3_5", "fla varlen kernels, Triton 3.7.1", "cli_call2_torch.json", 2, ZERO2),
+    ("cli_call2_torch.json", "qwen3_5", "torch recurrence, batched, Triton 3.6", "cli_call2_torch.json", 2, ZERO2),
+    ("cli_call4_gemma4_auto.json", "gemma4", "sft_varlen per layer, 512-wide heads per sample", "cli_call4_llama.json",
+     4, ZERO2),
+    ("cli_call4_gemma4_sdpa.json", "gemma4", "sdpa with the packed mask (before)", "cli_call4_llama.json", 4, ZERO2),
+    ("cli_call5_dense.json", "gemma4", "sft_varlen per layer, 512-wide heads per sample", "cli_call5_dense.json", 5,
+     PLANNED),
+    ("cli_call5_dense.json", "olmo3", "sft's defaults", "cli_call5_dense.json", 5, PLANNED),
+    ("cli_call5_dense.json", "smollm3", "sft's defaults", "cli_call5_dense.json", 5, PLANNED),
+    ("cli_call5_dense.json", "gemma3", "sft's defaults (Liger)", "cli_call5_dense.json", 5, PLANNED),
+    ("cli_call6_gemma4_auto.json", "gemma4", "sft_varlen per layer, 512-wide heads on efficient_varlen",
+     "cli_call6_llama.json", 6, PLANNED),
+)  # fmt: skip
 
 
 def summary(folder: Path) -> dict:
     card = (folder / "gpu.txt").read_text().split(",")[0].strip()
     rows = []
-    for name, family, path, llama_file, call in RUNS:
+    for name, family, path, llama_file, call, engine in RUNS:
         data = json.loads((folder / name).read_text())
         run, llama = data["families"][family], json.loads((folder / llama_file).read_text())["families"]["llama"]
         rows.append({
-            "family": family, "path": path, "layers": data["layers"], "card": card, "memory_cap_gib": 79.18,
-            "device_call": call, "tokens_per_second": round(run["tokens_per_second"]), "mfu": round(run["mfu"], 4),
+            "family": family, "path": path, "engine": engine, "layers": data["layers"], "card": card,
+            "memory_cap_gib": 79.18, "device_call": call, "tokens_per_second": round(run["tokens_per_second"]),
+            "mfu": round(run["mfu"], 4),
             "peak_gib": round(run["peak_memory_gib"], 1), "finite": run["finite"], "loss_fell": run["loss_fell"],
             "llama": {"tokens_per_second": round(llama["tokens_per_second"]), "mfu": round(llama["mfu"], 4)},
             "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": None,
@@ -47,7 +58,7 @@ def main() -> None:
     (args.folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
     for r in out["rows"]:
         print(
-            f"{r['family']:8} {r['path']:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
+            f"{r['family']:8} {r['path'][:50]:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
             f"{r['mfu_of_llama']:.2f} of Llama's {r['llama']['mfu']:.3f}  peak {r['peak_gib']} GiB"
         )
 
