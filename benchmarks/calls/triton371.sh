@@ -13,8 +13,8 @@
 #              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES, $TORCH_FAMILIES: others; ENGINE_AUTO=1:
 #              the engine sft's plan picks instead of ds_configs/zero2.json)
 #   gputest    tests/test_gpu.py under 3.6 (its output in test_gpu.txt; $GPUTEST_K: pytest's -k)
-#   compiled   $COMPILE_FAMILIES (gemma4 gemma4_moe) eager against compiled layers in-process (2 layers), then
-#              Gemma 4 and Llama --cli with `compile_decoder_layers: true`
+#   compiled   $COMPILE_FAMILIES (gemma4 gemma4_moe) eager against compiled layers in-process (2 layers)
+#   compiledcli  Gemma 4 and Llama --cli with `compile_decoder_layers: true`
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa ($GEMMA_ATTN),
@@ -99,8 +99,9 @@ for part in "$@"; do
         read -ra compiled <<< "${COMPILE_FAMILIES:-gemma4 gemma4_moe}"
         t36 timeout 200 python3 -m benchmarks.architectures --families "${compiled[@]}" --variants plain plain_compiled \
             --layers 2 --steps 6 --skip-exactness --out "$OUT/compile_exact" > "$work/compile_exact.log" 2>&1
-        grep -hE "^gemma[a-z0-9_]* plain" "$work/compile_exact.log" | cut -c1-400
-        late compiled-cli || t36 timeout 150 "${cli[@]}" --families gemma4 llama --set "compile_decoder_layers: true" \
+        grep -hE "^gemma[a-z0-9_]* plain" "$work/compile_exact.log" | cut -c1-400 ;;
+    compiledcli)
+        t36 timeout 200 "${cli[@]}" --families gemma4 llama --set "compile_decoder_layers: true" \
             --out "$OUT/cli_gemma_compiled" > "$work/cli_gemma_compiled.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli_gemma_compiled.log" | cut -c1-500 ;;
     wide)
