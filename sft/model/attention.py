@@ -473,7 +473,7 @@ def resolve_attn_implementation(
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
             if "wide_heads" in needs:
                 why = (f"{'; '.join(arch.attention.needs())}: per layer, varlen FlashAttention-2 where it takes the "
-                       "heads, causal sdpa once per sample on the wider ones")  # fmt: skip
+                       "heads, torch's memory-efficient kernel over the samples on the wider ones")  # fmt: skip
             if scored:
                 why = (
                     f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask, compiled "
