@@ -181,3 +181,30 @@ def test_attention_pairs_are_weighed_by_each_layers_head_dim_and_skip_linear_att
     assert qwen.attention.softmax == (False, False, False, True) and float(qwen.attention_pairs(lengths)) == full
     llama = architectures.of(AutoConfig.for_model("llama", num_hidden_layers=3))
     assert float(llama.attention_pairs(lengths)) == 3 * full
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_compiled_gemma4_layers_match_eager_on_a_packed_row(family):
+    """Gemma 4's compiled decoder layers (on by default for the dense model on a GPU: `KERNELS["gemma4_text"]`) on a
+    packed row through `sft_varlen`: logits and every parameter's gradient equal eager (fp32, CPU; a full-tier repeat
+    of `test_compiled_decoder_layers_match_eager` for the family whose layers it turns on, 50-110 s of compiling)."""
+    from sft.model.attention import VARLEN, register_varlen
+    from sft.model.converters import compile_decoder_layers
+    from tests.tiny_models import config_of, packed_batch
+
+    register_varlen()
+    config = config_of(family)
+    torch.manual_seed(0)
+    eager, compiled = (AutoModelForCausalLM.from_config(config, attn_implementation=VARLEN) for _ in range(2))
+    compiled.load_state_dict(eager.state_dict())
+    compile_decoder_layers(compiled)
+    batch = {k: v for k, v in packed_batch(config.vocab_size).items() if k != "seq_idx"}
+    outputs = [m(**batch) for m in (eager, compiled)]
+    for out in outputs:
+        out.loss.backward()
+    assert (outputs[0].logits - outputs[1].logits).abs().max() < 1e-5
+    grads = [{n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
+             for m in (eager, compiled)]  # fmt: skip
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    assert max(float((grads[0][n] - grads[1][n]).norm() / grads[0][n].norm()) for n in grads[0]) < 5e-5
