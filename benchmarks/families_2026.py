@@ -30,6 +30,8 @@ RUNS = (
     ("cli_call5_dense.json", "gemma3", "sft's defaults (Liger)", "cli_call5_dense.json", 5, PLANNED),
     ("cli_call6_gemma4_auto.json", "gemma4", "sft_varlen per layer, 512-wide heads on efficient_varlen",
      "cli_call6_llama.json", 6, PLANNED),
+    ("cli_call7_gemma4_compiled.json", "gemma4", "efficient_varlen and compiled decoder layers (now)",
+     "cli_call7_gemma4_compiled.json", 7, PLANNED),
 )  # fmt: skip
 
 
