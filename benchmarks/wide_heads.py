@@ -11,7 +11,7 @@ query, 4 key-value):
 - full layers (head dim 512): `masked_sdpa`, `per_sample_sdpa` (`sft.model.attention.per_sample_sdpa`: causal sdpa
   once per sample), `efficient_varlen` (`sft.model.attention.efficient_varlen`: torch's memory-efficient kernel over
   the row's samples through its `cu_seqlens`, one call) and `flex` (`sft.model.attention._flex_scored`: flex_attention
-  with the samples' block mask, compiled);
+  with the samples' block mask, compiled; `flex_small_tiles` the same with `SMALL_TILES`);
 - sliding layers (head dim 256): `masked_sdpa` (the window in the mask) and `varlen` (PyTorch's varlen
   FlashAttention-2 with the window, what `sft_varlen` runs).
 
@@ -79,6 +79,24 @@ def _flex(q, k, v, cu, window):
     return _flex_scored(q, k, v, cu, None, window, None, None)
 
 
+# flex_attention's Triton kernels at head dim 512 with tiles small enough for Hopper's shared memory (its defaults
+# did not compile there): forward 32 x 32, backward 16 x 32 / 32 x 16, one stage
+SMALL_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16,
+               "num_stages": 1, "num_warps": 4}  # fmt: skip
+
+
+def _flex_small_tiles(q, k, v, cu, window):
+    import functools
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from sft.model.attention import _flex_scored
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_scored(q, k, v, cu, None, window, None, None,
+                        flex=functools.partial(compiled, kernel_options=SMALL_TILES))  # fmt: skip
+
+
 def _varlen(q, k, v, cu, window):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -87,7 +105,7 @@ def _varlen(q, k, v, cu, window):
 
 
 KERNELS = {512: {"masked_sdpa": _masked_sdpa, "per_sample_sdpa": _per_sample, "efficient_varlen": _efficient,
-                 "flex": _flex},
+                 "flex": _flex, "flex_small_tiles": _flex_small_tiles},
            256: {"masked_sdpa": _masked_sdpa, "varlen": _varlen}}  # fmt: skip
 
 
