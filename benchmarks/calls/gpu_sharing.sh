@@ -22,6 +22,7 @@ print('GPU $1', round(2 * 8192**3 * n / (time.time() - start) / 1e12), 'TFLOP/s'
     echo "alone:"; mm 0
     echo "both at once:"; mm 0 & mm 1 & wait
     for spec in "0 2048" "1 0"; do
+        # shellcheck disable=SC2086  # the spec is split into its words on purpose
         set -- $spec
         CUDA_VISIBLE_DEVICES=$1 timeout 400 python3 -m benchmarks.scored_attention --out "$work/scored$2" \
             --timeout 380 --multiples "$2" > "$work/scored$2.log" 2>&1 &
