@@ -334,7 +334,8 @@ def cli_runs(args, work: Path, results: dict) -> None:
             recipe["attn_implementation"] = args.attn
         if args.engine_auto:
             del recipe["deepspeed"]
-        recipe.update(yaml.safe_load(f"{{{', '.join(args.set)}}}") if args.set else {})
+        for field in args.set:  # each a one-line YAML mapping
+            recipe.update(yaml.safe_load(field))
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
         log = work / f"{name}.log"
         rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log)

@@ -311,9 +311,9 @@ KERNELS: dict[str, dict[str, Kernel]] = {
         # step down to 0.03), loss within 7e-4 of eager per step in bf16, equal in fp32 (tests/test_flops.py)
         "compile_bf16": Kernel(
             True,
-            f"1.40x the eager layers' tokens/s at 8 layers of Gemma 4's widths, 1 x H200; "
+            "1.40x the eager layers' tokens/s at 8 layers of Gemma 4's widths, 1 x H200; "
             f"equal to eager in fp32 ({RESULTS_2026})",
-        ),  # fmt: skip
+        ),
     },
     "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},
     "deepseek_v3": {},
@@ -419,8 +419,9 @@ def of(config) -> Architecture:
         head_dims=head_dims,
         softmax=tuple(t not in per_sample for t in types) if per_sample else (),
     )
+    experts = _experts(text)
     kernels = KERNELS.get(family, {})
-    if _experts(text) is not None:
+    if experts is not None:
         kernels = {**kernels, **KERNELS_MOE.get(family, {})}
     if family in KERNELS or is_vision(config):  # a vision family's text model (qwen2_5_vl_text) has no row
         kernels = {"speed": SPEED_FROM_SHAPES, **kernels}
@@ -436,7 +437,7 @@ def of(config) -> Architecture:
         intermediate=_intermediate(text),
         vocab=text.vocab_size,
         attention=attention,
-        experts=_experts(text),
+        experts=experts,
         kernels=kernels,
         kv_head_counts=kv_counts,
     )
