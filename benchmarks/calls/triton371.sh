@@ -24,6 +24,9 @@
 #   dense      --cli: $DENSE (olmo3 smollm3 gemma3 llama) under 3.6
 #   moe        --cli --engine-auto: $MOE (gemma4_moe qwen3_moe gpt_oss glm4_moe llama) under 3.6, then
 #              qwen3_5_moe with fla under 3.7.1
+#   moefla     that qwen3_5_moe run alone
+#   liger      Liger's Gemma 4 and Qwen3.5 patches against plain bf16, eager and compiled, in-process (2 layers)
+#   ligercli   Gemma 4's defaults (--cli) with and without `use_liger_kernel: true`, and Llama
 # Each part's result files go straight under $OUT (a call cut by its time limit still returns them); logs and the rest
 # are tarred at the end.
 set -u
@@ -85,6 +88,21 @@ for part in "$@"; do
         read -ra dense <<< "${DENSE:-olmo3 smollm3 gemma3 llama}"
         t36 timeout 420 "${cli[@]}" --families "${dense[@]}" --out "$OUT/cli_dense" > "$work/cli_dense.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli_dense.log" | cut -c1-600 ;;
+    moefla)
+        t37 timeout 200 "${cli[@]}" --engine-auto --families qwen3_5_moe --out "$OUT/cli_moe_fla" \
+            > "$work/cli_moe_fla.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_moe_fla.log | cut -c1-600 ;;
+    liger)
+        t36 timeout 240 python3 -m benchmarks.architectures --families gemma4 qwen3_5 --variants plain liger \
+            plain_compiled liger_compiled --layers 2 --steps 6 --skip-exactness --out "$OUT/liger" \
+            > "$work/liger.log" 2>&1
+        grep -hE "^(gemma4|qwen3_5)[a-z0-9_]* (plain|liger)" "$work/liger.log" | cut -c1-400 ;;
+    ligercli)
+        t36 timeout 100 "${cli[@]}" --families gemma4 llama --out "$OUT/cli_gemma_default" \
+            > "$work/cli_gemma_default.log" 2>&1
+        late gemma-liger || t36 timeout 100 "${cli[@]}" --families gemma4 --set "use_liger_kernel: true" \
+            --out "$OUT/cli_gemma_liger" > "$work/cli_gemma_liger.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_gemma_default.log "$work"/cli_gemma_liger.log | cut -c1-500 ;;
     moe)
         read -ra moe <<< "${MOE:-gemma4_moe qwen3_moe gpt_oss glm4_moe llama}"
         t36 timeout 420 "${cli[@]}" --engine-auto --families "${moe[@]}" --out "$OUT/cli_moe" > "$work/cli_moe.log" 2>&1

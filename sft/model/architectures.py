@@ -305,7 +305,7 @@ KERNELS: dict[str, dict[str, Kernel]] = {
     "smollm3": {},
     # packed exactly, dense and MoE, its per-layer head dims and shared keys and values (tests/test_architectures.py)
     "gemma4_text": {
-        "liger": Kernel(False, "liger-kernel 0.8.5 has no Gemma 4 patch"),
+        "liger": Kernel(False, "liger-kernel 0.8.5's Gemma 4 patch not yet measured on a GPU"),
         # its seven RMSNorms per layer in fp32, GELU gate and per-layer inputs fused: 1.40x the eager layers' tokens/s
         # at 8 layers of its widths (58,703 against 42,033, ZeRO-2, one call; 0.40 s of elementwise kernels per 1.48 s
         # step down to 0.03), loss within 7e-4 of eager per step in bf16, equal in fp32 (tests/test_flops.py)
@@ -316,6 +316,10 @@ KERNELS: dict[str, dict[str, Kernel]] = {
         ),
     },
     "glm4_moe": {"liger": Kernel(False, "Liger has no patches for glm4_moe")},
+    # Gated DeltaNet on three of four layers: packed rows equal their samples alone, values and gradients, dense and
+    # MoE (tests/test_linear_attention.py); fla's varlen kernels where they train (`sft.model.linear_attention`)
+    "qwen3_5_text": {},
+    "qwen3_5_moe_text": {},
     "deepseek_v3": {},
 }
 
