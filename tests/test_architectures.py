@@ -236,3 +236,31 @@ def test_a_model_without_attention_layers_is_refused_with_the_reason(model_type)
     built, naming the family, instead of an AttributeError from inside the plan."""
     with pytest.raises(ConfigError, match=rf"{model_type}: its config names no attention heads or decoder layers"):
         architectures.of(AutoConfig.for_model(model_type))
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_liger_beside_compiled_layers_is_never_run_where_the_pair_trained_a_wrong_loss(family, monkeypatch):
+    """Gemma 4: Liger's patch under compiled decoder layers trained a wrong loss on the H200 (KERNELS'
+    `liger_compiled`). With `compile_decoder_layers: auto` the layers stay eager beside Liger, with the reason; both
+    asked for by name is refused naming the pair and the fix; without Liger the family's compiled layers stay on. Llama
+    (the pair measured exact) keeps both."""
+    from types import SimpleNamespace
+
+    from sft.plan import preflight
+
+    monkeypatch.setattr(preflight, "_compile_bf16", lambda arch: arch.kernel("compile_bf16").on)  # as on a GPU
+    gemma, llama = architectures.of(config_of(family)), architectures.of(AutoConfig.for_model("llama"))
+
+    def args(liger, compiled="auto"):
+        auto = {"compile_decoder_layers"} if compiled == "auto" else set()
+        return SimpleNamespace(auto_settings=auto, use_liger_kernel=liger, compile_decoder_layers=compiled is True)
+
+    assert preflight._compiled(args(False), gemma, False) is (family == "gemma4")  # the MoE's compile is unmeasured
+    assert preflight._compiled(args(True), gemma, False) is False
+    assert preflight._compile_reason(args(True), gemma, False).startswith("off beside Liger: Liger's Gemma 4 patch")
+    with pytest.raises(ConfigError, match=r"use_liger_kernel: true with compile_decoder_layers: true on gemma4_text: "
+                                          r"Liger's Gemma 4 patch .* Set compile_decoder_layers: false"):  # fmt: skip
+        preflight._compiled(args(True, compiled=True), gemma, False)
+    assert preflight._compiled(args(True, compiled=False), gemma, False) is False
+    assert preflight._compiled(args(True), llama, True)
+    assert preflight._compiled(args(True, compiled=True), llama, False)

@@ -865,10 +865,23 @@ def _liger_on(training_args, arch: architectures.Architecture) -> bool:
 
 def _compiled(training_args, arch: architectures.Architecture, fp8_on: bool) -> bool:
     """Compiled decoder layers as asked, or `auto`: with FP8 (float8's casts and scales are fast only compiled), or
-    where the family's compiled bf16 measured faster."""
+    where the family's compiled bf16 measured faster; off beside Liger where the pair was measured wrong (and asked
+    for both by name: refused)."""
+    wrong = _liger_breaks_compile(arch) if _liger_on(training_args, arch) else None
     if "compile_decoder_layers" not in training_args.auto_settings:
+        if wrong and training_args.compile_decoder_layers:
+            raise ConfigError(
+                f"use_liger_kernel: true with compile_decoder_layers: true on {arch.family}: {wrong}. Set "
+                "compile_decoder_layers: false to train with Liger, or use_liger_kernel: false for compiled layers."
+            )
         return training_args.compile_decoder_layers
-    return (fp8_on and arch.kernel("compile").on) or _compile_bf16(arch)
+    return not wrong and ((fp8_on and arch.kernel("compile").on) or _compile_bf16(arch))
+
+
+def _liger_breaks_compile(arch: architectures.Architecture) -> str | None:
+    """Why Liger's patch and compiled decoder layers must not run together on this family (measured), or None."""
+    kernel = arch.kernels.get("liger_compiled")
+    return None if kernel is None or kernel.on else kernel.reason
 
 
 def _family_liger(training_args, arch: architectures.Architecture) -> bool:
@@ -901,6 +914,8 @@ def _compile_bf16(arch: architectures.Architecture) -> bool:
 def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
     if "compile_decoder_layers" not in training_args.auto_settings:
         return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
+    if _liger_on(training_args, arch) and (wrong := _liger_breaks_compile(arch)):
+        return f"off beside Liger: {wrong}"
     if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
         return arch.kernel("compile_bf16").reason
     if not fp8_on:
