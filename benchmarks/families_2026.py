@@ -32,6 +32,13 @@ RUNS = (
      "cli_call6_llama.json", 6, PLANNED),
     ("cli_call7_gemma4_compiled.json", "gemma4", "efficient_varlen and compiled decoder layers (now)",
      "cli_call7_gemma4_compiled.json", 7, PLANNED),
+    # mixtures of experts: MFU on the active experts' FLOPs
+    ("cli_call8_moe.json", "gemma4_moe", "efficient_varlen, transformers' grouped_mm, eager layers",
+     "cli_call8_moe.json", 8, PLANNED),
+    ("cli_call8_moe.json", "qwen3_moe", "varlen FA2, grouped_mm, compiled layers", "cli_call8_moe.json", 8, PLANNED),
+    ("cli_call8_moe.json", "gpt_oss", "flex_attention (sinks), sft_grouped experts, Liger", "cli_call8_moe.json", 8,
+     PLANNED),
+    ("cli_call8_moe.json", "glm4_moe", "varlen FA2, grouped_mm, eager layers", "cli_call8_moe.json", 8, PLANNED),
 )  # fmt: skip
 
 
