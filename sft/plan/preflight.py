@@ -635,7 +635,9 @@ def _kernel_bases(training_args, arch, base: memplan.Setting) -> list[memplan.Se
     if "fp8" in auto and base.fp8:
         compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
         bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
-    if "use_liger_kernel" in auto and training_args.use_liger_kernel and arch.liger_exact:  # Liger can run here
+    # Liger can run here, and beside these layers (never a compiled one where the pair was measured wrong)
+    beside = not (any(b.compiled for b in bases) and _liger_breaks_compile(arch))
+    if "use_liger_kernel" in auto and training_args.use_liger_kernel and arch.liger_exact and beside:
         return memplan.with_liger_candidates(bases)
     return bases
 
