@@ -11,10 +11,12 @@
 #   cli        sft's defaults through sft/train.py (benchmarks/architectures.py --cli, $LAYERS layers, rows of 4,096,
 #              planned for and capped at 79.18 GiB): Qwen3.5 and Qwen3.5-MoE with fla under 3.7.1, then Qwen3.5,
 #              Llama and Qwen3.5-MoE on the torch path under 3.6 ($FAMILIES, $TORCH_FAMILIES: others; ENGINE_AUTO=1:
-#              the engine sft's plan picks instead of ds_configs/zero2.json)
+#              the engine sft's plan picks instead of ds_configs/zero2.json; $CLI_S: each half's timeout, 240 s)
 #   gputest    tests/test_gpu.py under 3.6 (its output in test_gpu.txt; $GPUTEST_K: pytest's -k)
 #   compiled   $COMPILE_FAMILIES (gemma4 gemma4_moe) eager against compiled layers in-process (2 layers)
 #   compiledcli  Gemma 4 and Llama --cli with `compile_decoder_layers: true`
+#   moecompile $MOE_COMPILE (gemma4_moe glm4_moe) --cli --engine-auto, each with sft's defaults then with
+#              `compile_decoder_layers: true`, one after the other ($CLI_S each)
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa ($GEMMA_ATTN),
@@ -60,9 +62,9 @@ for part in "$@"; do
         t36 python3 -m benchmarks.linear_attention --compare --out "$work/linear" > "$OUT/linear_attention.md" 2>&1
         grep -E "^gradients|^linear_attention_|Error" "$work/linear.log" | cut -c1-500 ;;
     cli)
-        t37 timeout 240 "${cli[@]}" --families "${with_fla[@]}" --out "$OUT/cli_fla" \
+        t37 timeout "${CLI_S:-240}" "${cli[@]}" --families "${with_fla[@]}" --out "$OUT/cli_fla" \
             > "$work/cli_fla.log" 2>&1
-        late cli-torch || t36 timeout 240 "${cli[@]}" --families "${without[@]}" \
+        late cli-torch || t36 timeout "${CLI_S:-240}" "${cli[@]}" --families "${without[@]}" \
             --out "$OUT/cli_torch" > "$work/cli_torch.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-700 ;;
     gemma)
@@ -122,6 +124,15 @@ for part in "$@"; do
         t36 timeout 200 "${cli[@]}" --families gemma4 llama --set "compile_decoder_layers: true" \
             --out "$OUT/cli_gemma_compiled" > "$work/cli_gemma_compiled.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli_gemma_compiled.log" | cut -c1-500 ;;
+    moecompile)
+        read -ra mc <<< "${MOE_COMPILE:-gemma4_moe glm4_moe}"
+        for fam in "${mc[@]}"; do
+            late "$fam-default" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
+                --out "$OUT/cli_${fam}_default" > "$work/cli_${fam}_default.log" 2>&1
+            late "$fam-compiled" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
+                --set "compile_decoder_layers: true" --out "$OUT/cli_${fam}_compiled" > "$work/cli_${fam}_compiled.log" 2>&1
+        done
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*_default.log "$work"/cli_*_compiled.log | cut -c1-600 ;;
     wide)
         t36 timeout 200 python3 -m benchmarks.wide_heads --out "$OUT/wide_heads.json" > "$work/wide.log" 2>&1
         grep -E "^(256|512) " "$work/wide.log" | cut -c1-300 ;;
