@@ -118,13 +118,16 @@ def micro_batch_1(tmp_path_factory) -> Path:
     return small
 
 
-@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+@pytest.mark.parametrize("engine", ["deepspeed", pytest.param("fsdp2", marks=pytest.mark.full)])
 def test_out_of_memory_with_sfts_micro_batch_is_retried_with_half_and_trains_the_same_samples(
     tmp_path, micro_batch_1, engine
 ):
     """`sft train` runs the command again with micro batch 4 -> 2 -> 1 (accumulation 1 -> 2 -> 4), each time from
     checkpoint-2, and the run trains the samples of a run with micro batch 1 from the start, step for step: under
-    DeepSpeed (ZeRO-2) and under FSDP2 (its sharded checkpoint resumed with the new accumulation)."""
+    DeepSpeed (ZeRO-2) and under FSDP2 (its sharded checkpoint resumed with the new accumulation). `full` tier:
+    [fsdp2], the same relaunch as [deepspeed] (`sft train`'s, whatever the engine) over an FSDP2 checkpoint, whose
+    resume per commit is `test_fsdp2.py::test_fsdp2_resumes_bit_identically_after_a_kill` and
+    `test_fsdp2_resumes_on_one_process`."""
     out, small = tmp_path / "retried", micro_batch_1
     sft_train = [sys.executable, "-m", "sft", "train", "--nproc-per-node", "2"]
     fsdp2 = ["--engine", "fsdp2", "--deepspeed", "none"] if engine == "fsdp2" else []

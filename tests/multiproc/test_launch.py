@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from sft.run.checkpoint import MARKER
 from tests.conftest import ROOT, free_port, read_jsonl
 from tests.helpers import launch_env, losses, slurm_env
@@ -64,7 +66,12 @@ def test_nodes_that_disagree_are_refused(tmp_path):
     assert "learning_rate: rank 0 '0.003' vs rank 1 '0.001'" in log and "Traceback" not in log.split("sft: error")[0]
 
 
+@pytest.mark.full
 def test_elastic_restart_finishes_by_itself(tmp_path):
+    """`full` tier: launch/torchrun.sh with MAX_RESTARTS=1, a worker SIGKILLed after checkpoint-4, the restarted group
+    resumes and finishes. Per commit: the same restart through torchrun's own `--max-restarts`, bit-identical to the
+    uninterrupted run (`test_resume.py::test_torchrun_max_restarts_continues_by_itself`), and the script's command
+    line with MAX_RESTARTS (`test_launch_scripts.py::test_torchrun_command_lines`)."""
     out = tmp_path / "out"
     log = open(tmp_path / "job.log", "w")  # noqa: SIM115
     agent = subprocess.Popen(["bash", "launch/torchrun.sh", *TRAIN, "--output_dir", str(out)], cwd=ROOT,
