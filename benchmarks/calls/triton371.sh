@@ -127,10 +127,11 @@ for part in "$@"; do
     moecompile)
         read -ra mc <<< "${MOE_COMPILE:-gemma4_moe glm4_moe}"
         for fam in "${mc[@]}"; do
-            late "$fam-default" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
-                --out "$OUT/cli_${fam}_default" > "$work/cli_${fam}_default.log" 2>&1
-            late "$fam-compiled" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
-                --set "compile_decoder_layers: true" --out "$OUT/cli_${fam}_compiled" > "$work/cli_${fam}_compiled.log" 2>&1
+            for variant in default compiled; do
+                extra=(); [[ $variant == compiled ]] && extra=(--set "compile_decoder_layers: true")
+                late "$fam-$variant" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
+                    "${extra[@]}" --out "$OUT/cli_${fam}_$variant" > "$work/cli_${fam}_$variant.log" 2>&1
+            done
         done
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*_default.log "$work"/cli_*_compiled.log | cut -c1-600 ;;
     wide)
