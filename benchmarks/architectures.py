@@ -387,6 +387,8 @@ def main() -> None:
         metavar="FIELD: VALUE",
         help="with --cli: recipe fields over the defaults, YAML ('compile_decoder_layers: true')",
     )
+    parser.add_argument("--work", type=Path, help="with --cli: the folder for the models, recipes and run logs "
+                        "(default: a new temporary one)")  # fmt: skip
     parser.add_argument("--attn", help="with --cli: attn_implementation instead of sft's auto (e.g. sdpa)")
     parser.add_argument("--gpu-memory", type=float, help="with --cli: GiB each run is planned for and capped at "
                         "(max_gpu_memory_gib; 79.18 for an 80 GB card)")  # fmt: skip
@@ -405,7 +407,9 @@ def main() -> None:
 
         cli = {"environment": environment(), "layers": args.layers, "tokens_per_row": args.tokens, "steps": args.steps,
                "families": {}}  # fmt: skip
-        cli_runs(args, Path(tempfile.mkdtemp(prefix="architectures-cli-")), cli)
+        work = args.work or Path(tempfile.mkdtemp(prefix="architectures-cli-"))
+        work.mkdir(parents=True, exist_ok=True)
+        cli_runs(args, work, cli)
         return
     results = {"environment": environment(), "layers": args.layers, "tokens_per_row": args.tokens,
                "vocab": VOCAB, "window": WINDOW, "peak_tflops": peak, "families": {}}  # fmt: skip

@@ -16,7 +16,7 @@
 #   compiled   $COMPILE_FAMILIES (gemma4 gemma4_moe) eager against compiled layers in-process (2 layers)
 #   compiledcli  Gemma 4 and Llama --cli with `compile_decoder_layers: true`
 #   moecompile $MOE_COMPILE (gemma4_moe glm4_moe) --cli --engine-auto, each with sft's defaults then with
-#              `compile_decoder_layers: true`, one after the other ($CLI_S each)
+#              `compile_decoder_layers: true`, one after the other ($CLI_S each; $MOE_VARIANTS: only some)
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa ($GEMMA_ATTN),
@@ -62,7 +62,7 @@ for part in "$@"; do
         t36 python3 -m benchmarks.linear_attention --compare --out "$work/linear" > "$OUT/linear_attention.md" 2>&1
         grep -E "^gradients|^linear_attention_|Error" "$work/linear.log" | cut -c1-500 ;;
     cli)
-        t37 timeout "${CLI_S:-240}" "${cli[@]}" --families "${with_fla[@]}" --out "$OUT/cli_fla" \
+        t37 timeout "${CLI_S:-240}" "${cli[@]}" --families "${with_fla[@]}" --out "$OUT/cli_fla" --work "$work/fla" \
             > "$work/cli_fla.log" 2>&1
         late cli-torch || t36 timeout "${CLI_S:-240}" "${cli[@]}" --families "${without[@]}" \
             --out "$OUT/cli_torch" > "$work/cli_torch.log" 2>&1
@@ -127,10 +127,11 @@ for part in "$@"; do
     moecompile)
         read -ra mc <<< "${MOE_COMPILE:-gemma4_moe glm4_moe}"
         for fam in "${mc[@]}"; do
-            for variant in default compiled; do
+            for variant in ${MOE_VARIANTS:-default compiled}; do
                 extra=(); [[ $variant == compiled ]] && extra=(--set "compile_decoder_layers: true")
                 late "$fam-$variant" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
-                    "${extra[@]}" --out "$OUT/cli_${fam}_$variant" > "$work/cli_${fam}_$variant.log" 2>&1
+                    "${extra[@]}" --out "$OUT/cli_${fam}_$variant" --work "$work/$fam-$variant" \
+                    > "$work/cli_${fam}_$variant.log" 2>&1
             done
         done
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*_default.log "$work"/cli_*_compiled.log | cut -c1-600 ;;
