@@ -16,7 +16,8 @@
 #   compiled   $COMPILE_FAMILIES (gemma4 gemma4_moe) eager against compiled layers in-process (2 layers)
 #   compiledcli  Gemma 4 and Llama --cli with `compile_decoder_layers: true`
 #   moecompile $MOE_COMPILE (gemma4_moe glm4_moe) --cli --engine-auto, each with sft's defaults then with
-#              `compile_decoder_layers: true`, one after the other ($CLI_S each; $MOE_VARIANTS: only some)
+#              `compile_decoder_layers: true`, one after the other ($CLI_S each; $MOE_VARIANTS: only some; fla
+#              under 3.7.1 for qwen3_5*)
 #   wide       benchmarks/wide_heads.py: Gemma 4's full (512) and sliding (256) layers' kernels over packed rows
 #   gemma      Gemma 4 and Gemma 4 MoE through sft's `auto` attention against eager one sample at a time (2 layers),
 #              then Gemma 4's defaults (--cli, $LAYERS layers) with `auto` (per layer) and with sdpa ($GEMMA_ATTN),
@@ -129,7 +130,8 @@ for part in "$@"; do
         for fam in "${mc[@]}"; do
             for variant in ${MOE_VARIANTS:-default compiled}; do
                 extra=(); [[ $variant == compiled ]] && extra=(--set "compile_decoder_layers: true")
-                late "$fam-$variant" || t36 timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
+                run=t36; [[ $fam == qwen3_5* ]] && run=t37
+                late "$fam-$variant" || $run timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
                     "${extra[@]}" --out "$OUT/cli_${fam}_$variant" --work "$work/$fam-$variant" \
                     > "$work/cli_${fam}_$variant.log" 2>&1
             done
