@@ -5,8 +5,9 @@
 Each row: a family's `sft/train.py` run (`benchmarks/architectures.py --cli`: its public widths at `layers` decoder
 layers, rows of 4,096, planned for and capped at 79.18 GiB; `engine`: ZeRO-2 on one process (`ds_configs/zero2.json`)
 or what sft's plan picks on one GPU (`--engine-auto`: no engine, 8-bit AdamW)) beside the Llama run of the same device
-call (the same depth and engine), and their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the
-family, the speed model's estimate) stay null until measured: no row claims them.
+call (the same depth and engine; `llama.file` names it: one row's Llama is from the call before, said in RUNS), and
+their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the family, the speed model's estimate) stay null
+until measured: no row claims them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ RUNS = (
     ("cli_call8_moe.json", "gpt_oss", "flex_attention (sinks), sft_grouped experts, Liger", "cli_call8_moe.json", 8,
      PLANNED),
     ("cli_call8_moe.json", "glm4_moe", "varlen FA2, grouped_mm, eager layers", "cli_call8_moe.json", 8, PLANNED),
+    ("cli_call12_glm4_moe_compiled.json", "glm4_moe", "varlen FA2, grouped_mm, compiled layers",
+     "cli_call12_llama.json", 12, PLANNED),
+    # call 14 ran no Llama: the Llama of call 11, the same machine held between the calls
+    ("cli_call14_qwen3_5_moe_fla.json", "qwen3_5_moe", "fla varlen kernels (Triton 3.7.1), grouped_mm, eager layers",
+     "cli_call11_llama.json", 14, PLANNED),
+    ("cli_call15_glm4_moe_default.json", "glm4_moe", "varlen FA2, grouped_mm, eager layers", "cli_call15_llama.json",
+     15, PLANNED),
+    ("cli_call15_glm4_moe_compiled.json", "glm4_moe", "varlen FA2, grouped_mm, compiled layers (now)",
+     "cli_call15_llama.json", 15, PLANNED),
 )  # fmt: skip
 
 
@@ -53,7 +63,8 @@ def summary(folder: Path) -> dict:
             "memory_cap_gib": 79.18, "device_call": call, "tokens_per_second": round(run["tokens_per_second"]),
             "mfu": round(run["mfu"], 4),
             "peak_gib": round(run["peak_memory_gib"], 1), "finite": run["finite"], "loss_fell": run["loss_fell"],
-            "llama": {"tokens_per_second": round(llama["tokens_per_second"]), "mfu": round(llama["mfu"], 4)},
+            "llama": {"tokens_per_second": round(llama["tokens_per_second"]), "mfu": round(llama["mfu"], 4),
+                      "file": llama_file},
             "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": None,
         })  # fmt: skip
     return {"source": "benchmarks/families_2026.py over " + ", ".join(sorted({r[0] for r in RUNS})), "rows": rows}

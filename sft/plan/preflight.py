@@ -921,7 +921,10 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
     if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
         return arch.kernel("compile_bf16").reason
     if not fp8_on:
-        return "compile_decoder_layers: auto compiles only with FP8"
+        measured = arch.kernels.get("compile_bf16")  # measured for this family: that says why
+        if measured is None:
+            return "compile_decoder_layers: auto compiles only with FP8"
+        return f"on a GPU only ({measured.reason})" if measured.on else measured.reason
     return arch.kernel("compile").reason
 
 
