@@ -312,7 +312,15 @@ def test_finished_run_is_not_silently_finished_again(killed, model_dir, tmp_path
     assert "is at step 4 and the run asks for max_steps 4: nothing is left to train" in result.stderr
 
 
+@pytest.mark.full
 def test_deepspeed_launcher_resumes_with_the_same_command(reference, model_dir, tmp_path):
+    """Under DeepSpeed's own launcher, killed while writing checkpoint-8 and run again with the same command: the run
+    of torchrun that was never interrupted, step for step.
+
+    Full tier: its per-commit counterparts are `test_sigkill_during_checkpoint_write` (the same kill during a save,
+    resumed under ZeRO-2 on 2 processes) and tests/multiproc/test_sp_runs.py's
+    `test_sp2_sigkill_then_resume_under_deepspeed_launcher_and_on_another_dp` (a killed run resumed bit for bit under
+    the deepspeed launcher), with tests/multinode's launcher over ssh."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     cmd += [str(ROOT / "sft" / "train.py"), *args_for(model_dir, out, "zero2")]
