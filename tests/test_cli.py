@@ -208,6 +208,32 @@ def test_eval_batch_size_auto_is_fixed_on_the_cpu_only(tmp_path, capsys):
     )
 
 
+def test_a_second_evaluation_adds_files_and_never_replaces_the_first(tmp_path, monkeypatch):
+    """`write_results` twice into one model's `eval/` at one timestamp (two evaluations in the same second): a second
+    pair of files beside the first, which is left as it was (the README walk's evaluations write through it)."""
+    import json
+
+    from sft.tools import evaluation
+
+    monkeypatch.setattr(evaluation.time, "strftime", lambda _: "20261203-120000")
+    task = {"alias": "sft_demo", "exact_match,none": 0.3, "exact_match_stderr,none": 0.03}
+    results = {"results": {"sft_demo": task}, "versions": {"sft_demo": 1}, "n-shot": {"sft_demo": 0},
+               "higher_is_better": {"sft_demo": {"exact_match": True}}}  # fmt: skip
+    first = evaluation.write_results(results, tmp_path, str(tmp_path))
+    before = [p.read_bytes() for p in first]
+    again = evaluation.write_results({**results, "results": {"sft_demo": {**task, "exact_match,none": 0.5}}},
+                                     tmp_path, str(tmp_path))  # fmt: skip
+    assert [p.name for p in first + again] == [
+        "results_20261203-120000.json",
+        "results_20261203-120000.md",
+        "results_20261203-120000_1.json",
+        "results_20261203-120000_1.md",
+    ]
+    assert [p.read_bytes() for p in first] == before
+    assert json.loads(again[0].read_text())["results"]["sft_demo"]["exact_match,none"] == 0.5
+    assert "|sft_demo|" in again[1].read_text() and "0.5" in again[1].read_text()
+
+
 def test_a_lone_process_gets_the_variables_of_a_one_process_launch(monkeypatch):
     """`python sft/train.py` and `sft train` without `--nproc-per-node`: rank 0 of 1 on a free local port (DeepSpeed
     would otherwise look for MPI); a launcher's variables, even some of them, are never changed."""

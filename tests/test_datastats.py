@@ -49,7 +49,7 @@ def test_sft_data_equals_a_direct_count(figures):
 
 
 def test_sft_data_steps_per_epoch_match_the_demo(figures):
-    """README's demo: 2 processes, micro batch 2, 8 epochs in 520 optimizer steps: 65 per epoch."""
+    """README's demo: 2 processes, micro batch 2, 5 epochs in 325 optimizer steps: 65 per epoch."""
     assert figures["global_batch_rows"] == 4
     assert figures["steps_per_epoch"] == 65
 

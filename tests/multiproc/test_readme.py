@@ -55,9 +55,9 @@ def test_every_cpu_command_of_the_readme_runs_as_written(readme_walk):
     metrics = [json.loads(line) for line in (out / "demo" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
-    assert metrics[-1]["step"] == 520 and losses[0] > 4.0 and 1.6 < evals[-1] < 2.4  # README: 4.2 -> eval 2.1-2.3
+    assert metrics[-1]["step"] == 325 and losses[0] > 4.0 and 2.0 < evals[-1] < 2.7  # README: 4.2 -> eval 2.42
     assert (out / "demo-lora" / "adapter_model.safetensors").is_file()
     assert (out / "demo-lora-merged" / "config.json").is_file()
     results = sorted((out / "demo" / "eval").glob("results_*.json"))
     assert len(results) == 1  # sft eval's (the lm_eval CLI prints its table only)
-    assert json.loads(results[0].read_text())["results"]["sft_demo"]["exact_match,none"] > 0.2  # README: 0.30
+    assert json.loads(results[0].read_text())["results"]["sft_demo"]["exact_match,none"] > 0.2  # README: 0.29

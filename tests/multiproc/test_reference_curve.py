@@ -1,7 +1,7 @@
 """The demo's loss curve against a committed reference: a change to the training path that moves it is caught.
 
 The run is the README walk's demo (`readme_walk`, tests/multiproc/conftest.py): README's first command, `sft train
---nproc-per-node 2 --config recipes/demo.yaml`, to its end (520 steps; CPU, fp32, ZeRO-2, 2 gloo processes, the
+--nproc-per-node 2 --config recipes/demo.yaml`, to its end (325 steps; CPU, fp32, ZeRO-2, 2 gloo processes, the
 committed model config, tokenizer, data and seed), so no run of its own. `tests/references/demo_losses.json` holds
 the training loss it logs (every 10 steps, each the mean of those 10 steps). A fresh run must match each of the first
 `STRICT_LOGS` logged losses (steps 1-20) within `RTOL` (relative) and the mean of steps 51-100 within `TAIL_RTOL`. A
@@ -9,9 +9,9 @@ real change moves the early steps far more (with the demo's learning rate 10% hi
 off by more than 1e-3, from step 3 on). Later steps are not compared: at this learning rate the last-bit differences
 of another CPU grow by about 10x every two steps (measured on a CPU with AVX-512 FP16 against the reference's: equal
 to step 6, 6e-8 at step 7, 1e-7 at 20, 1e-6 at 25, 6e-4 at 32, up to 2e-2 after, while the mean of steps 51-100
-stayed within 7e-5 under a 100-step schedule; on a CPU with AMX, 4.2e-3 under the demo's 520-step schedule, with
-steps 1-20 within 1e-4), and the demo's end point differs between CPUs (README). After a change
-that is meant to move the curve, write a new reference and commit it with the change:
+stayed within 7e-5 under a 100-step schedule; on a CPU with AMX, 4.2e-3 under the demo's earlier 520-step schedule,
+with steps 1-20 within 1e-4), and the demo's end point differs between CPUs (README). After a change that is meant to
+move the curve, write a new reference and commit it with the change:
 
     python -m tests.multiproc.test_reference_curve --write
 """
@@ -29,7 +29,7 @@ from tests.conftest import ROOT, cli_env, read_jsonl
 
 REFERENCE = ROOT / "tests" / "references" / "demo_losses.json"
 COMMAND = ["sft", "train", "--nproc-per-node", "2", "--config", "recipes/demo.yaml"]  # README's first command
-LOG_EVERY, STEPS = 10, 520
+LOG_EVERY, STEPS = 10, 325
 STRICT_LOGS, RTOL = 2, 1e-4  # the logged means of steps 1-10 and 11-20
 TAIL = slice(5, 10)  # the logged means of steps 51-60 ... 91-100
 TAIL_RTOL = 1e-2  # a CPU with AMX (Xeon, 2026-11-26): steps 51-100 4.2e-3 off, steps 1-20 equal
