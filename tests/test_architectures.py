@@ -135,6 +135,7 @@ def test_a_backend_that_would_drop_a_feature_is_refused():
     # its linear attention runs one sample at a time over packed rows (tests/test_linear_attention.py, which also
     # checks that a layer kind sft does not split is refused for packing)
     assert qwen3_next.attention.per_sample == ("linear_attention",) and qwen3_next.attention.other_layers == ()
+    assert "linear_attention layers (each packed sample from its own zero state)" in qwen3_next.describe()
     check_backend(qwen3_next, "sdpa", padding_free=True)
 
 

@@ -205,7 +205,8 @@ class Architecture:
         if self.attention.other_layers:
             parts.append(f"{', '.join(self.attention.other_layers)} layers")
         if self.attention.per_sample:
-            parts.append(f"{', '.join(self.attention.per_sample)} layers (one sample at a time over packed rows)")
+            # which kernel (fla's varlen or the torch path one sample at a time): sft.model.converters' line
+            parts.append(f"{', '.join(self.attention.per_sample)} layers (each packed sample from its own zero state)")
         if self.experts:
             e = self.experts
             parts.append(f"{e.count} experts, {e.active} active, width {e.width} on {e.moe_layers} of {self.layers} "
