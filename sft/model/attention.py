@@ -140,7 +140,8 @@ def packed_kernel(head_dim: int, on_gpu: bool):
     sample (whose GQA took torch's math kernel, in fp32) and 77.8 ms through one sdpa call with the row's block mask,
     all within bf16 noise of fp32 math one sample at a time (gradients 0.0035, 0.0017, 0.0017 relative); its sliding
     layers (heads of 256, window 512) 1.4 ms on FA2 against 9.9 ms masked; flex_attention failed to compile at 512
-    (benchmarks/wide_heads.py, benchmarks/results/families_2026/wide_heads_call6.json). On the CPU
+    with its default tiles and took 12.7 against 12.0 ms with small ones (benchmarks/wide_heads.py,
+    benchmarks/results/families_2026/wide_heads_call6.json, wide_heads_call16.json). On the CPU
     `per_sample_sdpa`."""
     if not on_gpu:
         return per_sample_sdpa
