@@ -6,6 +6,7 @@ token."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -239,7 +240,7 @@ def test_a_model_without_attention_layers_is_refused_with_the_reason(model_type)
         architectures.of(AutoConfig.for_model(model_type))
 
 
-def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatch):
+def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatch, caplog):
     """`compile_decoder_layers: auto` without FP8 on a GPU: on for GLM-4-MoE and Qwen3-MoE (measured exact and
     faster on the H200 / H100), off for Gemma 4's MoE (a NaN gradient at the first step), Qwen3.5-MoE (no step within
     130 s of compiling) and gpt-oss (Inductor's backward fails), each with its measurement as the logged reason; off
@@ -265,6 +266,18 @@ def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatc
     assert "NaN gradient norm at the first step" in reasons["gemma4_moe"]
     assert "not finished one step after 130 s" in archs["qwen3_5_moe"].kernel("compile_bf16").reason
     assert "wrong number of dimensions" in archs["gpt_oss"].kernel("compile").reason
+    # asked for by name: kept, the measurement against them in the warning; none where they were measured good
+    asked = SimpleNamespace(auto_settings=set(), use_liger_kernel=False, compile_decoder_layers=True, fp8=False)
+    for name, said in (
+        ("gemma4_moe", "NaN gradient norm"),
+        ("gpt_oss", "wrong number of dimensions"),
+        ("glm4_moe", None),
+    ):
+        with caplog.at_level(logging.WARNING, logger=preflight.logger.name):
+            caplog.clear()
+            preflight._family_liger(asked, archs[name])
+        warned = [r.getMessage() for r in caplog.records if "compile_decoder_layers: true" in r.getMessage()]
+        assert (warned and said in warned[0] and "kept as asked" in warned[0]) if said else not warned, (name, warned)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])

@@ -893,8 +893,9 @@ def _family_liger(training_args, arch: architectures.Architecture) -> bool:
     on = _liger_on(training_args, arch)
     if training_args.use_liger_kernel and not liger.on and "use_liger_kernel" not in training_args.auto_settings:
         logger.warning("use_liger_kernel: true on %s, kept as asked, though %s", arch.family, liger.reason)
-    for name, key in (("fp8", "fp8"), ("compile", "compile_decoder_layers")):
-        kernel = arch.kernel(name)
+    # compiled layers: the family's bf16 measurement where there is one (on: nothing to warn of), else the FP8 one
+    compiled = arch.kernels.get("compile_bf16") or arch.kernel("compile")
+    for key, kernel in (("fp8", arch.kernel("fp8")), ("compile_decoder_layers", compiled)):
         if getattr(training_args, key) and key not in training_args.auto_settings and not kernel.on:
             logger.warning("%s: true on %s, kept as asked, though %s", key, arch.family, kernel.reason)
     return on
