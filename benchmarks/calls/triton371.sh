@@ -42,6 +42,8 @@ cp -r "$old/backends/nvidia/bin" "$tri/triton/backends/nvidia/"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 t36() { PYTHONPATH="$site:$PWD" "$@"; }
 t37() { PYTHONPATH="$tri:$fla:$site:$PWD" "$@"; }
+# `for_family FAMILY CMD...`: Qwen3.5's families with fla under 3.7.1, the rest under the image's 3.6
+for_family() { if [[ $1 == qwen3_5* ]]; then t37 "${@:2}"; else t36 "${@:2}"; fi; }
 late() { (( SECONDS > ${DEADLINE:-540} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
 linear=(python3 -m benchmarks.linear_attention --grads --out "$work/linear")
 cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18 ${ENGINE_AUTO:+--engine-auto})
@@ -80,11 +82,10 @@ for part in "$@"; do
         late llama || t36 timeout 100 "${cli[@]}" --families llama --out "$OUT/cli_llama" > "$work/cli_llama.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_gemma_*.log "$work"/cli_llama.log | cut -c1-500 ;;
     profile)
-        shape=${SHAPE:-gemma4} run=t36
-        [[ $shape == qwen3_5* ]] && run=t37
+        shape=${SHAPE:-gemma4}
         read -ra variants <<< "${VARIANTS:-sft sft_compile}"
-        $run timeout 400 python3 -m benchmarks.profile_step --shape "$shape" --layers "${LAYERS:-8}" --gpu-memory 79.18 \
-            --only "${variants[@]}" --out "$work/profile_$shape" > "$work/profile.log" 2>&1
+        for_family "$shape" timeout 400 python3 -m benchmarks.profile_step --shape "$shape" --layers "${LAYERS:-8}" \
+            --gpu-memory 79.18 --only "${variants[@]}" --out "$work/profile_$shape" > "$work/profile.log" 2>&1
         cp "$work/profile_$shape/profile.md" "$OUT/profile_$shape.md"
         sed -n 1,12p "$OUT/profile_$shape.md"; grep -E "exit [1-9]" "$work/profile.log" ;;
     dense)
@@ -130,9 +131,8 @@ for part in "$@"; do
         for fam in "${mc[@]}"; do
             for variant in ${MOE_VARIANTS:-default compiled}; do
                 extra=(); [[ $variant == compiled ]] && extra=(--set "compile_decoder_layers: true")
-                run=t36; [[ $fam == qwen3_5* ]] && run=t37
-                late "$fam-$variant" || $run timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto --families "$fam" \
-                    "${extra[@]}" --out "$OUT/cli_${fam}_$variant" --work "$work/$fam-$variant" \
+                late "$fam-$variant" || for_family "$fam" timeout "${CLI_S:-240}" "${cli[@]}" --engine-auto \
+                    --families "$fam" "${extra[@]}" --out "$OUT/cli_${fam}_$variant" --work "$work/$fam-$variant" \
                     > "$work/cli_${fam}_$variant.log" 2>&1
             done
         done
