@@ -209,6 +209,34 @@ def run_set(name: str, prototype: bool = True) -> dict:
     return row
 
 
+def quantization_on_gpu(random: int = 1 << 24) -> dict:
+    """The fused kernel's 8-bit quantization alone (`sft.run.adamw8bit_kernel._quantize`, the GPU's log2 and exp2)
+    against torchao's `quantize_8bit_with_qmap` on the GPU, both maps: every entry, midpoint and rounding threshold,
+    the floats next to them, and `random` values of every magnitude. Per map: codes that differ, values."""
+    import triton
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    from sft.run.adamw8bit_kernel import codes_of
+    from sft.run.optimizer import bounds_of, thresholds
+
+    differ = {}
+    for signed, qmap in ((True, get_qmap_signed()), (False, get_qmap_unsigned())):
+        qmap = torch.tensor(qmap, device="cuda")
+        points = torch.cat([qmap, (qmap[1:] + qmap[:-1]) / 2, thresholds(qmap).cuda()])
+        two = torch.tensor(2.0, device="cuda")
+        points = torch.cat([points, torch.nextafter(points, two), torch.nextafter(points, -two)])
+        g = torch.Generator(device="cuda").manual_seed(0)
+        values = 10 ** -(torch.rand(random, generator=g, device="cuda") * 9)
+        values = values * (torch.randint(0, 2, (random,), generator=g, device="cuda") * 2 - 1 if signed else 1)
+        x = torch.cat([points, values]).clamp(-1.0 if signed else 0.0, 1.0).float()
+        out = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
+        codes_of[(triton.cdiv(x.numel(), 1024),)](x, out, bounds_of(qmap), x.numel(), SIGNED=signed, BLOCK=1024)
+        differ["signed" if signed else "unsigned"] = [int((out != quantize_8bit_with_qmap(x, qmap)).sum()),
+                                                      x.numel()]  # fmt: skip
+    return differ
+
+
 def tune(name: str) -> list[dict]:
     """The fused step's milliseconds per step over `name`'s set for several program shapes (blocks per program,
     warps), with stochastic rounding."""
@@ -257,13 +285,14 @@ def main() -> None:
         rows = [row for name in args.sets for row in tune(name)]
         args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
         return
-    rows = []
+    rows, quantization = [], quantization_on_gpu()
+    print(json.dumps({"quantization": quantization}), flush=True)
     for name in args.sets:
         rows.append(run_set(name, not args.no_prototype))
         print(json.dumps(rows[-1]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": rows}, indent=1) + "\n")  # fmt: skip
+                                        "quantization": quantization, "rows": rows}, indent=1) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,34 +7,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize(x, qmap, SIGNED: tl.constexpr):
-    """torchao's `quantize_8bit_with_qmap`: the code of the largest map entry at or below `x` (0 below them all),
-    then the one above it where `x` is at least halfway there. torchao finds the first by an 8-step search of the map;
-    here it is computed from the map's form and made exact by comparing with the entries around it.
+def _quantize(x, bounds, SIGNED: tl.constexpr):
+    """torchao's `quantize_8bit_with_qmap`: the code of the largest map entry at or below `x` (0 below them all), then
+    the one above it where `x - entry >= (next - entry) * 0.5` in fp32. That code is the number of the map's
+    thresholds at or below `x` (`sft.run.optimizer.thresholds`: per pair of neighbours the least fp32 value that
+    rounds up, found on the host by torchao's own comparison), so it is a guess computed from the map's form made
+    exact by two threshold reads (torchao reads the map 10 times: an 8-step search, then the two neighbours).
+    `bounds`: -inf, the 255 thresholds, +inf.
 
     torchao's dynamic maps (`create_dynamic_map`): for decades i = 0..6, 2^i (signed) or 2^(i+1) (unsigned) entries
     10^(i-6) x (0.1 + 0.9 (j + 0.5) / count), j < count, all in [10^(i-7), 10^(i-6)); then 0 and 1.0, and (signed)
     the negatives of the decades' entries. Sorted, a positive entry of rank r (0-based among the positives) has code
-    128 + r (signed: 127 negatives and 0 below it) or 1 + r (unsigned: 0 below it)."""
+    128 + r (signed: 127 negatives and 0 below it) or 1 + r (unsigned: 0 below it); the guess is the code of the
+    entry nearest to `x`, at most one from the true code (ties, and the float error of the decade's estimate at its
+    edges, where the rank runs on into the next decade)."""
     magnitude = tl.abs(x)
     decade = tl.floor(tl.log2(tl.maximum(magnitude, 1e-30)) * 0.30102999566398120) + 7.0
     decade = tl.minimum(tl.maximum(decade, 0.0), 6.0)
     count = tl.exp2(decade + (0.0 if SIGNED else 1.0))  # entries in this decade
     below = count - (1.0 if SIGNED else 2.0)  # positive entries in the decades below
     within = magnitude * tl.exp2((6.0 - decade) * 3.3219280948873622)  # in [0.1, 1) where the decade is right
-    j = tl.floor((within - 0.1) * (count * 1.1111111111111112) - 0.5)  # the decade's largest entry at or below x
-    j = tl.minimum(tl.maximum(j, -1.0), count - 1.0)
-    rank = (below + j).to(tl.int32)  # of the largest positive entry at or below the magnitude (-1: none)
-    # below x: its magnitude's rank for x >= 0; for x < 0 the negative of the next larger magnitude
-    codes = tl.where(x >= 0, 128 + rank, 126 - (rank + 1)) if SIGNED else 1 + rank
+    j = tl.floor((within - 0.1) * (count * 1.1111111111111112))  # the decade's entry nearest to x
+    j = tl.minimum(tl.maximum(j, -1.0), count)
+    rank = (below + j).to(tl.int32)  # of the positive entry nearest to the magnitude (-1: zero)
+    codes = tl.where(x >= 0, 128 + rank, 126 - rank) if SIGNED else 1 + rank
     codes = tl.where(magnitude >= 1.0, tl.where(x >= 0, 255, 0), codes)
-    codes = tl.minimum(tl.maximum(codes, 0), 254)
-    codes = tl.where(x >= tl.load(qmap + codes + 1), codes + 1, codes)  # the guess is at most one off either way
-    codes = tl.where((x < tl.load(qmap + codes)) & (codes > 0), codes - 1, codes)
-    up = tl.minimum(codes + 1, 255)
-    down_value = tl.load(qmap + codes)
-    up_value = tl.load(qmap + up)
-    return tl.where(x - down_value >= (up_value - down_value) * 0.5, up, codes)
+    codes = tl.minimum(tl.maximum(codes, 0), 255)
+    up = (x >= tl.load(bounds + codes + 1)).to(tl.int32)  # the threshold above the guess is at or below x
+    down = (x < tl.load(bounds + codes)).to(tl.int32)  # the one below it is above x
+    return codes + up - down
+
+
+@triton.jit
+def codes_of(x_ptr, out_ptr, bounds, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """`_quantize` alone over `n` values (the tests and benchmarks/optimizer_step.py check it against torchao's)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+    tl.store(out_ptr + offsets, _quantize(x, bounds, SIGNED).to(tl.uint8), mask=offsets < n)
 
 
 @triton.jit
@@ -47,8 +56,8 @@ def _nearest_bf16(x):
 
 @triton.jit
 def adamw8bit_step(
-    p_ptr, g_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, qmap_m, qmap_v, n, lr, lr_wd, one_minus_beta1,
-    one_minus_beta2, bc1, bc2_sqrt, eps, seed,
+    p_ptr, g_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, qmap_m, qmap_v, bounds_m, bounds_v, n, lr, lr_wd,
+    one_minus_beta1, one_minus_beta2, bc1, bc2_sqrt, eps, seed,
     QUANTIZED: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -76,8 +85,8 @@ def adamw8bit_step(
     if QUANTIZED:
         m_new_scale = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
         v_new_scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
-        tl.store(m_ptr + offsets, _quantize(m / m_new_scale[:, None], qmap_m, True).to(tl.uint8), mask=mask)
-        tl.store(v_ptr + offsets, _quantize(v / v_new_scale[:, None], qmap_v, False).to(tl.uint8), mask=mask)
+        tl.store(m_ptr + offsets, _quantize(m / m_new_scale[:, None], bounds_m, True).to(tl.uint8), mask=mask)
+        tl.store(v_ptr + offsets, _quantize(v / v_new_scale[:, None], bounds_v, False).to(tl.uint8), mask=mask)
         tl.store(m_scale_ptr + rows, m_new_scale, mask=row_mask)
         tl.store(v_scale_ptr + rows, v_new_scale, mask=row_mask)
     else:

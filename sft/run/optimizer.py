@@ -25,6 +25,7 @@ import logging
 import os
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
@@ -173,14 +174,58 @@ def fused_step(p, grad, m, v, scalars: tuple, stochastic_round: bool, rows: int 
     if isinstance(m, OptimState8bit):
         blocks = p.numel() // BLOCK
         kernel[(triton_cdiv(blocks, rows),)](
-            p, grad, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, blocks, *scalars,
+            p, grad, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, bounds_of(m.qmap), bounds_of(v.qmap), blocks,
+            *scalars,
             QUANTIZED=True, BF16=half, ROUND=stochastic_round, ROWS=rows, BLOCK=BLOCK, num_warps=warps,
         )  # fmt: skip
     else:
         kernel[(triton_cdiv(triton_cdiv(p.numel(), BLOCK), rows),)](
-            p, grad, m, m, v, v, m, v, p.numel(), *scalars,
+            p, grad, m, m, v, v, m, v, m, v, p.numel(), *scalars,
             QUANTIZED=False, BF16=half, ROUND=stochastic_round, ROWS=rows, BLOCK=BLOCK, num_warps=warps,
         )  # fmt: skip
+
+
+_BOUNDS = WeakIdKeyDictionary()  # a state's map -> its `thresholds` on its device, made at its first step
+
+
+def bounds_of(qmap: torch.Tensor) -> torch.Tensor:
+    """`thresholds(qmap)` with -inf before and +inf after, on qmap's device (the kernel's `_quantize` reads them)."""
+    if qmap not in _BOUNDS:
+        inf = torch.tensor([float("inf")])
+        _BOUNDS[qmap] = torch.cat([-inf, _thresholds(tuple(qmap.tolist())), inf]).to(qmap.device)
+    return _BOUNDS[qmap]
+
+
+def thresholds(qmap: torch.Tensor) -> torch.Tensor:
+    """Per pair of neighbours `qmap[c]`, `qmap[c + 1]` of a sorted 256-entry map, the least fp32 `x` that torchao's
+    `quantize_8bit_with_qmap` rounds up to `c + 1`: `x - qmap[c] >= (qmap[c + 1] - qmap[c]) * 0.5` in fp32. That test
+    is monotone in `x`, so its least solution is found by bisection over the fp32 values between the two, and a
+    value's code is how many of these 255 thresholds are at or below it."""
+    return _thresholds(tuple(qmap.tolist()))
+
+
+@functools.lru_cache(maxsize=4)  # torchao's two maps
+def _thresholds(values: tuple[float, ...]) -> torch.Tensor:
+    import numpy as np
+
+    q = np.asarray(values, dtype=np.float32)
+    down, up = q[:-1], q[1:]
+    half = (up - down) * np.float32(0.5)
+
+    def key(x):  # fp32 -> int64 in the floats' order
+        bits = x.view(np.int32).astype(np.int64)
+        return np.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+
+    def value(k):
+        bits = np.where(k >= 0, k, (-k) | 0x80000000).astype(np.uint32)
+        return bits.view(np.float32)
+
+    low, high = key(down), key(up)  # high always rounds up: up - down >= half
+    while (low < high).any():
+        mid = (low + high) // 2
+        rounds_up = (value(mid) - down) >= half
+        high, low = np.where(rounds_up, mid, high), np.where(rounds_up, low, mid + 1)
+    return torch.from_numpy(value(high).copy())
 
 
 def triton_cdiv(a: int, b: int) -> int:
