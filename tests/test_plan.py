@@ -737,6 +737,26 @@ def test_eight_bit_adam_moments_shrink_the_optimizer_line_and_their_step_holds_t
     assert "8-bit Adam moments" in dataclasses.replace(base, moment_bytes=2.03125).describe()
 
 
+def test_without_an_engine_the_fused_8bit_step_holds_no_fp32_moments(monkeypatch):
+    """Without an engine each tensor is stepped apart: torchao's step dequantises the largest one's moments to fp32
+    (8 + 8/256 bytes an element), sft's fused kernel (`sft.run.optimizer`) reads and writes their codes and holds
+    nothing beside them, for every tensor under 2^31 elements; `SFT_FUSED_ADAMW=0` (torchao's step) counts it again.
+    Mixtral at 8 layers of its widths was refused on 80 GB for that term alone (1 x H200, benchmarks/results/
+    families_2026: 77.26 GiB planned with it, 71.26 usable)."""
+    three = shapes.load_shape("meta-llama/Llama-3.2-3B")
+    setting = plan.Setting(gpus=1, zero_stage=None, seq_len=4096, micro_batch=1, accumulation=8,
+                           moment_bytes=plan.moment_bytes_of("adamw_torch_8bit")).stepped_in_place()  # fmt: skip
+    term = plan.EIGHT_BIT_STEP_BYTES * three.largest_module_params
+
+    def at_step(shape, fused: bool) -> float:
+        monkeypatch.setenv("SFT_FUSED_ADAMW", "1" if fused else "0")
+        return plan.estimate(shape, setting).at_step
+
+    assert at_step(three, False) - at_step(three, True) == pytest.approx(term) and term > 2.9 * plan.GiB
+    huge = dataclasses.replace(three, largest_module_params=plan.FUSED_STEP_MAX_ELEMENTS)  # torchao steps it
+    assert at_step(huge, True) == at_step(huge, False)
+
+
 def test_plan_without_an_engine_holds_the_measured_peaks_of_the_vlm_benchmark(tmp_path):
     """The Qwen2.5-VL-7B widths of `benchmarks/vlm.py` (12 layers, frozen encoder) without an engine, bf16 weights with
     8-bit moments, rows of 8,192, no checkpointing: measured on 1 x H200 capped at 79.18 GiB at 48.23 GiB (micro 1) and

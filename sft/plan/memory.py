@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -653,6 +654,16 @@ EIGHT_BIT_MOMENTS = {"adamw_torch_8bit": 2 + 8 / 256}
 # 8.031 bytes per element of a flat tensor of 1e9 and 4e9 elements, none for fused fp32 AdamW; benchmarks/results/
 # optimizer_step_memory). ZeRO-1/2 hand it the whole partition as one tensor, ZeRO-3 one sub-group at a time.
 EIGHT_BIT_STEP_BYTES = 8 + 8 / 256
+# ... except where sft's fused step runs it (`sft.run.optimizer`, one Triton kernel per tensor that reads and writes
+# the codes, nothing dequantized beside them): without an engine on a GPU, each tensor under this many elements
+FUSED_STEP_MAX_ELEMENTS = 2**31
+
+
+def fused_step_off() -> str | None:
+    """Why sft's fused 8-bit step is off by the user's choice (`SFT_FUSED_ADAMW=0`: torchao's own step, the benchmarks'
+    baseline), or None: the plan counts the fused step for every GPU, whose torch ships Triton
+    (`sft.run.optimizer.cannot_fuse` adds what only the run's machine can tell)."""
+    return "SFT_FUSED_ADAMW=0" if os.environ.get("SFT_FUSED_ADAMW") == "0" else None
 
 
 # The recipe fields (`TrainConfig`'s and `ModelArguments`' names) a `Setting` is made of (`setting_of`)
@@ -832,8 +843,10 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
             step["gradients 16-bit + fp32 (step)"] = b * held + 4 * held
         else:  # bf16 weights stepped in place: their bf16 gradients, no fp32 copy
             step["gradients (16-bit, step)"] = b * held
-        if s.eight_bit_moments:  # without ZeRO the optimizer steps each parameter apart
-            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * shape.largest_module_params
+        # without ZeRO the optimizer steps each parameter apart, the fused step without a fp32 copy of its moments
+        largest = shape.largest_module_params
+        if s.eight_bit_moments and (fused_step_off() or largest >= FUSED_STEP_MAX_ELEMENTS):
+            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * largest
         states_own = sum(items.values()) + sum(step.values())
     return items, step, states_own
 

@@ -27,6 +27,8 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from sft.plan.memory import FUSED_STEP_MAX_ELEMENTS, fused_step_off
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 256  # torchao's block: one fp32 scale per 256 codes
@@ -64,8 +66,8 @@ def interpreted() -> bool:
 def cannot_fuse() -> str | None:
     """Why the fused step cannot run here, or None. `SFT_FUSED_ADAMW=0` keeps torchao's own step (the benchmarks'
     baseline arm)."""
-    if os.environ.get("SFT_FUSED_ADAMW") == "0":
-        return "SFT_FUSED_ADAMW=0"
+    if off := fused_step_off():
+        return off
     if not TRITON:
         return "Triton is not installed"
     if not torch.cuda.is_available() and not interpreted():
@@ -150,7 +152,7 @@ def _fusable(p: torch.Tensor, state: dict, group: dict, is_adamw: bool) -> bool:
     same = type(m) is torch.Tensor and type(v) is torch.Tensor
     return (plain and is_adamw and not group["amsgrad"] and (p.is_cuda or interpreted()) and p.is_contiguous()
             and p.grad.is_contiguous() and p.grad.dtype == p.dtype and isinstance(group["lr"], torch.Tensor)
-            and p.dtype in (torch.bfloat16, torch.float32) and p.numel() < 2**31
+            and p.dtype in (torch.bfloat16, torch.float32) and p.numel() < FUSED_STEP_MAX_ELEMENTS
             and (quantized and m.block_size == BLOCK and v.block_size == BLOCK or same))  # fmt: skip
 
 
