@@ -49,6 +49,11 @@ RUNS = (
      15, PLANNED),
     ("cli_call15_glm4_moe_compiled.json", "glm4_moe", "varlen FA2, grouped_mm, compiled layers (now)",
      "cli_call15_llama.json", 15, PLANNED),
+    # Mixtral at 8 layers fits 80 GB since the plan counts the fused 8-bit step (no fp32 moments beside it)
+    ("cli_call19_mixtral.json", "mixtral", "varlen FA2, grouped_mm, eager layers (now)", "cli_call19_mixtral.json",
+     19, PLANNED),
+    ("cli_call20_mixtral_compiled.json", "mixtral", "varlen FA2, grouped_mm, compile_decoder_layers: true",
+     "cli_call20_llama.json", 20, PLANNED),
 )  # fmt: skip
 
 
