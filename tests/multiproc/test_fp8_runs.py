@@ -24,6 +24,7 @@ ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--max_steps", str(STEPS),
     "--max_length", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "4",
     "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4",
+    "--report", "false",
     "--trace_data", "true", "--compile_decoder_layers", "false",
 ]  # fmt: skip
 FP8 = ["--fp8", "true", "--fp8_recipe", "tensorwise"]

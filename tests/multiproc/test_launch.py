@@ -19,6 +19,7 @@ from tests.helpers import launch_env, losses, slurm_env
 TRAIN = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--max_steps", "8", "--logging_steps", "1",
     "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "4", "--per_device_train_batch_size", "1",
+    "--report", "false",
     "--gradient_accumulation_steps", "2", "--max_length", "256", "--deepspeed", "ds_configs/zero2.json",
 ]  # fmt: skip
 

@@ -21,6 +21,7 @@ ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--use_peft", "--lora_r", "8",
     "--lora_alpha", "16", "--lora_target_modules", "all-linear", "--max_steps", str(STEPS), "--logging_steps", "1",
     "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "no", "--learning_rate", "1e-2",
+    "--report", "false",
     "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "256",
 ]  # fmt: skip
 

@@ -30,7 +30,7 @@ STEPS = 8
 ARGS = [
     "--config", str(ROOT / "recipes" / "demo.yaml"), "--from_scratch", "false", "--max_steps", str(STEPS),
     "--max_length", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "4",
-    "--gradient_accumulation_steps", "1", "--logging_steps", "1", "--eval_strategy", "no",
+    "--gradient_accumulation_steps", "1", "--logging_steps", "1", "--eval_strategy", "no", "--report", "false",
     "--save_strategy", "steps", "--save_steps", "4", "--trace_data", "true",
 ]  # fmt: skip
 RTOL = 1e-5
