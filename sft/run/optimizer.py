@@ -6,11 +6,13 @@ each call several kernels (dequantize, lerp, block max, an 8-step search of the 
 bits): on an H200 that took 11-38x the time its bytes need (benchmarks/results/optimizer_step). `FusedAdamW8bit` is
 torchao's class with the same states (uint8 codes, a fp32 scale per 256 values, torchao's dynamic maps; tensors torchao
 leaves unquantized keep its plain states), the same checkpoints and the same arithmetic (`single_param_adam`: the
-weight decay, lerp, bias corrections, quantization by the same search), done in one Triton kernel per tensor that
+weight decay, lerp, bias corrections, the same 8-bit codes: each the count of the map's rounding thresholds at or
+below the value, `thresholds`, which equals torchao's search code for code), done in one Triton kernel per tensor that
 reads each byte once and writes it once. What differs: the stochastic rounding's random bits are Triton's Philox
-(keyed by the run's seed, the step and the tensor's place), not torch's generator, so a rounded weight goes up or down
-with the same probabilities but not at the same draws; the float arithmetic may differ from torchao's compiled
-kernels in a last bit, whence a moment's code on a decision boundary (tests/test_optimizer.py bounds both).
+(keyed by the run's seed, the step and the tensor's place; one call per 8 weights), not torch's generator, so a
+rounded weight goes up or down with the same probabilities but not at the same draws; the float arithmetic may differ
+from torchao's compiled kernels in a last bit, whence a moment's code on a decision boundary (tests/test_optimizer.py
+bounds both).
 
 Used where it can run (a CUDA tensor, Triton installed, AdamW without amsgrad, plain contiguous tensors); elsewhere
 the step is torchao's own, and `SFT_FUSED_ADAMW=0` keeps torchao's everywhere. `fused_class` is the seam the trainer
