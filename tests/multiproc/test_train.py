@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -214,7 +215,10 @@ def test_a_bad_record_found_by_one_rank_stops_every_rank_with_its_paragraph(tmp_
     assert result.returncode != 0
     assert f"sft: error: {data}: record 150: `messages` must be a list of turns, got str" in result.stderr
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
-    assert result.stderr.count("exitcode  : 2 ") == 2, result.stderr[-3000:]  # torchrun's summary: both ranks, 2
+    # torchrun's summary: each rank exited 2, but one whose exit the agent had not seen before the other's is stopped
+    # by its SIGTERM (-15; both ranks had the paragraph by then), which one depends on the cores' timing
+    codes = re.findall(r"exitcode  : (-?\d+) ", result.stderr)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-3000:]
 
 
 DECIDED_ONCE_PROBE = r"""
