@@ -196,7 +196,7 @@ def bounds_of(qmap: torch.Tensor) -> torch.Tensor:
     """`thresholds(qmap)` with -inf before and +inf after, on qmap's device (the kernel's `_quantize` reads them)."""
     if qmap not in _BOUNDS:
         inf = torch.tensor([float("inf")])
-        _BOUNDS[qmap] = torch.cat([-inf, _thresholds(tuple(qmap.tolist())), inf]).to(qmap.device)
+        _BOUNDS[qmap] = torch.cat([-inf, thresholds(qmap), inf]).to(qmap.device)
     return _BOUNDS[qmap]
 
 
