@@ -30,6 +30,14 @@ def leaky_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
 
+def leaky_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_):
+    """`sft_varlen`'s CPU kernel blind to the boundaries: causal attention over the whole flattened row."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out.transpose(0, 1)
+
+
 def long_rows_doubled(module, query, key, value, attention_mask, **kwargs):
     """sdpa with the row's own mask (no sample sees another), its output doubled in a sequence longer than 64 tokens:
     a packed sample computes something else than alone without reading any other sample."""
@@ -201,17 +209,16 @@ def small_recipe(tmp_path):
 def test_sft_check_runs_the_check_on_a_recipe_and_trains_nothing(small_recipe, monkeypatch, capsys):
     """`sft check --config recipe`: the recipe's own model and rows, packed against each sample alone, in one
     process without its sharding engine (a ZeRO-3 recipe here): exit 0 with the figures for the demo's model; exit 2
-    with the figures and the fix when its attention leaks (sdpa replaced by one blind to the boundaries). The recipe's
-    output directory is never created."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    with the figures and the fix when its attention leaks (sft_varlen's CPU kernel replaced by one blind to the
+    boundaries). The recipe's output directory is never created."""
+    import sft.model.attention
     from sft.tools import check
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the one-process launch's variables it sets, put back
     assert check.main(["--config", str(small_recipe)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"sft check: packing is exact: \d+ samples of \d+ packed rows .*\(tolerance 1e-04\)", out), out
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", leaky_attention)
+    monkeypatch.setattr(sft.model.attention, "per_sample_sdpa", leaky_varlen)
     assert check.main(["--config", str(small_recipe), "--seed", "3"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"sft check: error: Packing check \(sft check\): packed samples do not compute what they compute "

@@ -264,8 +264,9 @@ def test_the_newer_image_text_configs_train_on_text_and_on_images(tmp_path, fami
     """Gemma 4's and Qwen3.5's checkpoints are image+text configs. On the text demo's records: a text run of their
     text model (gemma4_text, packed exactly: tests/test_architectures.py; qwen3_5_text's linear attention one sample at
     a time: tests/test_linear_attention.py). On the image demo's records: an image+text run of the image+text class,
-    Qwen3.5 packed by its M-RoPE rows, Gemma 4 by sft's masks on sdpa (both exact: tests/test_vision_packing.py);
-    Gemma 4's audio encoder (no audio row is built) frozen and counted frozen by the memory plan."""
+    Qwen3.5 packed by its M-RoPE rows on `auto`'s backend (sft_varlen on the CPU too), Gemma 4 by sft's masks on sdpa
+    (both exact: tests/test_vision_packing.py); Gemma 4's audio encoder (no audio row is built) frozen and counted
+    frozen by the memory plan."""
     from transformers import AutoConfig
 
     from sft.model import shapes
@@ -293,7 +294,8 @@ def test_the_newer_image_text_configs_train_on_text_and_on_images(tmp_path, fami
         assert not any(p.requires_grad for n, p in text_model.named_parameters() if "audio" in n)
     images, _, model_args = planned(tmp_path, "--model_name_or_path", str(tmp_path / family))
     packing = {"gemma4": "masks", "qwen3_5": "mrope"}[family]
-    assert images.vision is not None and images.vision.packing == packing and images.attn_implementation == "sdpa"
+    backend = {"gemma4": "sdpa", "qwen3_5": "sft_varlen"}[family]  # sft's masks need sdpa; M-RoPE rows take auto's
+    assert images.vision is not None and images.vision.packing == packing and images.attn_implementation == backend
     model = load_model(model_args, images)  # the image+text class (its causal-LM class is the text model alone)
     assert type(model).__name__ == {"gemma4": "Gemma4", "qwen3_5": "Qwen3_5"}[family] + "ForConditionalGeneration"
     if family == "qwen3_5":
