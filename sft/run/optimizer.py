@@ -8,8 +8,8 @@ torchao's class with the same states (uint8 codes, a fp32 scale per 256 values, 
 leaves unquantized keep its plain states), the same checkpoints and the same arithmetic (`single_param_adam`: the
 weight decay, lerp, bias corrections, the same 8-bit codes: each the count of the map's rounding thresholds at or
 below the value, `thresholds`, which equals torchao's search code for code), done in one Triton kernel per tensor that
-reads each byte once and writes it once. What differs: the stochastic rounding's random bits are Triton's Philox
-(keyed by the run's seed, the step and the tensor's place; one call per 8 weights), not torch's generator, so a
+reads each byte once and writes it once. What differs: the stochastic rounding's random bits are an integer hash of
+each weight's place (keyed by the run's seed, the step and the tensor's place), not torch's generator, so a
 rounded weight goes up or down with the same probabilities but not at the same draws; the float arithmetic may differ
 from torchao's compiled kernels in a last bit, whence a moment's code on a decision boundary (tests/test_optimizer.py
 bounds both).
@@ -140,7 +140,7 @@ def _fused_adamw8bit():
 
 
 def _seed(step: int, group: int, index: int) -> int:
-    """The stochastic rounding's Philox seed for one tensor's step: from the run's seed (`torch.initial_seed`, which
+    """The stochastic rounding's seed for one tensor's step: from the run's seed (`torch.initial_seed`, which
     transformers sets from `seed`), the step and the tensor's place, so a resumed run draws what the run would have."""
     return (torch.initial_seed() * 1_000_003 + step * 65_537 + group * 4_099 + index) % (2**31 - 1)
 
