@@ -7,7 +7,9 @@ layers, rows of 4,096, planned for and capped at 79.18 GiB; `engine`: ZeRO-2 on 
 or what sft's plan picks on one GPU (`--engine-auto`: no engine, 8-bit AdamW)) beside the Llama run of the same device
 call (the same depth and engine; `llama.file` names it: one row's Llama is from the call before, said in RUNS), and
 their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the family, the speed model's estimate) stay null
-until measured: no row claims them.
+until measured: no row claims them. `steps`: the one-GPU optimizer step's rows (`benchmarks/optimizer_step.py`, item
+5 of the issue), each set's fused 8-bit step with stochastic rounding and torch's fused fp32 AdamW against the bytes
+they move over the card's bandwidth (H200 4.8 TB/s, H100 3.35 TB/s); the latest file per card and set (STEPS).
 """
 
 from __future__ import annotations
@@ -57,6 +59,32 @@ RUNS = (
 )  # fmt: skip
 
 
+# (file under benchmarks/results/optimizer_step, its sets taken, the date): the newest measurement per card and set
+STEPS = (
+    ("h200_randint4x_call7.json", ("llama-3.2-1b", "qwen3-4b"), "2026-12-03"),
+    ("h200_randint4x_call6.json", ("llama-3.1-8b",), "2026-12-03"),
+    ("h100_step_call2.json", ("llama-3.2-1b",), "2026-12-07"),
+)
+
+
+def step_rows(folder: Path) -> list[dict]:
+    rows = []
+    for name, sets, date in STEPS:
+        data = json.loads((folder / name).read_text())
+        for row in (r for r in data["rows"] if r["set"] in sets):
+            fp32 = row.get("torch_fused_fp32")
+            rows.append({
+                "set": row["set"], "parameters": row["parameters"], "card": data["card"], "date": date,
+                "file": f"benchmarks/results/optimizer_step/{name}",
+                "fused_8bit_sr_ms": round(row["fused_8bit_sr"], 2),
+                "floor_8bit_ms": round(row["floor_ms_8bit"], 2),
+                "fused_8bit_sr_x_floor": round(row["fused_8bit_sr"] / row["floor_ms_8bit"], 2),
+                "torchao_8bit_sr_ms": round(row["torchao_8bit_sr"], 1),
+                "torch_fused_fp32_x_floor": round(fp32 / row["floor_ms_fp32"], 2) if fp32 else None,
+            })  # fmt: skip
+    return rows
+
+
 def summary(folder: Path) -> dict:
     card = (folder / "gpu.txt").read_text().split(",")[0].strip()
     rows = []
@@ -72,7 +100,11 @@ def summary(folder: Path) -> dict:
                       "file": llama_file},
             "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": None,
         })  # fmt: skip
-    return {"source": "benchmarks/families_2026.py over " + ", ".join(sorted({r[0] for r in RUNS})), "rows": rows}
+    return {
+        "source": "benchmarks/families_2026.py over " + ", ".join(sorted({r[0] for r in RUNS})),
+        "rows": rows,
+        "steps": step_rows(folder.parent / "optimizer_step"),
+    }
 
 
 def main() -> None:
@@ -81,6 +113,11 @@ def main() -> None:
     args = parser.parse_args()
     out = summary(args.folder)
     (args.folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    for r in out["steps"]:
+        print(
+            f"{r['set']:13} {r['card']:22} fused 8-bit + SR {r['fused_8bit_sr_ms']:6.2f} ms, "
+            f"{r['fused_8bit_sr_x_floor']:.2f}x its floor; fp32 {r['torch_fused_fp32_x_floor']}x"
+        )
     for r in out["rows"]:
         print(
             f"{r['family']:8} {r['path'][:50]:50} {r['tokens_per_second']:>7,} tok/s  MFU {r['mfu']:.3f}  "
