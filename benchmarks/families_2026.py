@@ -116,7 +116,7 @@ def main() -> None:
     for r in out["steps"]:
         print(
             f"{r['set']:13} {r['card']:22} fused 8-bit + SR {r['fused_8bit_sr_ms']:6.2f} ms, "
-            f"{r['fused_8bit_sr_x_floor']:.2f}x its floor; fp32 {r['torch_fused_fp32_x_floor']}x"
+            f"{r['fused_8bit_sr_x_floor']:.2f}x its floor; fp32 {r['torch_fused_fp32_x_floor'] or '-'}x"
         )
     for r in out["rows"]:
         print(
