@@ -88,29 +88,31 @@ def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(
     for i, n in enumerate(lengths):
         if n > 0:
             groups.setdefault((n - 1).bit_length(), []).append(i)
-    out = q.new_empty(total, q.shape[1], v.shape[-1])
+    out = q.new_zeros(total, q.shape[1], v.shape[-1])
     for members in groups.values():
         index = torch.tensor(members, device=q.device)
-        n = torch.tensor([lengths[i] for i in members], device=q.device)
-        width = int(n.max())
+        sizes = torch.tensor([lengths[i] for i in members], device=q.device)
+        width = int(sizes.max())
         pos = torch.arange(width, device=q.device)
         tokens = (starts[index, None] + pos).clamp(max=total - 1)  # [samples, width]; past a sample: any token
         qs, ks, vs = (t[tokens].transpose(1, 2) for t in (q, k, v))  # [samples, heads, width, dim]
         mask = None
         windowed = causal and 0 <= left < width - 1
         if windowed or not causal:
-            real_key = pos[None, :] < n[:, None]  # [samples, keys]
+            real_key = pos[None, :] < sizes[:, None]  # [samples, keys]
             allowed = real_key[:, None, :].expand(-1, width, -1)
             if windowed:
                 distance = pos[:, None] - pos[None, :]
-                padded_query = pos[None, :, None] >= n[:, None, None]  # sees its sample's keys: no empty row, no NaN
+                padded_query = (
+                    pos[None, :, None] >= sizes[:, None, None]
+                )  # sees its sample's keys: no empty row, no NaN
                 allowed = allowed & (((distance >= 0) & (distance <= left))[None] | padded_query)
             mask = allowed[:, None]
         attended = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
             enable_gqa=ks.shape[1] != qs.shape[1],
         ).transpose(1, 2)  # fmt: skip
-        real = pos[None, :] < n[:, None]
+        real = pos[None, :] < sizes[:, None]
         out[tokens[real]] = attended[real]
     return out
 
@@ -507,13 +509,9 @@ def resolve_attn_implementation(
             chosen, why = "sdpa", "no varlen kernel (with a window, where the model has one) and no flash-attn"
     elif sequence_parallel or scored or mask_leaks or padding_free:
         register_varlen()
-        chosen, why = (
-            VARLEN,
-            (
-                "no GPU: sdpa over the row's samples padded to a batch, each sample its own keys; "
-                "1.8-2.2x sdpa over the row's block mask, benchmarks/results/cpu_attention"
-            ),
-        )
+        chosen = VARLEN
+        why = ("no GPU: sdpa over the row's samples padded to a batch, each sample its own keys; 1.8-2.2x sdpa over "
+               "the row's block mask, benchmarks/results/cpu_attention")  # fmt: skip
     else:
         chosen, why = "sdpa", "no GPU, no packed rows: sdpa with the padding mask"
     if arch is not None:
