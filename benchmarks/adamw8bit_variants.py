@@ -65,7 +65,8 @@ def variant_step(
     p_ptr, g_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, qmap_m, qmap_v, bounds_m, bounds_v, pairs_m, pairs_v, n,
     lr, lr_wd, one_minus_beta1, one_minus_beta2, bc1, bc2_sqrt, eps, seed,
     DEQ: tl.constexpr, QUANT: tl.constexpr, QDIV: tl.constexpr, UPD: tl.constexpr, ROUND: tl.constexpr,
-    PAIRS: tl.constexpr, HASH: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr, HASH: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr = "",
+    EVICT: tl.constexpr = "",
 ):  # fmt: skip
     """sft's `adamw8bit_step` (quantized, bf16) with switches: DEQ 1 the map's reads, 0 codes as linear values;
     QUANT 2 the guess and its two threshold reads, 1 the guess alone, 0 no quantization (codes 0); QDIV 1 IEEE
@@ -73,15 +74,19 @@ def variant_step(
     the reciprocals of the corrections and an approximate division; ROUND the stochastic rounding; PAIRS 1 the two
     thresholds read as one 64-bit word (`_quantize_pairs`), 0 as two loads (sft's `_quantize`); HASH 1 the random
     bits from an integer hash per weight (sft's `_draws` since 2026-12-07), 0 from Philox per 8 weights (before). sft's
-    kernel is PAIRS 0, HASH 1 (`hash_bits`); `now` was the candidate with both (h100_variants_call2.json)."""
+    kernel is PAIRS 0, HASH 1 (`hash_bits`); `now` was the candidate with both (h100_variants_call2.json). STREAM,
+    EVICT: the cache modifier and eviction policy of the loads that stream the tensor (weights, gradients, codes),
+    which share the caches with the reads of the map and the thresholds (`hash_cg`, `hash_evict_first`: not measured
+    yet)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     row_mask = rows < n
     mask = row_mask[:, None] & (offsets >= 0)
-    p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m_codes = tl.load(m_ptr + offsets, mask=mask, other=0).to(tl.int32)
-    v_codes = tl.load(v_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    p = tl.load(p_ptr + offsets, mask=mask, other=0.0, cache_modifier=STREAM, eviction_policy=EVICT).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0, cache_modifier=STREAM, eviction_policy=EVICT).to(tl.float32)
+    m_codes = tl.load(m_ptr + offsets, mask=mask, other=0, cache_modifier=STREAM, eviction_policy=EVICT)
+    v_codes = tl.load(v_ptr + offsets, mask=mask, other=0, cache_modifier=STREAM, eviction_policy=EVICT)
+    m_codes, v_codes = m_codes.to(tl.int32), v_codes.to(tl.int32)
     m_scale = tl.load(m_scale_ptr + rows, mask=row_mask, other=0.0)
     v_scale = tl.load(v_scale_ptr + rows, mask=row_mask, other=0.0)
     if DEQ:
@@ -158,7 +163,7 @@ def timed(fn, warmup: int = 3, steps: int = 20) -> float:
     return start.elapsed_time(end) / steps
 
 
-VARIANTS = {  # name: DEQ, QUANT, QDIV, UPD, ROUND, PAIRS, HASH
+VARIANTS = {  # name: DEQ, QUANT, QDIV, UPD, ROUND, PAIRS, HASH[, STREAM, EVICT]
     "before": (1, 2, 1, 1, 1, 0, 0),
     "threshold_pairs": (1, 2, 1, 1, 1, 1, 0),
     "hash_bits": (1, 2, 1, 1, 1, 0, 1),
@@ -169,6 +174,8 @@ VARIANTS = {  # name: DEQ, QUANT, QDIV, UPD, ROUND, PAIRS, HASH
     "now_no_threshold_reads": (1, 1, 1, 1, 1, 1, 1),
     "no_quantization": (1, 0, 1, 1, 1, 1, 1),
     "none_of_it": (0, 0, 0, 0, 0, 1, 1),
+    "hash_cg": (1, 2, 1, 1, 1, 0, 1, ".cg", ""),
+    "hash_evict_first": (1, 2, 1, 1, 1, 0, 1, "", "evict_first"),
 }
 SHAPED = ("before", "now")  # also at other program shapes
 
@@ -224,7 +231,8 @@ def main() -> None:
                 variant_step[(n // BLOCK // r,)](
                     p, grad, m_codes, m_scale, v_codes, v_scale, qmap_m, qmap_v, bounds_m, bounds_v, pairs_m, pairs_v,
                     n // BLOCK, *scalars, DEQ=flags[0], QUANT=flags[1], QDIV=flags[2], UPD=flags[3], ROUND=flags[4],
-                    PAIRS=flags[5], HASH=flags[6], ROWS=r, BLOCK=BLOCK, num_warps=w,
+                    PAIRS=flags[5], HASH=flags[6], ROWS=r, BLOCK=BLOCK, STREAM=(flags + ("", ""))[7],
+                    EVICT=(flags + ("", ""))[8], num_warps=w,
                 )  # fmt: skip
 
             rows.append({"variant": name, "rows": r, "warps": w, "ms": timed(launch)})
