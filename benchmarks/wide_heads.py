@@ -11,12 +11,14 @@ query, 4 key-value):
 - full layers (head dim 512): `masked_sdpa`, `per_sample_sdpa` (`sft.model.attention.per_sample_sdpa`: causal sdpa
   once per sample), `efficient_varlen` (`sft.model.attention.efficient_varlen`: torch's memory-efficient kernel over
   the row's samples through its `cu_seqlens`, one call) and `flex` (`sft.model.attention._flex_scored`: flex_attention
-  with the samples' block mask, compiled; `flex_small_tiles` the same with `SMALL_TILES`);
+  with the samples' block mask, compiled; `flex_small_tiles` the same with `SMALL_TILES`) and `wide_varlen`
+  (`sft.model.wide_heads.wide_varlen`: batched matrix products over the samples padded by length);
 - sliding layers (head dim 256): `masked_sdpa` (the window in the mask) and `varlen` (PyTorch's varlen
   FlashAttention-2 with the window, what `sft_varlen` runs).
 
 Each: forward + backward milliseconds (median of `--repeats` after a warm-up) and the largest relative difference of
-the output and of q/k/v's gradients from fp32 math one sample at a time. An exception is a result.
+the output and of q/k/v's gradients from fp32 math one sample at a time, and the peak memory above the inputs. An
+exception is a result.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ def _efficient(q, k, v, cu, window):
     return efficient_varlen(q, k, v, cu, cu, max_len, max_len, window_size=(-1 if window is None else window - 1, 0))
 
 
+def _matmul(q, k, v, cu, window):
+    from sft.model.wide_heads import wide_varlen
+
+    return wide_varlen(q, k, v, cu, cu, 0, 0, window_size=(-1 if window is None else window - 1, 0))
+
+
 def _flex(q, k, v, cu, window):
     from sft.model.attention import _flex_scored
 
@@ -105,7 +113,7 @@ def _varlen(q, k, v, cu, window):
 
 
 KERNELS = {512: {"masked_sdpa": _masked_sdpa, "per_sample_sdpa": _per_sample, "efficient_varlen": _efficient,
-                 "flex": _flex, "flex_small_tiles": _flex_small_tiles},
+                 "wide_varlen": _matmul, "flex": _flex, "flex_small_tiles": _flex_small_tiles},
            256: {"masked_sdpa": _masked_sdpa, "varlen": _varlen}}  # fmt: skip
 
 
@@ -113,7 +121,7 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def measure(dim: int, tokens: int, rows: int, repeats: int) -> dict:
+def measure(dim: int, tokens: int, rows: int, repeats: int, only: list[str] | None = None) -> dict:
     from benchmarks.architectures import rows as sample_rows
 
     lengths = [n for row in sample_rows(tokens, 7, rows) for n in row]
@@ -129,8 +137,12 @@ def measure(dim: int, tokens: int, rows: int, repeats: int) -> dict:
     ref.backward(grad_out.float())
     result = {"samples": len(lengths), "tokens": total}
     for name, kernel in KERNELS[dim].items():
+        if only and name not in only:
+            continue
         try:
             seconds = []
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
             for i in range(repeats + 1):
                 for t in (q, k, v):
                     t.grad = None
@@ -142,7 +154,12 @@ def measure(dim: int, tokens: int, rows: int, repeats: int) -> dict:
                 if i:
                     seconds.append(time.perf_counter() - start)
             grads = max(_rel(t.grad, r.grad) for t, r in zip((q, k, v), ref_in, strict=True))
-            result[name] = {"ms": 1e3 * statistics.median(seconds), "out_rel": _rel(out, ref), "grad_rel": grads}
+            result[name] = {
+                "ms": 1e3 * statistics.median(seconds),
+                "out_rel": _rel(out, ref),
+                "grad_rel": grads,
+                "peak_mib_above_inputs": (torch.cuda.max_memory_allocated() - held) / 2**20,
+            }
         except Exception:  # noqa: BLE001 - a kernel that cannot take the shape is the finding
             result[name] = {"error": traceback.format_exc()[-800:]}
         print(dim, name, result[name], flush=True)
@@ -155,11 +172,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernels", nargs="*", help="only these (default: every one)")
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": HEADS, "kv_heads": KV_HEADS,
               "window": WINDOW, "tokens_per_row": args.tokens, "rows": args.rows}  # fmt: skip
     for dim in (512, 256):
-        result[f"head_dim_{dim}"] = measure(dim, args.tokens, args.rows, args.repeats)
+        result[f"head_dim_{dim}"] = measure(dim, args.tokens, args.rows, args.repeats, args.kernels)
     args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -70,10 +70,15 @@ def test_liger_patches_the_model_and_keeps_its_loss(model_type):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_efficient_varlen_takes_512_wide_heads_exactly_as_each_sample_alone():
-    """`efficient_varlen` (Gemma 4's full layers on a GPU): output and q/k/v gradients against fp32 sdpa one sample at
-    a time, within what bf16 sdpa one sample at a time is off by itself (GQA 8/4, causal, samples of 1 to 700)."""
+@pytest.mark.parametrize("name", ["efficient_varlen", "wide_varlen"])
+def test_wide_kernels_take_512_wide_heads_exactly_as_each_sample_alone(name):
+    """The kernels for Gemma 4's full layers on a GPU (`efficient_varlen`, `sft.model.wide_heads.wide_varlen`): output
+    and q/k/v gradients against fp32 sdpa one sample at a time, within what bf16 sdpa one sample at a time is off by
+    itself (GQA 8/4, causal, samples of 1 to 700)."""
     from sft.model.attention import efficient_varlen, per_sample_sdpa
+    from sft.model.wide_heads import wide_varlen
+
+    kernel = {"efficient_varlen": efficient_varlen, "wide_varlen": wide_varlen}[name]
 
     torch.manual_seed(0)
     lengths = [1, 37, 300, 5, 700, 64]
@@ -96,5 +101,5 @@ def test_efficient_varlen_takes_512_wide_heads_exactly_as_each_sample_alone():
     # bf16 noise: at most 2.5x bf16 sdpa's own error against fp32, which is below bf16's machine epsilon (2^-7) (the
     # repeated key-value heads' gradients are summed in bf16; measured 0.0032-0.0051 against sdpa's 0.0031-0.0040 on
     # the H200, 2026-12-03, benchmarks/results/families_2026)
-    fast, noise = errors(efficient_varlen), errors(per_sample_sdpa)
+    fast, noise = errors(kernel), errors(per_sample_sdpa)
     assert all(n < 2**-7 and f < 2.5 * n for f, n in zip(fast, noise, strict=True)), (fast, noise)

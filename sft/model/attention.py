@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import os
 
 import torch
 
@@ -170,7 +171,25 @@ def packed_kernel(head_dim: int, on_gpu: bool):
     if not on_gpu:
         return per_sample_sdpa
     kernel = _varlen_attn() if head_dim <= FLASH_HEAD_DIM else None
-    return kernel or efficient_varlen
+    return kernel or wide_kernel()
+
+
+# The wide heads' kernels by name; `SFT_WIDE_HEADS` picks one (the benchmarks' switch), else `WIDE_DEFAULT`
+WIDE_KERNELS = {"efficient": "efficient_varlen", "matmul": "wide_varlen"}
+WIDE_DEFAULT = "efficient"
+
+
+def wide_kernel():
+    """The kernel for heads wider than FlashAttention takes: `efficient_varlen`, or `sft.model.wide_heads.wide_varlen`
+    (batched matrix products over the row's samples)."""
+    name = os.environ.get("SFT_WIDE_HEADS", WIDE_DEFAULT)
+    if name not in WIDE_KERNELS:
+        raise ConfigError(f"SFT_WIDE_HEADS={name!r}: use one of {', '.join(WIDE_KERNELS)}.")
+    if name == "matmul":
+        from sft.model.wide_heads import wide_varlen
+
+        return wide_varlen
+    return efficient_varlen
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+#!/bin/bash
+# Issue #79, Gemma 4's 512-wide heads on one GPU: `efficient_varlen` (torch's memory-efficient kernel) against
+# `wide_varlen` (sft.model.wide_heads: batched matrix products over the samples). Carry `.whl` (../shared/gpu/
+# make_wheels.sh --extra torchao==0.18.0) and run `wide_heads.sh PART...` with the NCCL variables of
+# ../shared/gpu/README.md set. Parts:
+#   wide     benchmarks/wide_heads.py, the full layers' kernels on 2 and on 8 rows of 4,096 tokens
+#   cli      Gemma 4's defaults through sft/train.py (benchmarks/architectures.py --cli --engine-auto, $LAYERS layers,
+#            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then =efficient, then
+#            Llama
+#   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
+# Result files go straight under $OUT; logs are tarred at the end.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit
+export PYTHONPATH=/tmp/site:$PWD
+work=/tmp/wide; mkdir -p "$work"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+late() { (( SECONDS > ${DEADLINE:-500} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
+cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18 --engine-auto)
+for part in "$@"; do
+    late "$part" && continue
+    case $part in
+    wide)
+        for rows in 2 8; do
+            timeout 120 python3 -m benchmarks.wide_heads --rows "$rows" --kernels efficient_varlen wide_varlen \
+                per_sample_sdpa varlen --out "$OUT/wide_heads_rows$rows.json" > "$work/wide$rows.log" 2>&1
+            grep -E "^(256|512) " "$work/wide$rows.log" | cut -c1-300
+        done ;;
+    cli)
+        for kernel in matmul efficient; do
+            late "gemma4-$kernel" || SFT_WIDE_HEADS=$kernel timeout 200 "${cli[@]}" --families gemma4 \
+                --out "$OUT/cli_gemma4_$kernel" --work "$work/gemma4-$kernel" > "$work/cli_$kernel.log" 2>&1
+        done
+        late llama || timeout 100 "${cli[@]}" --families llama --out "$OUT/cli_llama" > "$work/cli_llama.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-500 ;;
+    gputest)
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k wide > "$OUT/test_gpu.txt" 2>&1
+        tail -3 "$OUT/test_gpu.txt" ;;
+    esac
+done
+tar -czf "$OUT/wide_heads_logs.tar.gz" -C "$work" --exclude='model-*' --exclude='*.safetensors' .

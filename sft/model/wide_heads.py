@@ -1,0 +1,171 @@
+"""Exact attention over packed rows for heads wider than FlashAttention takes (Gemma 4's full layers: 512), on the
+GPU's tensor cores.
+
+torch's memory-efficient kernel (`sft.model.attention.efficient_varlen`) takes any head dim, but at 512 it runs its
+SM80 CUTLASS tiles: Gemma 4's full layers (8 query / 4 key-value heads, 2 rows of 4,096 tokens of SFT-like samples)
+took 12.0 ms forward and backward on an H200, about 20 TFLOP/s, the largest kernel of a Gemma 4 step
+(benchmarks/results/families_2026). Here the same arithmetic as FlashAttention's, written as batched matrix products
+(cuBLAS, bf16 in, fp32 accumulation) over each sample's whole score square:
+
+- the row's samples are padded into batches by length (lengths within a factor of sqrt(2) share one, so a padded
+  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements;
+- grouped key-value heads are not repeated: a key-value head's query heads are one matrix of `group x width` rows;
+- forward: scores in fp32, the causal mask (and a left window, or the padding keys for attention both ways), the
+  log-sum-exp per query kept, probabilities in the inputs' dtype times the values;
+- backward: the scores recomputed from q and k and the kept log-sum-exp (nothing quadratic is kept between the
+  forward and the backward), then FlashAttention's gradients (dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
+  dQ = dS K, dK = dS^T Q), each token's written once: no atomics, no row-sized gradient per batch.
+
+A padded query is never read back: its log-sum-exp is set to infinity in the backward, so its probabilities are
+zero and nothing flows from it into any key or value. Exact against transformers' eager attention one sample at a
+time (tests/test_wide_heads.py: fp32 on the CPU, 1e-5); which kernel a layer takes is `attention.packed_kernel`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+# Score elements (batch x heads x width x width) per batched product: the backward's transients are about 14 bytes
+# per element (fp32 scores and their gradient, 16-bit probabilities and score gradients), ~1.8 GiB at this budget
+SCORE_BUDGET = 1 << 27
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Sample indices grouped by length: lengths in (sqrt(2)^(j - 1), sqrt(2)^j] share group j."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n > 0:
+            groups.setdefault(math.ceil(2 * math.log2(n) - 1e-9), []).append(i)
+    return [groups[key] for key in sorted(groups)]
+
+
+class Batch:
+    """One batch of samples padded to `width`: the token of each (sample, position) (past a sample's end: any
+    token, clamped), which of them are real, and the mask of allowed (query, key) pairs over a key-value head's
+    `group x width` query rows."""
+
+    def __init__(self, starts, sizes, width: int, total: int, group: int, left: int, causal: bool):
+        device = starts.device
+        pos = torch.arange(width, device=device)
+        self.tokens = (starts[:, None] + pos).clamp(max=total - 1)  # [samples, width]
+        self.real = pos[None, :] < sizes[:, None]
+        self.samples, self.width, self.group = starts.numel(), width, group
+        query = pos.repeat(group)[:, None]  # a query row's position: the rows are group x width
+        if causal:
+            allowed = pos[None, :] <= query
+            if 0 <= left < width - 1:
+                allowed = allowed & (query - pos[None, :] <= left)
+            self.allowed = allowed  # [group x width, width], the same for every sample
+        else:  # both ways within the sample: its real keys
+            self.allowed = self.real[:, None, None, :]  # [samples, 1, 1, width]
+
+    def heads_first(self, x: torch.Tensor, group: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """[total, heads, dim] tokens -> [samples x heads / group, group x width, dim]: for queries (`group`: query
+        heads per key-value head) a key-value head's query heads stacked in rows; for keys and values group 1."""
+        n, w = self.samples, self.width
+        rows = x[self.tokens if tokens is None else tokens]  # [samples, width, heads, dim]
+        return rows.view(n, w, -1, group, x.shape[-1]).permute(0, 2, 3, 1, 4).reshape(-1, group * w, x.shape[-1])
+
+    def tokens_first(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """The inverse of `heads_first`, for the real tokens only: [real tokens, heads, dim]."""
+        n, w = self.samples, self.width
+        rows = x.view(n, -1, group, w, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(n, w, -1, x.shape[-1])
+        return rows[self.real]
+
+    def masked_scores(self, qs, ks, scale: float) -> torch.Tensor:
+        scores = _matmul_fp32(qs, ks.transpose(1, 2)).mul_(scale)
+        if self.allowed.dim() == 2:
+            return scores.masked_fill_(~self.allowed, float("-inf"))
+        shaped = scores.view(self.samples, -1, scores.shape[1], scores.shape[2])
+        return shaped.masked_fill_(~self.allowed, float("-inf")).view_as(scores)
+
+
+@functools.cache
+def _out_dtype_works(device_type: str) -> bool:
+    a = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device_type)
+    try:
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 results: 16-bit inputs stay 16-bit on the tensor cores where torch has `out_dtype`."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if _out_dtype_works(a.device.type):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def batches(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, total: int):
+    """The `Batch`es of a packed row's samples (boundaries `cu`), each within `SCORE_BUDGET`."""
+    lengths = cu.diff().tolist()
+    starts = cu[:-1].long()
+    group = heads // kv_heads
+    for members in length_groups(lengths):
+        width = max(lengths[i] for i in members)
+        per_batch = max(1, SCORE_BUDGET // (heads * width * width))
+        for lo in range(0, len(members), per_batch):
+            chosen = members[lo : lo + per_batch]
+            index = torch.tensor(chosen, device=cu.device)
+            sizes = torch.tensor([lengths[i] for i in chosen], device=cu.device)
+            yield Batch(starts[index], sizes, width, total, group, left, causal)
+
+
+class _WideAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, scale: float, left: int, causal: bool):
+        total, heads = q.shape[0], q.shape[1]
+        g = heads // k.shape[1]
+        out = q.new_zeros(total, heads, v.shape[-1])
+        lse = q.new_zeros(total, heads, 1, dtype=torch.float32)
+        for b in batches(cu, heads, k.shape[1], left, causal, total):
+            qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
+            scores = b.masked_scores(qs, ks, scale)
+            row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            probs = scores.sub_(row_lse).exp_().to(v.dtype)
+            real = b.tokens[b.real]
+            out[real] = b.tokens_first(torch.bmm(probs, vs), g)
+            lse[real] = b.tokens_first(row_lse, g)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.args = (scale, left, causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        scale, left, causal = ctx.args
+        total, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+        g = heads // kv_heads
+        grad = grad.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # a padded query reads an infinite log-sum-exp: its probabilities are 0, so it sends no gradient anywhere
+        padded_lse = torch.cat([lse, lse.new_full((1, heads, 1), float("inf"))])
+        for b in batches(cu, heads, kv_heads, left, causal, total):
+            qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
+            d_out, outs = b.heads_first(grad, g), b.heads_first(out, g)
+            row_lse = b.heads_first(padded_lse, g, torch.where(b.real, b.tokens, total))
+            probs = b.masked_scores(qs, ks, scale).sub_(row_lse).exp_()
+            dv_rows = torch.bmm(probs.to(v.dtype).transpose(1, 2), d_out)
+            delta = (d_out.float() * outs.float()).sum(-1, keepdim=True)
+            d_scores = probs.mul_(_matmul_fp32(d_out, vs.transpose(1, 2)).sub_(delta)).mul_(scale).to(q.dtype)
+            real = b.tokens[b.real]
+            dq[real] = b.tokens_first(torch.bmm(d_scores, ks), g)
+            dk[real] = b.tokens_first(torch.bmm(d_scores.transpose(1, 2), qs), 1)
+            dv[real] = b.tokens_first(dv_rows, 1)
+        return dq, dk, dv, None, None, None, None
+
+
+@torch.compiler.disable  # data-dependent batches: run eagerly inside compiled decoder layers (a graph break)
+def wide_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
+    """`varlen_attn`'s contract ([total, heads, dim] tensors, causal or both ways (`window_size=(-1, -1)`), GQA, a
+    left window) on batched matrix products: for heads wider than FlashAttention takes. Queries and keys share the
+    boundaries (`cu_k` must equal `cu_q`: self-attention of packed rows)."""
+    if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+        raise ValueError("wide_varlen: self-attention only (the query and key boundaries differ)")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _WideAttention.apply(q, k, v, cu_q, scale, int(window_size[0]), window_size[1] == 0)
