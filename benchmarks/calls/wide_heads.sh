@@ -5,8 +5,8 @@
 # ../shared/gpu/README.md set. Parts:
 #   wide     benchmarks/wide_heads.py, the full layers' kernels on 2 and on 8 rows of 4,096 tokens
 #   cli      Gemma 4's defaults through sft/train.py (benchmarks/architectures.py --cli --engine-auto, $LAYERS layers,
-#            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then =efficient, then
-#            Llama
+#            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then Llama, then
+#            Gemma 4 with =efficient
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
 # Result files go straight under $OUT; logs are tarred at the end.
 set -u
@@ -27,11 +27,10 @@ for part in "$@"; do
             grep -E "^(256|512) " "$work/wide$rows.log" | cut -c1-300
         done ;;
     cli)
-        for kernel in matmul efficient; do
-            late "gemma4-$kernel" || SFT_WIDE_HEADS=$kernel timeout 200 "${cli[@]}" --families gemma4 \
-                --out "$OUT/cli_gemma4_$kernel" --work "$work/gemma4-$kernel" > "$work/cli_$kernel.log" 2>&1
+        for run in gemma4-matmul llama-efficient gemma4-efficient; do  # the kernel sft has taken so far last
+            late "$run" || SFT_WIDE_HEADS=${run#*-} timeout 200 "${cli[@]}" --families "${run%-*}" \
+                --out "$OUT/cli_$run" --work "$work/$run" > "$work/cli_$run.log" 2>&1
         done
-        late llama || timeout 100 "${cli[@]}" --families llama --out "$OUT/cli_llama" > "$work/cli_llama.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-500 ;;
     gputest)
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k wide > "$OUT/test_gpu.txt" 2>&1
