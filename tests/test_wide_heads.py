@@ -59,9 +59,10 @@ def rel(a, b) -> float:
     "heads,kv_heads,left,causal",
     [(8, 4, -1, True), (4, 4, -1, True), (6, 2, 4, True), (8, 4, -1, False), (2, 1, 1, True)],
 )
-@pytest.mark.parametrize("budget", [wide_heads.SCORE_BUDGET, 1])
+@pytest.mark.parametrize("budget", [wide_heads.SCORE_BUDGET, 20_000, 1])
 def test_wide_varlen_equals_eager_one_sample_at_a_time(monkeypatch, heads, kv_heads, left, causal, budget):
-    monkeypatch.setattr(wide_heads, "SCORE_BUDGET", budget)  # 1: every sample a batch of its own
+    # 20,000: the longest samples alone, in blocks of query rows; 1: every sample alone, one query row at a time
+    monkeypatch.setattr(wide_heads, "SCORE_BUDGET", budget)
     q, k, v, cu, grad_out = inputs(LENGTHS, heads, kv_heads)
     window = (left, 0 if causal else -1)
     out, got = grads(lambda *t: wide_varlen(*t, cu, cu, 0, 0, window_size=window), q, k, v, grad_out)

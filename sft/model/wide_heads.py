@@ -8,7 +8,8 @@ took 12.0 ms forward and backward on an H200, about 20 TFLOP/s, the largest kern
 (cuBLAS, bf16 in, fp32 accumulation) over each sample's whole score square:
 
 - the row's samples are padded into batches by length (lengths within a factor of sqrt(2) share one, so a padded
-  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements;
+  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements, and a
+  sample alone over it in blocks of query rows (its keys' gradients summed over the blocks in fp32);
 - grouped key-value heads are not repeated: a key-value head's query heads are one matrix of `group x width` rows;
 - forward: scores in fp32, the causal mask (and a left window, or the padding keys for attention both ways), the
   log-sum-exp per query kept, probabilities in the inputs' dtype times the values;
@@ -75,10 +76,22 @@ class Batch:
         rows = x.view(n, -1, group, w, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(n, w, -1, x.shape[-1])
         return rows[self.real]
 
-    def masked_scores(self, qs, ks, scale: float) -> torch.Tensor:
+    def row_blocks(self, batch_heads: int):
+        """Slices of the `group x width` query rows whose scores stay within `SCORE_BUDGET`: all at once unless one
+        sample alone is over it (a long sample in a packed row)."""
+        step = max(1, SCORE_BUDGET // (batch_heads * self.width))
+        rows = self.group * self.width
+        if step >= rows:
+            yield slice(None)
+            return
+        for lo in range(0, rows, step):
+            yield slice(lo, min(lo + step, rows))
+
+    def masked_scores(self, qs, ks, scale: float, rows: slice) -> torch.Tensor:
+        """fp32 scores of the query rows `rows` against every key of the batch, -inf where not allowed."""
         scores = _matmul_fp32(qs, ks.transpose(1, 2)).mul_(scale)
         if self.allowed.dim() == 2:
-            return scores.masked_fill_(~self.allowed, float("-inf"))
+            return scores.masked_fill_(~self.allowed[rows], float("-inf"))
         shaped = scores.view(self.samples, -1, scores.shape[1], scores.shape[2])
         return shaped.masked_fill_(~self.allowed, float("-inf")).view_as(scores)
 
@@ -125,12 +138,15 @@ class _WideAttention(torch.autograd.Function):
         lse = q.new_zeros(total, heads, 1, dtype=torch.float32)
         for b in batches(cu, heads, k.shape[1], left, causal, total):
             qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
-            scores = b.masked_scores(qs, ks, scale)
-            row_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            probs = scores.sub_(row_lse).exp_().to(v.dtype)
+            outs = qs.new_empty(*qs.shape[:2], vs.shape[-1])
+            lses = qs.new_empty(*qs.shape[:2], 1, dtype=torch.float32)
+            for rows in b.row_blocks(qs.shape[0]):
+                scores = b.masked_scores(qs[:, rows], ks, scale, rows)
+                lses[:, rows] = torch.logsumexp(scores, dim=-1, keepdim=True)
+                outs[:, rows] = torch.bmm(scores.sub_(lses[:, rows]).exp_().to(v.dtype), vs)
             real = b.tokens[b.real]
-            out[real] = b.tokens_first(torch.bmm(probs, vs), g)
-            lse[real] = b.tokens_first(row_lse, g)
+            out[real] = b.tokens_first(outs, g)
+            lse[real] = b.tokens_first(lses, g)
         ctx.save_for_backward(q, k, v, out, lse, cu)
         ctx.args = (scale, left, causal)
         return out
@@ -149,15 +165,25 @@ class _WideAttention(torch.autograd.Function):
             qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
             d_out, outs = b.heads_first(grad, g), b.heads_first(out, g)
             row_lse = b.heads_first(padded_lse, g, torch.where(b.real, b.tokens, total))
-            probs = b.masked_scores(qs, ks, scale).sub_(row_lse).exp_()
-            dv_rows = torch.bmm(probs.to(v.dtype).transpose(1, 2), d_out)
             delta = (d_out.float() * outs.float()).sum(-1, keepdim=True)
-            d_scores = probs.mul_(_matmul_fp32(d_out, vs.transpose(1, 2)).sub_(delta)).mul_(scale).to(q.dtype)
+            d_qs, d_ks, d_vs = torch.empty_like(qs), None, None
+            for rows in b.row_blocks(qs.shape[0]):
+                probs = b.masked_scores(qs[:, rows], ks, scale, rows).sub_(row_lse[:, rows]).exp_()
+                d_vs = _add(d_vs, torch.bmm(probs.to(v.dtype).transpose(1, 2), d_out[:, rows]))
+                d_probs = _matmul_fp32(d_out[:, rows], vs.transpose(1, 2)).sub_(delta[:, rows])
+                d_scores = probs.mul_(d_probs).mul_(scale).to(q.dtype)
+                d_qs[:, rows] = torch.bmm(d_scores, ks)
+                d_ks = _add(d_ks, torch.bmm(d_scores.transpose(1, 2), qs[:, rows]))
             real = b.tokens[b.real]
-            dq[real] = b.tokens_first(torch.bmm(d_scores, ks), g)
-            dk[real] = b.tokens_first(torch.bmm(d_scores.transpose(1, 2), qs), 1)
-            dv[real] = b.tokens_first(dv_rows, 1)
+            dq[real] = b.tokens_first(d_qs, g)
+            dk[real] = b.tokens_first(d_ks, 1).to(dk.dtype)
+            dv[real] = b.tokens_first(d_vs, 1).to(dv.dtype)
         return dq, dk, dv, None, None, None, None
+
+
+def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """Sums the keys' gradients over blocks of query rows, in fp32 from the second block on."""
+    return part if total is None else total.float().add_(part)
 
 
 @torch.compiler.disable  # data-dependent batches: run eagerly inside compiled decoder layers (a graph break)
