@@ -89,7 +89,9 @@ class Batch:
 
     def masked_scores(self, qs, ks, scale: float, rows: slice) -> torch.Tensor:
         """fp32 scores of the query rows `rows` against every key of the batch, -inf where not allowed."""
-        scores = _matmul_fp32(qs, ks.transpose(1, 2)).mul_(scale)
+        scores = _matmul_fp32(qs, ks.transpose(1, 2))
+        if scale != 1.0:  # Gemma 4's is 1 (its queries and keys are normed)
+            scores.mul_(scale)
         if self.allowed.dim() == 2:
             return scores.masked_fill_(~self.allowed[rows], float("-inf"))
         shaped = scores.view(self.samples, -1, scores.shape[1], scores.shape[2])
@@ -171,7 +173,7 @@ class _WideAttention(torch.autograd.Function):
                 probs = b.masked_scores(qs[:, rows], ks, scale, rows).sub_(row_lse[:, rows]).exp_()
                 d_vs = _add(d_vs, torch.bmm(probs.to(v.dtype).transpose(1, 2), d_out[:, rows]))
                 d_probs = _matmul_fp32(d_out[:, rows], vs.transpose(1, 2)).sub_(delta[:, rows])
-                d_scores = probs.mul_(d_probs).mul_(scale).to(q.dtype)
+                d_scores = probs.mul_(d_probs.mul_(scale) if scale != 1.0 else d_probs).to(q.dtype)
                 d_qs[:, rows] = torch.bmm(d_scores, ks)
                 d_ks = _add(d_ks, torch.bmm(d_scores.transpose(1, 2), qs[:, rows]))
             real = b.tokens[b.real]
