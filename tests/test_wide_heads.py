@@ -61,8 +61,10 @@ def rel(a, b) -> float:
 )
 @pytest.mark.parametrize("budget", [wide_heads.SCORE_BUDGET, 20_000, 1])
 def test_wide_varlen_equals_eager_one_sample_at_a_time(monkeypatch, heads, kv_heads, left, causal, budget):
-    # 20,000: the longest samples alone, in blocks of query rows; 1: every sample alone, one query row at a time
+    # 20,000 (and 100 tokens a batch): the longest samples alone, in blocks of query rows; 1: every sample alone, one
+    # query row at a time
     monkeypatch.setattr(wide_heads, "SCORE_BUDGET", budget)
+    monkeypatch.setattr(wide_heads, "TOKEN_BUDGET", 100 if budget == 20_000 else wide_heads.TOKEN_BUDGET)
     q, k, v, cu, grad_out = inputs(LENGTHS, heads, kv_heads)
     window = (left, 0 if causal else -1)
     out, got = grads(lambda *t: wide_varlen(*t, cu, cu, 0, 0, window_size=window), q, k, v, grad_out)

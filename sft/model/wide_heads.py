@@ -8,8 +8,9 @@ took 12.0 ms forward and backward on an H200, about 20 TFLOP/s, the largest kern
 (cuBLAS, bf16 in, fp32 accumulation) over each sample's whole score square:
 
 - the row's samples are padded into batches by length (lengths within a factor of sqrt(2) share one, so a padded
-  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements, and a
-  sample alone over it in blocks of query rows (its keys' gradients summed over the blocks in fp32);
+  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements (or its
+  tokens `TOKEN_BUDGET`), and a sample alone over it in blocks of query rows (its keys' gradients summed over the
+  blocks in fp32);
 - grouped key-value heads are not repeated: a key-value head's query heads are one matrix of `group x width` rows;
 - forward: scores in fp32, the causal mask (and a left window, or the padding keys for attention both ways), the
   log-sum-exp per query kept, probabilities in the inputs' dtype times the values;
@@ -32,6 +33,9 @@ import torch
 # Score elements (batch x heads x width x width) per batched product: the backward's transients are about 14 bytes
 # per element (fp32 scores and their gradient, 16-bit probabilities and score gradients), ~1.8 GiB at this budget
 SCORE_BUDGET = 1 << 27
+# Tokens per batch: each batch gathers its queries, keys, values, outputs and their gradients in the heads-first layout
+# (at 8 x 512 query heads, ~8 KiB a token per tensor)
+TOKEN_BUDGET = 1 << 14
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -117,13 +121,14 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def batches(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, total: int):
-    """The `Batch`es of a packed row's samples (boundaries `cu`), each within `SCORE_BUDGET`."""
+    """The `Batch`es of a packed row's samples (boundaries `cu`), each within `SCORE_BUDGET` and `TOKEN_BUDGET` (or
+    one sample)."""
     lengths = cu.diff().tolist()
     starts = cu[:-1].long()
     group = heads // kv_heads
     for members in length_groups(lengths):
         width = max(lengths[i] for i in members)
-        per_batch = max(1, SCORE_BUDGET // (heads * width * width))
+        per_batch = max(1, min(SCORE_BUDGET // (heads * width * width), TOKEN_BUDGET // width))
         for lo in range(0, len(members), per_batch):
             chosen = members[lo : lo + per_batch]
             index = torch.tensor(chosen, device=cu.device)
