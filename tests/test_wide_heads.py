@@ -76,8 +76,7 @@ def test_wide_varlen_equals_eager_one_sample_at_a_time(monkeypatch, heads, kv_he
 
 def test_a_sample_reads_only_itself():
     """Changing the second sample's queries, keys and values changes nothing of the others: their outputs and the
-    gradients that reach their tokens (a leak either way would move them). The first three share a padded batch,
-    whose padding past the first is the second's tokens."""
+    gradients that reach their tokens (a leak either way would move them). The first three share a padded batch."""
     lengths = [12, 14, 13, 10]
     assert [0, 1, 2] in length_groups(lengths)
     q, k, v, cu, grad_out = inputs(lengths, 4, 2)

@@ -8,6 +8,7 @@
 #            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then Llama, then
 #            Gemma 4 with =efficient
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
+#   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
 # Result files go straight under $OUT; logs are tarred at the end.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,6 +33,9 @@ for part in "$@"; do
                 --out "$OUT/cli_$run" --work "$work/$run" > "$work/cli_$run.log" 2>&1
         done
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-500 ;;
+    profile)
+        timeout 100 python3 -m benchmarks.wide_heads_profile --out "$OUT/wide_heads_profile.txt" > "$work/profile.log" 2>&1
+        grep -E "out_dtype|Self CPU time|Self CUDA time|^bmm" "$OUT/wide_heads_profile.txt" ;;
     gputest)
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k wide > "$OUT/test_gpu.txt" 2>&1
         tail -3 "$OUT/test_gpu.txt" ;;

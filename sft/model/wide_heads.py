@@ -26,6 +26,7 @@ time (tests/test_wide_heads.py: fp32 on the CPU, 1e-5); which kernel a layer tak
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -36,6 +37,9 @@ SCORE_BUDGET = 1 << 27
 # Tokens per batch: each batch gathers its queries, keys, values, outputs and their gradients in the heads-first layout
 # (at 8 x 512 query heads, ~8 KiB a token per tensor)
 TOKEN_BUDGET = 1 << 14
+# A batch's width is padded to a multiple of this: 16-bit rows whose length is not a multiple of 8 elements take
+# cuBLAS's SM75 kernels on Hopper (measured: 1 x H100, benchmarks/results/families_2026/wide_heads_profile_h100.txt)
+ALIGN = 32
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -48,37 +52,41 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 class Batch:
-    """One batch of samples padded to `width`: the token of each (sample, position) (past a sample's end: any
-    token, clamped), which of them are real, and the mask of allowed (query, key) pairs over a key-value head's
-    `group x width` query rows."""
+    """One batch of samples padded to `width` (a device slice of the plan's indices): `tokens` [samples, width],
+    each position's token (past a sample's end its last token, read and never written), `dest` the same with `total`
+    (a spare row) past the end, and the allowed (query, key) pairs over a key-value head's `group x width` rows."""
 
-    def __init__(self, starts, sizes, width: int, total: int, group: int, left: int, causal: bool):
-        device = starts.device
+    def __init__(self, tokens, dest, width: int, total: int, heads: int, kv_heads: int, left: int, causal: bool):
+        self.samples, self.width, self.group = tokens.shape[0], width, heads // kv_heads
+        device = tokens.device
         pos = torch.arange(width, device=device)
-        self.tokens = (starts[:, None] + pos).clamp(max=total - 1)  # [samples, width]
-        self.real = pos[None, :] < sizes[:, None]
-        self.samples, self.width, self.group = starts.numel(), width, group
-        query = pos.repeat(group)[:, None]  # a query row's position: the rows are group x width
+        query = pos.repeat(self.group)[:, None]  # a query row's position: the rows are group x width
         if causal:
             allowed = pos[None, :] <= query
             if 0 <= left < width - 1:
                 allowed = allowed & (query - pos[None, :] <= left)
             self.allowed = allowed  # [group x width, width], the same for every sample
         else:  # both ways within the sample: its real keys
-            self.allowed = self.real[:, None, None, :]  # [samples, 1, 1, width]
+            self.allowed = (dest != total)[:, None, None, :]  # [samples, 1, 1, width]
+        q_heads = torch.arange(heads, device=device).view(1, kv_heads, self.group, 1)
+        kv = torch.arange(kv_heads, device=device).view(1, kv_heads, 1)
+        # flat (token, head) rows in the heads-first order: [samples, kv heads, group, width] and [samples, kv, width]
+        self.q_read = (tokens[:, None, None, :] * heads + q_heads).reshape(-1)
+        self.q_write = (dest[:, None, None, :] * heads + q_heads).reshape(-1)
+        self.kv_read = (tokens[:, None, :] * kv_heads + kv).reshape(-1)
+        self.kv_write = (dest[:, None, :] * kv_heads + kv).reshape(-1)
 
-    def heads_first(self, x: torch.Tensor, group: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """[total, heads, dim] tokens -> [samples x heads / group, group x width, dim]: for queries (`group`: query
-        heads per key-value head) a key-value head's query heads stacked in rows; for keys and values group 1."""
-        n, w = self.samples, self.width
-        rows = x[self.tokens if tokens is None else tokens]  # [samples, width, heads, dim]
-        return rows.view(n, w, -1, group, x.shape[-1]).permute(0, 2, 3, 1, 4).reshape(-1, group * w, x.shape[-1])
+    def gather(self, x: torch.Tensor, query: bool) -> torch.Tensor:
+        """[tokens, heads, dim] -> [samples x kv heads, rows, dim] in one gather: for queries a key-value head's
+        query heads stacked in `group x width` rows, for keys and values `width` rows."""
+        rows = self.group * self.width if query else self.width
+        index = self.q_read if query else self.kv_read
+        return x.reshape(-1, x.shape[-1]).index_select(0, index).view(-1, rows, x.shape[-1])
 
-    def tokens_first(self, x: torch.Tensor, group: int) -> torch.Tensor:
-        """The inverse of `heads_first`, for the real tokens only: [real tokens, heads, dim]."""
-        n, w = self.samples, self.width
-        rows = x.view(n, -1, group, w, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(n, w, -1, x.shape[-1])
-        return rows[self.real]
+    def scatter(self, into: torch.Tensor, x: torch.Tensor, query: bool) -> None:
+        """Writes a heads-first batch back into `into` ([tokens + 1, heads, dim]: padding lands on the spare row)."""
+        index = self.q_write if query else self.kv_write
+        into.view(-1, into.shape[-1]).index_copy_(0, index, x.reshape(-1, x.shape[-1]).to(into.dtype))
 
     def row_blocks(self, batch_heads: int):
         """Slices of the `group x width` query rows whose scores stay within `SCORE_BUDGET`: all at once unless one
@@ -120,58 +128,71 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float())
 
 
-def batches(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, total: int):
+def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, total: int) -> list[Batch]:
     """The `Batch`es of a packed row's samples (boundaries `cu`), each within `SCORE_BUDGET` and `TOKEN_BUDGET` (or
-    one sample)."""
+    one sample), their widths padded to `ALIGN`. The lengths are read on the host once (the call's only wait for the
+    GPU); every batch's indices are built there and copied in one transfer."""
     lengths = cu.diff().tolist()
-    starts = cu[:-1].long()
-    group = heads // kv_heads
+    starts = [0, *itertools.accumulate(lengths)]
+    shapes, tokens, dest = [], [], []
     for members in length_groups(lengths):
-        width = max(lengths[i] for i in members)
+        longest = max(lengths[i] for i in members)
+        width = -(-longest // ALIGN) * ALIGN
         per_batch = max(1, min(SCORE_BUDGET // (heads * width * width), TOKEN_BUDGET // width))
         for lo in range(0, len(members), per_batch):
             chosen = members[lo : lo + per_batch]
-            index = torch.tensor(chosen, device=cu.device)
-            sizes = torch.tensor([lengths[i] for i in chosen], device=cu.device)
-            yield Batch(starts[index], sizes, width, total, group, left, causal)
+            first = torch.tensor([starts[i] for i in chosen])[:, None]
+            size = torch.tensor([lengths[i] for i in chosen])[:, None]
+            pos = torch.arange(width)[None, :]
+            tokens.append((first + torch.minimum(pos, size - 1)).reshape(-1))
+            dest.append(torch.where(pos < size, first + pos, total).reshape(-1))
+            shapes.append((len(chosen), width))
+    flat = torch.stack([torch.cat(tokens), torch.cat(dest)])
+    if cu.is_cuda:
+        flat = flat.pin_memory().to(cu.device, non_blocking=True)
+    batches, offset = [], 0
+    for samples, width in shapes:
+        part = flat[:, offset : offset + samples * width].view(2, samples, width)
+        batches.append(Batch(part[0], part[1], width, total, heads, kv_heads, left, causal))
+        offset += samples * width
+    return batches
 
 
 class _WideAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, scale: float, left: int, causal: bool):
         total, heads = q.shape[0], q.shape[1]
-        g = heads // k.shape[1]
-        out = q.new_zeros(total, heads, v.shape[-1])
-        lse = q.new_zeros(total, heads, 1, dtype=torch.float32)
-        for b in batches(cu, heads, k.shape[1], left, causal, total):
-            qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
+        batches = plan(cu, heads, k.shape[1], left, causal, total)
+        out = q.new_zeros(total + 1, heads, v.shape[-1])  # the last row: where padding is written
+        lse = q.new_zeros(total + 1, heads, 1, dtype=torch.float32)
+        for b in batches:
+            qs, ks, vs = b.gather(q, True), b.gather(k, False), b.gather(v, False)
             outs = qs.new_empty(*qs.shape[:2], vs.shape[-1])
             lses = qs.new_empty(*qs.shape[:2], 1, dtype=torch.float32)
             for rows in b.row_blocks(qs.shape[0]):
                 scores = b.masked_scores(qs[:, rows], ks, scale, rows)
                 lses[:, rows] = torch.logsumexp(scores, dim=-1, keepdim=True)
                 outs[:, rows] = torch.bmm(scores.sub_(lses[:, rows]).exp_().to(v.dtype), vs)
-            real = b.tokens[b.real]
-            out[real] = b.tokens_first(outs, g)
-            lse[real] = b.tokens_first(lses, g)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.args = (scale, left, causal)
-        return out
+            b.scatter(out, outs, True)
+            b.scatter(lse, lses, True)
+        # a padded query reads an infinite log-sum-exp in the backward: its probabilities are 0, so it sends no
+        # gradient anywhere
+        lse[total] = float("inf")
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.batches, ctx.args = batches, (scale,)
+        return out[:total]
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        scale, left, causal = ctx.args
-        total, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
-        g = heads // kv_heads
+        q, k, v, out, lse = ctx.saved_tensors
+        (scale,) = ctx.args
+        total = q.shape[0]
         grad = grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        # a padded query reads an infinite log-sum-exp: its probabilities are 0, so it sends no gradient anywhere
-        padded_lse = torch.cat([lse, lse.new_full((1, heads, 1), float("inf"))])
-        for b in batches(cu, heads, kv_heads, left, causal, total):
-            qs, ks, vs = b.heads_first(q, g), b.heads_first(k, 1), b.heads_first(v, 1)
-            d_out, outs = b.heads_first(grad, g), b.heads_first(out, g)
-            row_lse = b.heads_first(padded_lse, g, torch.where(b.real, b.tokens, total))
+        dq, dk, dv = (t.new_zeros(total + 1, *t.shape[1:]) for t in (q, k, v))
+        for b in ctx.batches:
+            qs, ks, vs = b.gather(q, True), b.gather(k, False), b.gather(v, False)
+            d_out, outs = b.gather(grad, True), b.gather(out, True)
+            row_lse = lse.view(-1, 1).index_select(0, b.q_write).view(qs.shape[0], -1, 1)
             delta = (d_out.float() * outs.float()).sum(-1, keepdim=True)
             d_qs, d_ks, d_vs = torch.empty_like(qs), None, None
             for rows in b.row_blocks(qs.shape[0]):
@@ -181,11 +202,10 @@ class _WideAttention(torch.autograd.Function):
                 d_scores = probs.mul_(d_probs.mul_(scale) if scale != 1.0 else d_probs).to(q.dtype)
                 d_qs[:, rows] = torch.bmm(d_scores, ks)
                 d_ks = _add(d_ks, torch.bmm(d_scores.transpose(1, 2), qs[:, rows]))
-            real = b.tokens[b.real]
-            dq[real] = b.tokens_first(d_qs, g)
-            dk[real] = b.tokens_first(d_ks, 1).to(dk.dtype)
-            dv[real] = b.tokens_first(d_vs, 1).to(dv.dtype)
-        return dq, dk, dv, None, None, None, None
+            b.scatter(dq, d_qs, True)
+            b.scatter(dk, d_ks, False)
+            b.scatter(dv, d_vs, False)
+        return dq[:total], dk[:total], dv[:total], None, None, None, None
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
