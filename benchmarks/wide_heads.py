@@ -12,7 +12,8 @@ query, 4 key-value):
   once per sample), `efficient_varlen` (`sft.model.attention.efficient_varlen`: torch's memory-efficient kernel over
   the row's samples through its `cu_seqlens`, one call) and `flex` (`sft.model.attention._flex_scored`: flex_attention
   with the samples' block mask, compiled; `flex_small_tiles` the same with `SMALL_TILES`) and `wide_varlen`
-  (`sft.model.wide_heads.wide_varlen`: batched matrix products over the samples padded by length);
+  (`sft.model.wide_heads.wide_varlen`: batched matrix products over the samples padded by length; `wide_varlen_eager`
+  without its compiled pointwise work);
 - sliding layers (head dim 256): `masked_sdpa` (the window in the mask) and `varlen` (PyTorch's varlen
   FlashAttention-2 with the window, what `sft_varlen` runs).
 
@@ -81,6 +82,16 @@ def _matmul(q, k, v, cu, window):
     return wide_varlen(q, k, v, cu, cu, 0, 0, window_size=(-1 if window is None else window - 1, 0))
 
 
+def _matmul_eager(q, k, v, cu, window):
+    from sft.model import wide_heads
+
+    wide_heads.FUSED = False
+    try:
+        return _matmul(q, k, v, cu, window)
+    finally:
+        wide_heads.FUSED = True
+
+
 def _flex(q, k, v, cu, window):
     from sft.model.attention import _flex_scored
 
@@ -113,7 +124,8 @@ def _varlen(q, k, v, cu, window):
 
 
 KERNELS = {512: {"masked_sdpa": _masked_sdpa, "per_sample_sdpa": _per_sample, "efficient_varlen": _efficient,
-                 "wide_varlen": _matmul, "flex": _flex, "flex_small_tiles": _flex_small_tiles},
+                 "wide_varlen": _matmul, "wide_varlen_eager": _matmul_eager, "flex": _flex,
+                 "flex_small_tiles": _flex_small_tiles},
            256: {"masked_sdpa": _masked_sdpa, "varlen": _varlen}}  # fmt: skip
 
 

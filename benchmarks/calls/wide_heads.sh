@@ -24,7 +24,7 @@ for part in "$@"; do
     wide)
         for rows in 2 8; do
             timeout 120 python3 -m benchmarks.wide_heads --rows "$rows" --kernels efficient_varlen wide_varlen \
-                per_sample_sdpa varlen --out "$OUT/wide_heads_rows$rows.json" > "$work/wide$rows.log" 2>&1
+                wide_varlen_eager per_sample_sdpa varlen --out "$OUT/wide_heads_rows$rows.json" > "$work/wide$rows.log" 2>&1
             grep -E "^(256|512) " "$work/wide$rows.log" | cut -c1-300
         done ;;
     cli)

@@ -99,15 +99,44 @@ class Batch:
         for lo in range(0, rows, step):
             yield slice(lo, min(lo + step, rows))
 
-    def masked_scores(self, qs, ks, scale: float, rows: slice) -> torch.Tensor:
-        """fp32 scores of the query rows `rows` against every key of the batch, -inf where not allowed."""
-        scores = _matmul_fp32(qs, ks.transpose(1, 2))
-        if scale != 1.0:  # Gemma 4's is 1 (its queries and keys are normed)
-            scores.mul_(scale)
-        if self.allowed.dim() == 2:
-            return scores.masked_fill_(~self.allowed[rows], float("-inf"))
-        shaped = scores.view(self.samples, -1, scores.shape[1], scores.shape[2])
-        return shaped.masked_fill_(~self.allowed, float("-inf")).view_as(scores)
+    def mask(self, rows: slice) -> torch.Tensor:
+        """The allowed pairs of the query rows `rows`, broadcast against scores [samples, kv heads, rows, width]."""
+        return self.allowed[rows][None, None] if self.allowed.dim() == 2 else self.allowed
+
+    def scores(self, qs, ks, rows: slice) -> torch.Tensor:
+        """fp32 scores (unscaled, unmasked) of the query rows `rows`: [samples, kv heads, rows, width]."""
+        raw = _matmul_fp32(qs[:, rows], ks.transpose(1, 2))
+        return raw.view(self.samples, -1, raw.shape[1], raw.shape[2])
+
+
+def softmax_rows(scores, allowed, scale: float, dtype: torch.dtype):
+    """(log-sum-exp per query row, probabilities in `dtype`) of scaled, masked fp32 scores."""
+    scores = (scores * scale if scale != 1.0 else scores).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return lse, torch.exp(scores - lse).to(dtype)
+
+
+def score_grads(scores, allowed, scale: float, lse, d_probs, delta, dtype: torch.dtype):
+    """(probabilities, the scores' gradient), both in `dtype`, from the unscaled fp32 scores recomputed, the kept
+    log-sum-exp, the probabilities' gradient dO V^T and rowsum(dO * O): FlashAttention's dS = P * (dP - delta)."""
+    scores = (scores * scale if scale != 1.0 else scores).masked_fill(~allowed, float("-inf"))
+    probs = torch.exp(scores - lse)
+    d_scores = probs * (d_probs - delta)
+    return probs.to(dtype), (d_scores * scale if scale != 1.0 else d_scores).to(dtype)
+
+
+# On a GPU the pointwise work between the products runs compiled: a few fused passes over the scores instead of one
+# per operation (`FUSED = False`: eager, as on the CPU; benchmarks/wide_heads.py measures both)
+FUSED = True
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def _pointwise(fn, scores: torch.Tensor):
+    return _compiled(fn) if FUSED and scores.is_cuda else fn
 
 
 @functools.cache
@@ -170,9 +199,10 @@ class _WideAttention(torch.autograd.Function):
             outs = qs.new_empty(*qs.shape[:2], vs.shape[-1])
             lses = qs.new_empty(*qs.shape[:2], 1, dtype=torch.float32)
             for rows in b.row_blocks(qs.shape[0]):
-                scores = b.masked_scores(qs[:, rows], ks, scale, rows)
-                lses[:, rows] = torch.logsumexp(scores, dim=-1, keepdim=True)
-                outs[:, rows] = torch.bmm(scores.sub_(lses[:, rows]).exp_().to(v.dtype), vs)
+                scores = b.scores(qs, ks, rows)
+                row_lse, probs = _pointwise(softmax_rows, scores)(scores, b.mask(rows), scale, v.dtype)
+                lses[:, rows] = row_lse.view(qs.shape[0], -1, 1)
+                outs[:, rows] = torch.bmm(probs.view(qs.shape[0], -1, ks.shape[1]), vs)
             b.scatter(out, outs, True)
             b.scatter(lse, lses, True)
         # a padded query reads an infinite log-sum-exp in the backward: its probabilities are 0, so it sends no
@@ -196,10 +226,13 @@ class _WideAttention(torch.autograd.Function):
             delta = (d_out.float() * outs.float()).sum(-1, keepdim=True)
             d_qs, d_ks, d_vs = torch.empty_like(qs), None, None
             for rows in b.row_blocks(qs.shape[0]):
-                probs = b.masked_scores(qs[:, rows], ks, scale, rows).sub_(row_lse[:, rows]).exp_()
-                d_vs = _add(d_vs, torch.bmm(probs.to(v.dtype).transpose(1, 2), d_out[:, rows]))
-                d_probs = _matmul_fp32(d_out[:, rows], vs.transpose(1, 2)).sub_(delta[:, rows])
-                d_scores = probs.mul_(d_probs.mul_(scale) if scale != 1.0 else d_probs).to(q.dtype)
+                scores = b.scores(qs, ks, rows)
+                d_probs = _matmul_fp32(d_out[:, rows], vs.transpose(1, 2)).view_as(scores)
+                lse_rows, delta_rows = (t[:, rows].view(*scores.shape[:3], 1) for t in (row_lse, delta))
+                grads = _pointwise(score_grads, scores)
+                probs, d_scores = grads(scores, b.mask(rows), scale, lse_rows, d_probs, delta_rows, q.dtype)
+                probs, d_scores = (t.view(qs.shape[0], -1, ks.shape[1]) for t in (probs, d_scores))
+                d_vs = _add(d_vs, torch.bmm(probs.transpose(1, 2), d_out[:, rows]))
                 d_qs[:, rows] = torch.bmm(d_scores, ks)
                 d_ks = _add(d_ks, torch.bmm(d_scores.transpose(1, 2), qs[:, rows]))
             b.scatter(dq, d_qs, True)
