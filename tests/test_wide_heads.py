@@ -159,3 +159,32 @@ def test_the_compiled_pointwise_work_equals_eager(monkeypatch):
         assert rel(out, ref) < 1e-5
         for name, a, b in zip("qkv", got, want, strict=True):
             assert rel(a, b) < 1e-5, name
+
+
+def test_the_plan_counts_one_batch_in_flight_where_wide_varlen_runs(monkeypatch, tmp_path):
+    """A Gemma 4 whose full layers have heads of 512: the plan adds `in_flight_bytes` to the backward's peak where the
+    wide heads run `wide_varlen` (`SFT_WIDE_HEADS=matmul`), nothing under `efficient_varlen` or for a model without
+    wide heads; the bound is one batch's scores at `SCORE_BUDGET` and a heads-first batch of `TOKEN_BUDGET` tokens."""
+    from transformers import AutoConfig
+
+    from sft.model import shapes
+    from sft.plan import memory
+
+    def shape_of(global_head_dim):
+        config = AutoConfig.for_model("gemma4_text", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                      global_head_dim=global_head_dim, vocab_size=1024,
+                                      layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        config.save_pretrained(tmp_path / str(global_head_dim))
+        return shapes.load_shape(str(tmp_path / str(global_head_dim)))
+
+    setting = memory.Setting(zero_stage=None, micro_batch=8, seq_len=4096)
+    wide, narrow = shape_of(512), shape_of(256)
+    assert (wide.wide_layers, wide.wide_head_dim, narrow.wide_layers) == (1, 512, 0)
+    term = "wide heads' attention: one batch in flight"
+    for kernel, counted in (("matmul", True), ("efficient", False)):
+        monkeypatch.setenv("SFT_WIDE_HEADS", kernel)
+        assert (term in memory.estimate(wide, setting).items) == counted
+        assert term not in memory.estimate(narrow, setting).items
+    expected = 12 * wide_heads.SCORE_BUDGET + 16 * wide_heads.TOKEN_BUDGET * 8 * 512
+    assert wide_heads.in_flight_bytes(8, 512, 8 * 4096, 4096) == expected

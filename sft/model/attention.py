@@ -179,13 +179,18 @@ WIDE_KERNELS = {"efficient": "efficient_varlen", "matmul": "wide_varlen"}
 WIDE_DEFAULT = "efficient"
 
 
-def wide_kernel():
-    """The kernel for heads wider than FlashAttention takes: `efficient_varlen`, or `sft.model.wide_heads.wide_varlen`
-    (batched matrix products over the row's samples)."""
+def wide_kernel_name() -> str:
+    """The name (`WIDE_KERNELS`) of the kernel for heads wider than FlashAttention takes."""
     name = os.environ.get("SFT_WIDE_HEADS", WIDE_DEFAULT)
     if name not in WIDE_KERNELS:
         raise ConfigError(f"SFT_WIDE_HEADS={name!r}: use one of {', '.join(WIDE_KERNELS)}.")
-    if name == "matmul":
+    return name
+
+
+def wide_kernel():
+    """The kernel for heads wider than FlashAttention takes: `efficient_varlen`, or `sft.model.wide_heads.wide_varlen`
+    (batched matrix products over the row's samples)."""
+    if wide_kernel_name() == "matmul":
         from sft.model.wide_heads import wide_varlen
 
         return wide_varlen

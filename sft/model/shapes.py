@@ -45,6 +45,9 @@ class ModelShape:
     liger_speedup: float = 1.0
     # what a decoder layer keeps besides attention's and the MLP's tensors (`sft.model.architectures.LayerKeeps`)
     keeps: LayerKeeps = LayerKeeps()
+    # layers whose heads are wider than FlashAttention takes, and that width (Gemma 4's full layers: 512)
+    wide_layers: int = 0
+    wide_head_dim: int = 0
 
     def trainable(self, lora_r: int = 0) -> int:
         """Parameters that train: LoRA rank `lora_r`'s adapters, or (0) every one but the frozen ones."""
@@ -197,6 +200,8 @@ def load_shape(
         ),
         liger_speedup=arch.kernel("liger").speedup or 1.0,
         keeps=architectures.layer_keeps(arch.family, [n for n, _ in layer_modules], architectures.text_config(config)),
+        wide_layers=arch.attention.wide_heads,
+        wide_head_dim=max(arch.attention.head_dims) if arch.attention.wide_heads else 0,
     )
 
 

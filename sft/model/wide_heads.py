@@ -246,6 +246,16 @@ def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
     return part if total is None else total.float().add_(part)
 
 
+def in_flight_bytes(heads: int, head_dim: int, tokens: int, row: int) -> float:
+    """What one call holds at most beyond its inputs, outputs and their gradients, for the memory plan: one batch's
+    scores (12 bytes each in the backward: fp32 scores and the probabilities' gradient, 16-bit probabilities and
+    score gradients) and its heads-first copies (queries, keys, values, output, their gradients: 16 bytes a token per
+    query head's dim, keys and values counted as query heads), for `tokens` tokens in rows of `row`."""
+    width = -(-row // ALIGN) * ALIGN
+    scores = min(SCORE_BUDGET, heads * width * width)
+    return 12.0 * scores + 16.0 * min(tokens, max(TOKEN_BUDGET, width)) * heads * head_dim
+
+
 @torch.compiler.disable  # data-dependent batches: run eagerly inside compiled decoder layers (a graph break)
 def wide_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
     """`varlen_attn`'s contract ([total, heads, dim] tensors, causal or both ways (`window_size=(-1, -1)`), GQA, a

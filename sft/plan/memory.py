@@ -48,6 +48,7 @@ from typing import NamedTuple
 from sft import engines
 from sft.core.engine import Sharding
 from sft.errors import ConfigError
+from sft.model import attention, wide_heads
 from sft.model.shapes import ModelShape
 from sft.plan import speed
 from sft.plan.speed import StepTime
@@ -860,6 +861,10 @@ def _backward(shape: ModelShape, s: Setting, held: float, part: float) -> tuple[
         backward["tiled MLP: one tile in flight"] = 2 * min(s.tokens, shape.hidden) * mlp_bytes_per_token(shape, s)
     elif shape.experts:  # the backward of one MoE layer: the gradient of its [tokens x k, hidden] input copy
         backward["experts: one layer's dispatch gradient"] = s.tokens * 2 * shape.experts[1] * shape.hidden * b
+    if shape.wide_layers and attention.wide_kernel_name() == "matmul":  # `sft.model.wide_heads`: one batch at a time
+        backward["wide heads' attention: one batch in flight"] = wide_heads.in_flight_bytes(
+            shape.heads, shape.wide_head_dim, s.tokens, -(-s.seq_len // s.sp)
+        )
     loss_phase = 0.0
     tile = b * min(s.tokens, TOKEN_CHUNK) * min(shape.vocab, VOCAB_CHUNK)
     head_grad = 6 * v_h if full else 0  # fused LM head backward: its weight gradient in fp32, then in 16-bit
