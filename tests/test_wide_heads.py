@@ -147,18 +147,18 @@ def test_a_packed_row_through_wide_varlen_equals_each_sample_alone(monkeypatch, 
             assert rel(p.grad, want[n]) < 1e-5, n
 
 
-def test_the_compiled_pointwise_work_equals_eager(monkeypatch):
+@pytest.mark.parametrize("heads,kv_heads,causal", [(8, 4, True), (4, 2, False)])
+def test_the_compiled_pointwise_work_equals_eager(monkeypatch, heads, kv_heads, causal):
     """The GPU's path compiles the pointwise work between the products (`FUSED`); compiled here on the CPU, the same
     comparison against eager one sample at a time holds (causal with grouped heads, and both ways)."""
     monkeypatch.setattr(wide_heads, "_pointwise", lambda fn, scores: wide_heads._compiled(fn))
-    for heads, kv_heads, causal in ((8, 4, True), (4, 2, False)):
-        q, k, v, cu, grad_out = inputs(LENGTHS[:8], heads, kv_heads)
-        window = (-1, 0 if causal else -1)
-        out, got = grads(lambda *t: wide_varlen(*t, cu, cu, 0, 0, window_size=window), q, k, v, grad_out)
-        ref, want = grads(lambda *t: reference(*t, LENGTHS[:8], -1, causal), q, k, v, grad_out)
-        assert rel(out, ref) < 1e-5
-        for name, a, b in zip("qkv", got, want, strict=True):
-            assert rel(a, b) < 1e-5, name
+    q, k, v, cu, grad_out = inputs(LENGTHS[:8], heads, kv_heads)
+    window = (-1, 0 if causal else -1)
+    out, got = grads(lambda *t: wide_varlen(*t, cu, cu, 0, 0, window_size=window), q, k, v, grad_out)
+    ref, want = grads(lambda *t: reference(*t, LENGTHS[:8], -1, causal), q, k, v, grad_out)
+    assert rel(out, ref) < 1e-5
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert rel(a, b) < 1e-5, name
 
 
 def test_the_plan_counts_one_batch_in_flight_where_wide_varlen_runs(monkeypatch, tmp_path):
