@@ -14,6 +14,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit
 export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import transformers, trl, deepspeed, datasets" || echo "the carried packages do not import"
 work=/tmp/wide; mkdir -p "$work"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 late() { (( SECONDS > ${DEADLINE:-500} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
@@ -23,8 +24,8 @@ for part in "$@"; do
     case $part in
     wide)
         for rows in 2 8; do
-            timeout 120 python3 -m benchmarks.wide_heads --rows "$rows" --kernels efficient_varlen wide_varlen \
-                wide_varlen_eager per_sample_sdpa varlen --out "$OUT/wide_heads_rows$rows.json" > "$work/wide$rows.log" 2>&1
+            timeout 120 python3 -m benchmarks.wide_heads --rows "$rows" --kernels ${KERNELS:-efficient_varlen wide_varlen \
+                wide_varlen_eager per_sample_sdpa varlen} --out "$OUT/wide_heads_rows$rows.json" > "$work/wide$rows.log" 2>&1
             grep -E "^(256|512) " "$work/wide$rows.log" | cut -c1-300
         done ;;
     cli)

@@ -7,8 +7,8 @@ took 12.0 ms forward and backward on an H200, about 20 TFLOP/s, the largest kern
 (benchmarks/results/families_2026). Here the same arithmetic as FlashAttention's, written as batched matrix products
 (cuBLAS, bf16 in, fp32 accumulation) over each sample's whole score square:
 
-- the row's samples are padded into batches by length (lengths within a factor of sqrt(2) share one, so a padded
-  square is at most twice its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements (or its
+- the row's samples are padded into batches by length (lengths within a factor of 2 share one, so a padded square
+  is at most 4x its sample's), a batch split where its scores would pass `SCORE_BUDGET` elements (or its
   tokens `TOKEN_BUDGET`), and a sample alone over it in blocks of query rows (its keys' gradients summed over the
   blocks in fp32);
 - grouped key-value heads are not repeated: a key-value head's query heads are one matrix of `group x width` rows;
@@ -26,9 +26,8 @@ time (tests/test_wide_heads.py: fp32 on the CPU, 1e-5); which kernel a layer tak
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
+import numpy as np
 import torch
 
 # Score elements (batch x heads x width x width) per batched product: the backward's transients are about 14 bytes
@@ -43,38 +42,39 @@ ALIGN = 32
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
-    """Sample indices grouped by length: lengths in (sqrt(2)^(j - 1), sqrt(2)^j] share group j."""
+    """Sample indices grouped by length: lengths in (2^(j - 1), 2^j] share group j (a padded square at most 4x its
+    sample's: fewer batches, each a few more kernels' worth of work, where each batch's launches cost the host more
+    than its padding costs the GPU; 1 x H100, benchmarks/results/families_2026)."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n > 0:
-            groups.setdefault(math.ceil(2 * math.log2(n) - 1e-9), []).append(i)
+            groups.setdefault((n - 1).bit_length(), []).append(i)
     return [groups[key] for key in sorted(groups)]
 
 
-class Batch:
-    """One batch of samples padded to `width` (a device slice of the plan's indices): `tokens` [samples, width],
-    each position's token (past a sample's end its last token, read and never written), `dest` the same with `total`
-    (a spare row) past the end, and the allowed (query, key) pairs over a key-value head's `group x width` rows."""
+@functools.lru_cache(maxsize=256)
+def _causal_mask(width: int, group: int, left: int, device: torch.device) -> torch.Tensor:
+    """The allowed (query row, key) pairs of a `group x width` block of query rows: causal, a left window if any."""
+    pos = torch.arange(width, device=device)
+    query = pos.repeat(group)[:, None]  # a query row's position: the rows are group x width
+    allowed = pos[None, :] <= query
+    if 0 <= left < width - 1:
+        allowed = allowed & (query - pos[None, :] <= left)
+    return allowed
 
-    def __init__(self, tokens, dest, width: int, total: int, heads: int, kv_heads: int, left: int, causal: bool):
-        self.samples, self.width, self.group = tokens.shape[0], width, heads // kv_heads
-        device = tokens.device
-        pos = torch.arange(width, device=device)
-        query = pos.repeat(self.group)[:, None]  # a query row's position: the rows are group x width
+
+class Batch:
+    """One batch of samples padded to `width`: the flat (token, head) rows it reads and writes, in the heads-first
+    order ([samples, kv heads, group, width] for queries, [samples, kv heads, width] for keys and values; past a
+    sample's end it reads its last token and writes a spare row), and the allowed (query, key) pairs."""
+
+    def __init__(self, index: dict, samples: int, width: int, group: int, left: int, causal: bool):
+        self.samples, self.width, self.group = samples, width, group
+        self.q_read, self.q_write, self.kv_read, self.kv_write = (index[k] for k in ("qr", "qw", "kr", "kw"))
         if causal:
-            allowed = pos[None, :] <= query
-            if 0 <= left < width - 1:
-                allowed = allowed & (query - pos[None, :] <= left)
-            self.allowed = allowed  # [group x width, width], the same for every sample
+            self.allowed = _causal_mask(width, group, left, self.q_read.device)  # [group x width, width]
         else:  # both ways within the sample: its real keys
-            self.allowed = (dest != total)[:, None, None, :]  # [samples, 1, 1, width]
-        q_heads = torch.arange(heads, device=device).view(1, kv_heads, self.group, 1)
-        kv = torch.arange(kv_heads, device=device).view(1, kv_heads, 1)
-        # flat (token, head) rows in the heads-first order: [samples, kv heads, group, width] and [samples, kv, width]
-        self.q_read = (tokens[:, None, None, :] * heads + q_heads).reshape(-1)
-        self.q_write = (dest[:, None, None, :] * heads + q_heads).reshape(-1)
-        self.kv_read = (tokens[:, None, :] * kv_heads + kv).reshape(-1)
-        self.kv_write = (dest[:, None, :] * kv_heads + kv).reshape(-1)
+            self.allowed = index["real"].view(samples, 1, 1, width)
 
     def gather(self, x: torch.Tensor, query: bool) -> torch.Tensor:
         """[tokens, heads, dim] -> [samples x kv heads, rows, dim] in one gather: for queries a key-value head's
@@ -88,16 +88,14 @@ class Batch:
         index = self.q_write if query else self.kv_write
         into.view(-1, into.shape[-1]).index_copy_(0, index, x.reshape(-1, x.shape[-1]).to(into.dtype))
 
-    def row_blocks(self, batch_heads: int):
+    def row_blocks(self, batch_heads: int) -> list[slice]:
         """Slices of the `group x width` query rows whose scores stay within `SCORE_BUDGET`: all at once unless one
         sample alone is over it (a long sample in a packed row)."""
         step = max(1, SCORE_BUDGET // (batch_heads * self.width))
         rows = self.group * self.width
         if step >= rows:
-            yield slice(None)
-            return
-        for lo in range(0, rows, step):
-            yield slice(lo, min(lo + step, rows))
+            return [slice(None)]
+        return [slice(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
     def mask(self, rows: slice) -> torch.Tensor:
         """The allowed pairs of the query rows `rows`, broadcast against scores [samples, kv heads, rows, width]."""
@@ -116,9 +114,11 @@ def softmax_rows(scores, allowed, scale: float, dtype: torch.dtype):
     return lse, torch.exp(scores - lse).to(dtype)
 
 
-def score_grads(scores, allowed, scale: float, lse, d_probs, delta, dtype: torch.dtype):
+def score_grads(scores, allowed, scale: float, lse, d_probs, d_out, out, dtype: torch.dtype):
     """(probabilities, the scores' gradient), both in `dtype`, from the unscaled fp32 scores recomputed, the kept
-    log-sum-exp, the probabilities' gradient dO V^T and rowsum(dO * O): FlashAttention's dS = P * (dP - delta)."""
+    log-sum-exp, the probabilities' gradient dO V^T, and dO and O of the same query rows: FlashAttention's
+    dS = P * (dP - rowsum(dO * O))."""
+    delta = (d_out.float() * out.float()).sum(-1).view(lse.shape)
     scores = (scores * scale if scale != 1.0 else scores).masked_fill(~allowed, float("-inf"))
     probs = torch.exp(scores - lse)
     d_scores = probs * (d_probs - delta)
@@ -159,31 +159,43 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, total: int) -> list[Batch]:
     """The `Batch`es of a packed row's samples (boundaries `cu`), each within `SCORE_BUDGET` and `TOKEN_BUDGET` (or
-    one sample), their widths padded to `ALIGN`. The lengths are read on the host once (the call's only wait for the
-    GPU); every batch's indices are built there and copied in one transfer."""
+    one sample), their widths padded to `ALIGN`. Built on the host from the lengths (read once: the call's only wait
+    for the GPU), every batch's indices copied in one transfer: a batch costs the host its kernels' launches only."""
     lengths = cu.diff().tolist()
-    starts = [0, *itertools.accumulate(lengths)]
-    shapes, tokens, dest = [], [], []
+    starts = np.cumsum([0, *lengths])
+    group = heads // kv_heads
+    q_heads = np.arange(heads).reshape(1, kv_heads, group, 1)
+    kv = np.arange(kv_heads).reshape(1, kv_heads, 1)
+    shapes, parts = [], []
     for members in length_groups(lengths):
-        longest = max(lengths[i] for i in members)
-        width = -(-longest // ALIGN) * ALIGN
+        width = -(-max(lengths[i] for i in members) // ALIGN) * ALIGN
         per_batch = max(1, min(SCORE_BUDGET // (heads * width * width), TOKEN_BUDGET // width))
         for lo in range(0, len(members), per_batch):
             chosen = members[lo : lo + per_batch]
-            first = torch.tensor([starts[i] for i in chosen])[:, None]
-            size = torch.tensor([lengths[i] for i in chosen])[:, None]
-            pos = torch.arange(width)[None, :]
-            tokens.append((first + torch.minimum(pos, size - 1)).reshape(-1))
-            dest.append(torch.where(pos < size, first + pos, total).reshape(-1))
-            shapes.append((len(chosen), width))
-    flat = torch.stack([torch.cat(tokens), torch.cat(dest)])
+            first, size = starts[chosen][:, None], np.asarray([lengths[i] for i in chosen])[:, None]
+            pos = np.arange(width)[None, :]
+            real = pos < size
+            tokens, dest = first + np.minimum(pos, size - 1), np.where(real, first + pos, total)
+            part = {
+                "qr": (tokens[:, None, None, :] * heads + q_heads).ravel(),
+                "qw": (dest[:, None, None, :] * heads + q_heads).ravel(),
+                "kr": (tokens[:, None, :] * kv_heads + kv).ravel(),
+                "kw": (dest[:, None, :] * kv_heads + kv).ravel(),
+                "real": real.ravel(),
+            }
+            shapes.append((len(chosen), width, {k: v.size for k, v in part.items()}))
+            parts.append(part)
+    flat = torch.from_numpy(np.concatenate([v.astype(np.int64) for part in parts for v in part.values()]))
     if cu.is_cuda:
         flat = flat.pin_memory().to(cu.device, non_blocking=True)
     batches, offset = [], 0
-    for samples, width in shapes:
-        part = flat[:, offset : offset + samples * width].view(2, samples, width)
-        batches.append(Batch(part[0], part[1], width, total, heads, kv_heads, left, causal))
-        offset += samples * width
+    for samples, width, sizes in shapes:
+        index = {}
+        for key, size in sizes.items():
+            index[key] = flat[offset : offset + size]
+            offset += size
+        index["real"] = index["real"].bool()
+        batches.append(Batch(index, samples, width, group, left, causal))
     return batches
 
 
@@ -196,15 +208,14 @@ class _WideAttention(torch.autograd.Function):
         lse = q.new_zeros(total + 1, heads, 1, dtype=torch.float32)
         for b in batches:
             qs, ks, vs = b.gather(q, True), b.gather(k, False), b.gather(v, False)
-            outs = qs.new_empty(*qs.shape[:2], vs.shape[-1])
-            lses = qs.new_empty(*qs.shape[:2], 1, dtype=torch.float32)
+            lses, outs = [], []
             for rows in b.row_blocks(qs.shape[0]):
                 scores = b.scores(qs, ks, rows)
                 row_lse, probs = _pointwise(softmax_rows, scores)(scores, b.mask(rows), scale, v.dtype)
-                lses[:, rows] = row_lse.view(qs.shape[0], -1, 1)
-                outs[:, rows] = torch.bmm(probs.view(qs.shape[0], -1, ks.shape[1]), vs)
-            b.scatter(out, outs, True)
-            b.scatter(lse, lses, True)
+                lses.append(row_lse.view(qs.shape[0], -1, 1))
+                outs.append(torch.bmm(probs.view(qs.shape[0], -1, ks.shape[1]), vs))
+            b.scatter(out, _joined(outs), True)
+            b.scatter(lse, _joined(lses), True)
         # a padded query reads an infinite log-sum-exp in the backward: its probabilities are 0, so it sends no
         # gradient anywhere
         lse[total] = float("inf")
@@ -223,22 +234,27 @@ class _WideAttention(torch.autograd.Function):
             qs, ks, vs = b.gather(q, True), b.gather(k, False), b.gather(v, False)
             d_out, outs = b.gather(grad, True), b.gather(out, True)
             row_lse = lse.view(-1, 1).index_select(0, b.q_write).view(qs.shape[0], -1, 1)
-            delta = (d_out.float() * outs.float()).sum(-1, keepdim=True)
-            d_qs, d_ks, d_vs = torch.empty_like(qs), None, None
+            d_qs, d_ks, d_vs = [], None, None
             for rows in b.row_blocks(qs.shape[0]):
                 scores = b.scores(qs, ks, rows)
                 d_probs = _matmul_fp32(d_out[:, rows], vs.transpose(1, 2)).view_as(scores)
-                lse_rows, delta_rows = (t[:, rows].view(*scores.shape[:3], 1) for t in (row_lse, delta))
+                shaped = (t[:, rows].view(*scores.shape[:3], -1) for t in (row_lse, d_out, outs))
+                lse_rows, d_out_rows, out_rows = shaped
                 grads = _pointwise(score_grads, scores)
-                probs, d_scores = grads(scores, b.mask(rows), scale, lse_rows, d_probs, delta_rows, q.dtype)
+                probs, d_scores = grads(scores, b.mask(rows), scale, lse_rows, d_probs, d_out_rows, out_rows, q.dtype)
                 probs, d_scores = (t.view(qs.shape[0], -1, ks.shape[1]) for t in (probs, d_scores))
                 d_vs = _add(d_vs, torch.bmm(probs.transpose(1, 2), d_out[:, rows]))
-                d_qs[:, rows] = torch.bmm(d_scores, ks)
+                d_qs.append(torch.bmm(d_scores, ks))
                 d_ks = _add(d_ks, torch.bmm(d_scores.transpose(1, 2), qs[:, rows]))
-            b.scatter(dq, d_qs, True)
+            b.scatter(dq, _joined(d_qs), True)
             b.scatter(dk, d_ks, False)
             b.scatter(dv, d_vs, False)
         return dq[:total], dk[:total], dv[:total], None, None, None, None
+
+
+def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The query-row blocks of a batch as one tensor (the one block itself where the batch is one)."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
