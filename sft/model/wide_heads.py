@@ -37,7 +37,7 @@ SCORE_BUDGET = 1 << 27
 # (at 8 x 512 query heads, ~8 KiB a token per tensor)
 TOKEN_BUDGET = 1 << 14
 # A batch's width is padded to a multiple of this: 16-bit rows whose length is not a multiple of 8 elements take
-# cuBLAS's SM75 kernels on Hopper (measured: 1 x H100, benchmarks/results/families_2026/wide_heads_profile_h100.txt)
+# cuBLAS's SM75 kernels on Hopper (1 x H100: benchmarks/results/families_2026/profile_call22_wide_varlen.txt)
 ALIGN = 32
 
 
