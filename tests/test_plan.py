@@ -907,3 +907,15 @@ def test_qwen3_5_layers_are_counted_as_autograd_saves_them(tmp_path):
     for more, fewer in (([full] * 3, [full]), ([linear] * 3 + [full], [linear, full])):
         pair = measured(more) - measured(fewer)
         assert abs(pair - (planned(more) - planned(fewer))) <= 128, (more, pair, planned(more) - planned(fewer))
+
+
+def test_a_memory_cap_at_the_cards_own_size_is_the_whole_card():
+    """`max_gpu_memory_gib: 79.18` (an H100's 80 GB, the cap every 80 GB claim is made at) on an H100 whose memory
+    torch reports just under it leaves the whole card: it was refused as "more than this GPU has (79.2 GiB)" (1 x
+    H100, benchmarks/results/families_2026, call 24). Half a card is half; a cap over the card by more than 0.01 GiB
+    is refused naming the value and the card's size."""
+    h100 = 79.179 * plan.GiB
+    assert plan.memory_fraction(79.18, h100) == 1.0
+    assert plan.memory_fraction(79.179 / 2, h100) == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match=r"`max_gpu_memory_gib: 80` is more than this GPU has \(79\.179 GiB\)"):
+        plan.memory_fraction(80, h100)

@@ -1228,18 +1228,28 @@ def nothing_fits(
     return f"{head}: add GPUs."
 
 
+# A cap this close above a card's memory is the whole card: `max_gpu_memory_gib` is written to two decimals, and an
+# H100 80GB's 79.18 GiB (what the brief caps every 80 GB claim at) rounds above its 79.179 GiB
+WHOLE_CARD_GIB = 0.01
+
+
+def memory_fraction(gib: float, total: float) -> float:
+    """The share of a GPU of `total` bytes that a cap of `gib` GiB (`max_gpu_memory_gib`) leaves a process: 1 for a cap
+    within `WHOLE_CARD_GIB` above the card's memory; a ConfigError for one further above."""
+    if gib * GiB > total + WHOLE_CARD_GIB * GiB:
+        raise ConfigError(
+            f"`max_gpu_memory_gib: {gib}` is more than this GPU has ({total / GiB:.3f} GiB). Lower it or remove it."
+        )
+    return min(gib * GiB / total, 1.0)
+
+
 def cap_gpu_memory(gib: float | None) -> float | None:
     """Cap this process's allocations on its GPU at `gib` GiB (`max_gpu_memory_gib`); returns the fraction set, or
-    None without a cap or a GPU. A cap above the GPU's memory is an error."""
+    None without a cap or a GPU. A cap above the GPU's memory is an error (`memory_fraction`)."""
     import torch
 
     if gib is None or not torch.cuda.is_available():
         return None
-    total = detected_gpu_memory()
-    if gib * GiB > total:
-        raise ConfigError(
-            f"`max_gpu_memory_gib: {gib}` is more than this GPU has ({total / GiB:.1f} GiB). Lower it or remove it."
-        )
-    fraction = gib * GiB / total
+    fraction = memory_fraction(gib, detected_gpu_memory())
     torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     return fraction
