@@ -174,7 +174,10 @@ def packed_kernel(head_dim: int, on_gpu: bool):
     return kernel or wide_kernel()
 
 
-# The wide heads' kernels by name; `SFT_WIDE_HEADS` picks one (the benchmarks' switch), else `WIDE_DEFAULT`
+# The wide heads' kernels by name; `SFT_WIDE_HEADS` picks one (the benchmarks' switch), else `WIDE_DEFAULT`.
+# `wide_varlen` measured 0.86x `efficient_varlen` at 2 rows of 4,096 and 1.22x at 8 (forward + backward of Gemma 4's
+# full layers, 1 x H100, benchmarks/results/families_2026 call 24), not yet through a whole training step: not the
+# default until it is
 WIDE_KERNELS = {"efficient": "efficient_varlen", "matmul": "wide_varlen"}
 WIDE_DEFAULT = "efficient"
 
