@@ -327,14 +327,7 @@ def _boundaries(kwargs: dict, attention_mask, batch: int, seq: int, device):
     return cu_q, cu_k, max_q, max_k, keep
 
 
-def varlen_attention_forward(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
-    s_aux=None, **kwargs,
-):  # fmt: skip
-    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
-    causal (both ways where the layer says `is_causal=False`: a vision encoder), with the layer's sliding window
-    (transformers' `sliding_window`: a token sees itself and the `w - 1` before it); soft-capping and sinks through
-    `scored_attention`."""
+def _refuse_unknown(module, kwargs: dict) -> None:
     refused = refused_arguments(kwargs)
     if refused:
         raise ConfigError(
@@ -343,6 +336,32 @@ def varlen_attention_forward(
             f"with). Use `attn_implementation: auto`, which picks a backend that has "
             f"{' and '.join(refused)}."
         )
+
+
+def _unscored(varlen_attn, q, k, v, bounds, scaling, window: int | None, causal: bool) -> torch.Tensor:
+    """A packed row's attention through the layer's kernel (`packed_kernel`), [total, heads, dim] in and out; `bounds`
+    (cu_q, cu_k, max_q, max_k)."""
+    flash = varlen_attn is not per_sample_sdpa
+    if flash:
+        masking = _causal_kwargs(varlen_attn, window, causal)
+    else:
+        masking = {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
+    dim, v_dim = q.shape[-1], v.shape[-1]
+    # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
+    if flash and v_dim != dim:
+        v = torch.nn.functional.pad(v, (0, dim - v_dim))
+    return varlen_attn(q, k, v, *bounds, scale=scaling, **masking)[..., :v_dim]
+
+
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None,
+    s_aux=None, **kwargs,
+):  # fmt: skip
+    """transformers attention function on `varlen_attn`: query [B, Hq, S, D], key/value [B, Hkv, S, D] (GQA ok),
+    causal (both ways where the layer says `is_causal=False`: a vision encoder), with the layer's sliding window
+    (transformers' `sliding_window`: a token sees itself and the `w - 1` before it); soft-capping and sinks through
+    `scored_attention`."""
+    _refuse_unknown(module, kwargs)
     on_gpu = query.is_cuda and _varlen_attn() is not None
     batch, heads, seq, dim = query.shape
     varlen_attn = packed_kernel(dim, on_gpu)
@@ -382,20 +401,11 @@ def varlen_attention_forward(
         q, k, v = q[keep], k[keep], v[keep]
     if scored and on_gpu and dim > FLASH_HEAD_DIM:  # no family asks for both; flex_attention failed at 512
         raise ConfigError(f"{VARLEN}: soft-capping or sinks on heads wider than {FLASH_HEAD_DIM} is not implemented.")
+    window = sliding_window if windowed else None
     if scored:
-        out = scored_attention(q, k, v, cu_q, scaling, sliding_window if windowed else None, softcap, s_aux)
+        out = scored_attention(q, k, v, cu_q, scaling, window, softcap, s_aux)
     else:
-        window = sliding_window if windowed else None
-        flash = varlen_attn is not per_sample_sdpa
-        if flash:
-            masking = _causal_kwargs(varlen_attn, window, causal)
-        else:
-            masking = {"window_size": (-1 if window is None else window - 1, 0 if causal else -1)}
-        v_dim = v.shape[-1]
-        # MLA (DeepSeek-V3): FlashAttention needs one head dim; pad values, cut after
-        if flash and v_dim != dim:
-            v = torch.nn.functional.pad(v, (0, dim - v_dim))
-        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **masking)[..., :v_dim]
+        out = _unscored(varlen_attn, q, k, v, (cu_q, cu_k, max_q, max_k), scaling, window, causal)
     dim = out.shape[-1]
     if keep is not None:
         full = out.new_zeros(batch * seq, heads, dim)

@@ -52,6 +52,24 @@ def load_model(model_args: ModelArguments, plan: RunPlan) -> PreTrainedModel:
     return model
 
 
+def _random(training_args: TrainConfig, partitioned: bool, plan: RunPlan, kwargs: dict):
+    """The model with random weights from its config (`from_scratch`), made where it will train: on this rank's GPU
+    (seconds for 8B, minutes on the CPU); under ZeRO-3, `zero.Init` partitions them as they are made."""
+    config = plan.model_config
+    device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"
+    with torch.device(device):
+        model = architectures.model_class(config, plan.vision is not None).from_config(
+            config,
+            attn_implementation=kwargs["attn_implementation"],
+            dtype=kwargs["dtype"] if kwargs["dtype"] != "auto" else None,
+            trust_remote_code=kwargs["trust_remote_code"],
+        )
+    logger.info(
+        "Built %s from %s/config.json with random weights on %s", type(model).__name__, config.name_or_path, device
+    )
+    return model
+
+
 def _build(
     model_args: ModelArguments,
     training_args: TrainConfig,
@@ -69,20 +87,7 @@ def _build(
     if training_args.model_init_kwargs:
         kwargs.update(training_args.model_init_kwargs)
     if model_args.from_scratch:
-        # Random weights are made where they will train: on this rank's GPU (seconds for 8B, minutes on the CPU);
-        # under ZeRO-3, `zero.Init` partitions them as they are made.
-        device = training_args.device if torch.cuda.is_available() and not partitioned else "cpu"
-        with torch.device(device):
-            model = architectures.model_class(config, plan.vision is not None).from_config(
-                config,
-                attn_implementation=kwargs["attn_implementation"],
-                dtype=kwargs["dtype"] if kwargs["dtype"] != "auto" else None,
-                trust_remote_code=kwargs["trust_remote_code"],
-            )
-        logger.info(
-            "Built %s from %s/config.json with random weights on %s", type(model).__name__, config.name_or_path, device
-        )
-        return model
+        return _random(training_args, partitioned, plan, kwargs)
     sharded = quantization.packed(plan.engine) and not partitioned  # FSDP2 shards the model once it is built
     quantized = quantization.load_kwargs(model_args, training_args, partitioned, sharded)
     kwargs.update(quantized)

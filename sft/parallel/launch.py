@@ -70,6 +70,28 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return launcher, rest
 
 
+def _failed_workers(error, error_files: str, workers: int) -> int:
+    """What a run whose workers failed says and exits with: the first rank's own error (written under `error_files`,
+    exit 2, or the non-finite code), a stop on a signal with a checkpoint, or the failing rank and its exit code."""
+    from sft.core import retry as retry_protocol
+    from sft.errors import PREEMPTED_EXIT_CODE
+
+    written = sorted(Path(error_files).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+    message = written[0].read_text().strip() if written else ""
+    codes = {failure.exitcode for failure in error.failures.values()}
+    if message:
+        print(f"sft: error: {message}", file=sys.stderr, flush=True)
+        return retry_protocol.NONFINITE_EXIT_CODE if retry_protocol.NONFINITE_EXIT_CODE in codes else 2
+    if codes == {PREEMPTED_EXIT_CODE}:
+        print("sft: stopped on a signal with a complete checkpoint; run the same command to continue.",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return PREEMPTED_EXIT_CODE
+    rank, failure = min(error.failures.items())
+    print(f"sft: worker rank {rank} failed with exit code {failure.exitcode} (its output is above); "
+          f"{len(error.failures)} of {workers} workers failed.", file=sys.stderr, flush=True)  # fmt: skip
+    return 1
+
+
 def launch(launcher_args: list[str], train_args: list[str]) -> int:
     """Run `sft train` in `--nproc-per-node` worker processes on this node; the exit code of the run."""
     from torch.distributed import DistError
@@ -80,7 +102,6 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     from sft.core import retry as retry_protocol
-    from sft.errors import PREEMPTED_EXIT_CODE
 
     rdzv_timeout, launcher_args = _take_rdzv_timeout(launcher_args)
     args, several_nodes, endpoint = _agent_args(launcher_args, train_args, rdzv_timeout)
@@ -110,21 +131,7 @@ def launch(launcher_args: list[str], train_args: list[str]) -> int:
                           f"{retry.micro_cap} and the global batch of {retry.global_batch} rows kept (from the newest "
                           "complete checkpoint, if any)", file=sys.stderr, flush=True)  # fmt: skip
         except ChildFailedError as e:
-            written = sorted(Path(tmp).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
-            message = written[0].read_text().strip() if written else ""
-            codes = {failure.exitcode for failure in e.failures.values()}
-            if message:
-                print(f"sft: error: {message}", file=sys.stderr, flush=True)
-                return retry_protocol.NONFINITE_EXIT_CODE if retry_protocol.NONFINITE_EXIT_CODE in codes else 2
-            if codes == {PREEMPTED_EXIT_CODE}:
-                print("sft: stopped on a signal with a complete checkpoint; run the same command to continue.",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                return PREEMPTED_EXIT_CODE
-            rank, failure = min(e.failures.items())
-            print(f"sft: worker rank {rank} failed with exit code {failure.exitcode} (its output is above); "
-                  f"{len(e.failures)} of {config.nproc_per_node * config.max_nodes} workers failed.",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return 1
+            return _failed_workers(e, tmp, config.nproc_per_node * config.max_nodes)
         except (RendezvousError, DistError) as e:  # nodes missing or unreachable after the rendezvous timeout
             print(f"sft: error: the rendezvous of {args.nnodes} nodes at {endpoint} failed: "
                   f"{str(e).strip().splitlines()[-1]} Check that every node was started with the same node count and "

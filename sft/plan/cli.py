@@ -148,6 +148,12 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                         help="A vision-language model's encoder trains too (as `train_vision_tower: true`); by "
                         "default it is frozen, as in a run")  # fmt: skip
     parser.add_argument("--qlora-nested", action="store_true", help="QLoRA constants quantised too (nested quant)")
+    _add_kernel_and_search_flags(parser)
+    return parser
+
+
+def _add_kernel_and_search_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `_parser` for FP8, the optimizer, the card and its memory, and what the search reports."""
     parser.add_argument("--fp8", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                         help="Decoder linears in torchao float8 (sft.model.fp8), compiled; auto: as `sft train` "
                              "decides for the family on an H100/H200")  # fmt: skip
@@ -181,7 +187,6 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--longest", action="store_true", help="Also the longest row that fits (this ZeRO stage, any sp and levers)"
     )
-    return parser
 
 
 def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:

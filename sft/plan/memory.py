@@ -785,6 +785,46 @@ def _optimizer_line(s: Setting) -> str:
     return "optimizer: fp32 master + Adam moments" + (" (8-bit)" if s.eight_bit_moments else "")
 
 
+def _sharded_weights(shape: ModelShape, s: Setting, p: float, frozen: float, items: dict, step: dict) -> float:
+    """ZeRO-3's resident lines (into `items`) and the step's (into `step`); returns the model states alone."""
+    b, n = s.dtype_bytes, s.gpus
+    items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
+    if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
+        stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
+        items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = (s.state_bytes + 4) * stepped_here
+        sub_group = 0
+    else:
+        items["gradient partition (16-bit)"] = b * p / n
+        items[_optimizer_line(s)] = s.state_bytes * p / n
+        sub_group = min(p / n, SUB_GROUP_SIZE)
+    step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
+    step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
+    if s.eight_bit_moments:
+        step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * sub_group
+    # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
+    return sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
+
+
+def _sharded_gradients(s: Setting, part: float, items: dict, step: dict) -> float:
+    """ZeRO-2's optimizer line (into `items`, beside the weights) and the step's (into `step`); returns the model
+    states alone."""
+    b, n = s.dtype_bytes, s.gpus
+    items[_optimizer_line(s)] = 0 if s.offload_optimizer else s.state_bytes * part
+    on_gpu = 0 if s.offload_optimizer else part
+    step["gradient partition (16-bit)"] = b * on_gpu
+    # with 8-bit moments the flattened copy is gone by the optimizer's step (3B on 1 x H100 and 8B on 2 x H200,
+    # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1), and the step
+    # goes one group of at most STEP_GROUP_PARAMS at a time (`sft.engines.deepspeed.zero.split_optimizer_groups`)
+    if s.eight_bit_moments:
+        group = min(on_gpu, STEP_GROUP_PARAMS / n)
+        step["fp32 gradients of one group (step)"] = 4 * group
+        step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
+    else:
+        step["fp32 gradient partition (step)"] = 4 * on_gpu
+        step["flattened gradient copy (step)"] = b * on_gpu
+    return sum(items.values()) + (b + 4) * on_gpu
+
+
 def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float) -> tuple[dict, dict, float]:
     """What stays allocated between steps, by stage (measured: ZeRO-2 2P + 12P/N, ZeRO-3 16P/N for full fine-tuning),
     what the optimizer step adds, and the model states alone; `p` trainable parameters, `held` whole on a GPU, `part`
@@ -796,37 +836,10 @@ def _resident(shape: ModelShape, s: Setting, p: float, held: float, part: float)
     if s.qlora:
         items["QLoRA quantization constants (whole on every GPU)"] = quant_constant_bytes(shape, s)
     if s.sharding.weights:
-        items["weights (16-bit, partitioned)"] = 0 if s.offload_params else b * p / n + frozen / n
-        if s.offload_optimizer:  # DeepSpeed keeps every 16-bit gradient on the host then (`host_bytes`)
-            stepped_here = sum(optimizer_groups(shape, s, s.ratio)[0])
-            items["optimizer's GPU share: fp32 master, Adam, fp32 gradients"] = (s.state_bytes + 4) * stepped_here
-            sub_group = 0
-        else:
-            items["gradient partition (16-bit)"] = b * p / n
-            items[_optimizer_line(s)] = s.state_bytes * p / n
-            sub_group = min(p / n, SUB_GROUP_SIZE)
-        step["fp32 gradients of one sub-group (step)"] = 4 * sub_group
-        step["16-bit gradient copy of one sub-group (step)"] = 2 * sub_group
-        if s.eight_bit_moments:
-            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * sub_group
-        # DeepSpeed's "largest layer" term: one module's 16-bit weight and gradient, gathered
-        states_own = sum(items.values()) + 4 * sub_group + 4 * shape.largest_module_params
+        states_own = _sharded_weights(shape, s, p, frozen, items, step)
     elif s.sharding.gradients:
         items["weights (16-bit)"] = b * held + frozen
-        items[_optimizer_line(s)] = 0 if s.offload_optimizer else s.state_bytes * part
-        on_gpu = 0 if s.offload_optimizer else part
-        step["gradient partition (16-bit)"] = b * on_gpu
-        # with 8-bit moments the flattened copy is gone by the optimizer's step (3B on 1 x H100 and 8B on 2 x H200,
-        # benchmarks/results/speed_sweep_*: planned 66.0 and 90.0 GiB this way, measured 66.1 and 90.1), and the step
-        # goes one group of at most STEP_GROUP_PARAMS at a time (`sft.engines.deepspeed.zero.split_optimizer_groups`)
-        if s.eight_bit_moments:
-            group = min(on_gpu, STEP_GROUP_PARAMS / n)
-            step["fp32 gradients of one group (step)"] = 4 * group
-            step[EIGHT_BIT_STEP_LINE] = EIGHT_BIT_STEP_BYTES * group
-        else:
-            step["fp32 gradient partition (step)"] = 4 * on_gpu
-            step["flattened gradient copy (step)"] = b * on_gpu
-        states_own = sum(items.values()) + (b + 4) * on_gpu
+        states_own = _sharded_gradients(s, part, items, step)
     elif s.sharding.optimizer:
         items["weights (16-bit)"] = b * held + frozen
         items[_optimizer_line(s)] = s.state_bytes * part

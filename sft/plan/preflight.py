@@ -972,7 +972,6 @@ def _plan_memory(
     built on first call): the `auto` ones chosen by the memory plan and the speed model (the smallest sp first, then
     the fastest setting that fits; micro batches up to `micro_cap`, an out-of-memory retry's; `optim: auto` takes the
     checkpoint's optimizer on a `resume`); the plan logged and checked against the GPU and host."""
-    fp8_on, liger_on = kernels["FP8"].on, kernels["Liger"].on
     auto = training_args.auto_settings
     master, optimizer = _precision(training_args, model_args, model_config)
     resumed_optim = optimizer.get("optim", resume.optim if resume is not None and "optim" in auto else None)
@@ -998,26 +997,11 @@ def _plan_memory(
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, unplanned, None
     shape = shape_of()
-    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger_on),
-                               compiled=kernels["compiled layers"].on)  # fmt: skip
-    if resumed_optim:
-        base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
-    if not master:
-        base = base.stepped_in_place()
-    base = _with_accumulation(training_args, base, target)
+    base = _planned_base(training_args, model_args, kernels, master, resumed_optim, target)
     bf16, optim, liger = None, resumed_optim, None
     if auto:
-        bases = [base]
-        by_speed = arch.kernel("speed")
-        if not by_speed.on:
-            logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
-                        by_speed.reason)  # fmt: skip
-        else:
-            bases = _kernel_bases(training_args, arch, base)
         limits = (memory, headroom, host)
-        if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
-            bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
-        chosen = _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
+        chosen = _auto_setting(training_args, shape, arch, base, target, micro_cap, limits, resumed_optim)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
         if chosen.moment_bytes != base.moment_bytes:  # `optim: auto` chose 8-bit moments
             base, optim = dataclasses.replace(base, moment_bytes=chosen.moment_bytes), memplan.EIGHT_BIT_OPTIM
@@ -1028,6 +1012,35 @@ def _plan_memory(
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
     return micro, tools, sp, sentence, ratio, bf16, {"optim": optim, **optimizer}, liger
+
+
+def _planned_base(training_args, model_args, kernels: dict, master: bool, resumed_optim, target):
+    """The setting the plan starts from: the run's fields, its kernels, the resumed optimizer's moments, bf16 weights
+    stepped in place where no master copy is kept, the accumulation for the target global batch."""
+    base = dataclasses.replace(base_setting(training_args, model_args, kernels["FP8"].on, kernels["Liger"].on),
+                               compiled=kernels["compiled layers"].on)  # fmt: skip
+    if resumed_optim:
+        base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
+    if not master:
+        base = base.stepped_in_place()
+    return _with_accumulation(training_args, base, target)
+
+
+def _auto_setting(training_args, shape, arch, base, target, micro_cap, limits, resumed_optim):
+    """The setting the `auto` fields take: the kernel bases of the family (where its speed model is on; else the
+    largest micro batch with the fewest levers), with 8-bit moments as candidates where `optim: auto` may take them,
+    ranked by `_choose`."""
+    bases = [base]
+    by_speed = arch.kernel("speed")
+    if not by_speed.on:
+        logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
+                    by_speed.reason)  # fmt: skip
+    else:
+        bases = _kernel_bases(training_args, arch, base)
+    auto = training_args.auto_settings
+    if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
+        bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
+    return _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
 
 
 # bf16 weights without an engine that keeps an fp32 master copy: torchao's 8-bit AdamW with stochastic rounding
