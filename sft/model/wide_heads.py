@@ -33,8 +33,8 @@ import functools
 import numpy as np
 import torch
 
-# Score elements (batch x heads x width x width) per batched product: the backward's transients are about 14 bytes
-# per element (fp32 scores and their gradient, 16-bit probabilities and score gradients), ~1.8 GiB at this budget
+# Score elements (batch x heads x width x width) per batched product: the backward's transients are about 12 bytes
+# per element (fp32 scores and the probabilities' gradient, 16-bit probabilities and score gradients), 1.5 GiB here
 SCORE_BUDGET = 1 << 27
 # Tokens per batch: each batch gathers its queries, keys, values, outputs and their gradients in the heads-first layout
 # (at 8 x 512 query heads, ~8 KiB a token per tensor)
@@ -46,8 +46,9 @@ ALIGN = 32
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
     """Sample indices grouped by length: lengths in (2^(j - 1), 2^j] share group j (a padded square at most 4x its
-    sample's: fewer batches, each a few more kernels' worth of work, where each batch's launches cost the host more
-    than its padding costs the GPU; 1 x H100, benchmarks/results/families_2026)."""
+    sample's): fewer batches, where each batch's launches cost the host more than its padding costs the GPU (1 x
+    H100, benchmarks/results/families_2026: call 24 with these groups and host-built indices against call 23's
+    groups within sqrt(2))."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n > 0:
