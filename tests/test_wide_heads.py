@@ -188,3 +188,24 @@ def test_the_plan_counts_one_batch_in_flight_where_wide_varlen_runs(monkeypatch,
         assert term not in memory.estimate(narrow, setting).items
     expected = 12 * wide_heads.SCORE_BUDGET + 16 * wide_heads.TOKEN_BUDGET * 8 * 512
     assert wide_heads.in_flight_bytes(8, 512, 8 * 4096, 4096) == expected
+
+
+def test_the_layers_of_a_micro_batch_share_one_plan():
+    """The second layer given the same boundaries tensor reuses the first's batches (no second read of the lengths);
+    another tensor, the same one written in place, or other heads get their own; every result stays exact."""
+    q, k, v, cu, grad_out = inputs(LENGTHS, 8, 4)
+    wide_varlen(q, k, v, cu, cu, 0, 0)
+    first = wide_heads._last_plan.batches
+    out = wide_varlen(q, k, v, cu, cu, 0, 0)
+    assert wide_heads._last_plan.batches is first
+    torch.testing.assert_close(out, reference(q, k, v, LENGTHS, -1, True), atol=1e-5, rtol=1e-5)
+    for change in (lambda t: t.clone(), lambda t: t.add_(0)):  # a new tensor; the same one written in place
+        before = wide_heads._last_plan.batches
+        other = change(cu)
+        wide_varlen(q, k, v, other, other, 0, 0)
+        assert wide_heads._last_plan.batches is not before
+    before = wide_heads._last_plan.batches
+    k8, v8 = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    out = wide_varlen(q, k8, v8, cu, cu, 0, 0)
+    assert wide_heads._last_plan.batches is not before
+    torch.testing.assert_close(out, reference(q, k8, v8, LENGTHS, -1, True), atol=1e-5, rtol=1e-5)

@@ -29,6 +29,7 @@ at 2 rows, call 23), the rest the host's launches, one batch at a time.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -203,11 +204,33 @@ def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, t
     return batches
 
 
+class _LastPlan:
+    """The last call's batches, for the next layer of the same micro batch: every wide layer of a forward gets the
+    same boundaries tensor, so the host reads the lengths and builds the indices once per micro batch, not per layer.
+    Kept while it is the same tensor object, unchanged in place (its version), with the same heads and mask."""
+
+    def __init__(self):
+        self.cu, self.version, self.key, self.batches = None, None, None, None
+
+    def get(self, cu: torch.Tensor, args: tuple) -> list[Batch]:
+        """`plan(cu, *args)`, or the last call's where it would be the same."""
+        held = self.cu() if self.cu is not None else None
+        key = (*args, SCORE_BUDGET, TOKEN_BUDGET, ALIGN)
+        if held is cu and self.version == cu._version and self.key == key:
+            return self.batches
+        self.batches = plan(cu, *args)
+        self.cu, self.version, self.key = weakref.ref(cu), cu._version, key
+        return self.batches
+
+
+_last_plan = _LastPlan()
+
+
 class _WideAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, scale: float, left: int, causal: bool):
         total, heads = q.shape[0], q.shape[1]
-        batches = plan(cu, heads, k.shape[1], left, causal, total)
+        batches = _last_plan.get(cu, (heads, k.shape[1], left, causal, total))
         out = q.new_zeros(total + 1, heads, v.shape[-1])  # the last row: where padding is written
         lse = q.new_zeros(total + 1, heads, 1, dtype=torch.float32)
         for b in batches:
