@@ -534,8 +534,12 @@ def resolve_attn_implementation(
             register_varlen()
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
             if "wide_heads" in needs:
+                wide = {
+                    "efficient": "torch's memory-efficient kernel over the samples",
+                    "matmul": "wide_varlen (SFT_WIDE_HEADS=matmul: batched matrix products over the samples)",
+                }
                 why = (f"{'; '.join(arch.attention.needs())}: per layer, varlen FlashAttention-2 where it takes the "
-                       "heads, torch's memory-efficient kernel over the samples on the wider ones")  # fmt: skip
+                       f"heads, {wide[wide_kernel_name()]} on the wider ones")  # fmt: skip
             if scored:
                 why = (
                     f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask, compiled "
