@@ -1,8 +1,13 @@
 #!/bin/bash
 # Issue #79, Gemma 4's 512-wide heads on one GPU: `efficient_varlen` (torch's memory-efficient kernel) against
-# `wide_varlen` (sft.model.wide_heads: batched matrix products over the samples). Carry `.whl` (../shared/gpu/
-# make_wheels.sh --extra torchao==0.18.0) and run `wide_heads.sh PART...` with the NCCL variables of
-# ../shared/gpu/README.md set. Parts:
+# `wide_varlen` (sft.model.wide_heads: batched matrix products over the samples). Carry `.whl` and run
+# `wide_heads.sh PART...` with the NCCL variables of ../shared/gpu/README.md set. transformers 5.25 needs a newer
+# huggingface-hub than the image's, and it needs httpx2: the wheels that imported there on 2026-12-07 (call 24),
+#   ../shared/gpu/make_wheels.sh --extra torchao==0.18.0 --extra huggingface-hub==2.4.0 --extra tokenizers==0.23.3 \
+#     --extra safetensors==0.8.0 --extra regex==2026.12.2 --extra hf-xet==1.8.0 --extra httpx2==2.17.0 \
+#     --extra httpcore2==2.17.0 --extra click==8.5.1 --extra truststore --extra anyio==4.16.0 --extra h11==0.16.0 \
+#     --extra idna==3.21 --extra sniffio==1.3.1
+# Parts:
 #   wide     benchmarks/wide_heads.py, the full layers' kernels on 2 and on 8 rows of 4,096 tokens
 #   cli      Gemma 4's defaults through sft/train.py (benchmarks/architectures.py --cli --engine-auto, $LAYERS layers,
 #            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then Llama, then
