@@ -206,20 +206,23 @@ def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, t
 
 class _LastPlan:
     """The last call's batches, for the next layer of the same micro batch: every wide layer of a forward gets the
-    same boundaries tensor, so the host reads the lengths and builds the indices once per micro batch, not per layer.
-    Kept while it is the same tensor object, unchanged in place (its version), with the same heads and mask."""
+    same boundaries tensors, so the host reads the lengths, checks that the keys' boundaries are the queries', and
+    builds the indices once per micro batch, not per layer. Kept while they are the same tensor objects, unchanged in
+    place (their versions), with the same heads and mask."""
 
     def __init__(self):
-        self.cu, self.version, self.key, self.batches = None, None, None, None
+        self.held, self.key, self.batches = (), None, None
 
-    def get(self, cu: torch.Tensor, args: tuple) -> list[Batch]:
-        """`plan(cu, *args)`, or the last call's where it would be the same."""
-        held = self.cu() if self.cu is not None else None
-        key = (*args, SCORE_BUDGET, TOKEN_BUDGET, ALIGN)
-        if held is cu and self.version == cu._version and self.key == key:
+    def get(self, cu_q: torch.Tensor, cu_k: torch.Tensor, args: tuple) -> list[Batch]:
+        """`plan(cu_q, *args)`, or the last call's where it would be the same."""
+        key = (*args, cu_q._version, cu_k._version, SCORE_BUDGET, TOKEN_BUDGET, ALIGN)
+        held = [ref() for ref in self.held]
+        if len(held) == 2 and held[0] is cu_q and held[1] is cu_k and self.key == key:
             return self.batches
-        self.batches = plan(cu, *args)
-        self.cu, self.version, self.key = weakref.ref(cu), cu._version, key
+        if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+            raise ValueError("wide_varlen: self-attention only (the query and key boundaries differ)")
+        self.batches = plan(cu_q, *args)
+        self.held, self.key = (weakref.ref(cu_q), weakref.ref(cu_k)), key
         return self.batches
 
 
@@ -228,9 +231,9 @@ _last_plan = _LastPlan()
 
 class _WideAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu, scale: float, left: int, causal: bool):
+    def forward(ctx, q, k, v, cu_q, cu_k, scale: float, left: int, causal: bool):
         total, heads = q.shape[0], q.shape[1]
-        batches = _last_plan.get(cu, (heads, k.shape[1], left, causal, total))
+        batches = _last_plan.get(cu_q, cu_k, (heads, k.shape[1], left, causal, total))
         out = q.new_zeros(total + 1, heads, v.shape[-1])  # the last row: where padding is written
         lse = q.new_zeros(total + 1, heads, 1, dtype=torch.float32)
         for b in batches:
@@ -276,7 +279,7 @@ class _WideAttention(torch.autograd.Function):
             b.scatter(dq, _joined(d_qs), True)
             b.scatter(dk, d_ks, False)
             b.scatter(dv, d_vs, False)
-        return dq[:total], dk[:total], dv[:total], None, None, None, None
+        return dq[:total], dk[:total], dv[:total], None, None, None, None, None
 
 
 def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -303,8 +306,6 @@ def in_flight_bytes(heads: int, head_dim: int, tokens: int, row: int) -> float:
 def wide_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
     """`varlen_attn`'s contract ([total, heads, dim] tensors, causal or both ways (`window_size=(-1, -1)`), GQA, a
     left window) on batched matrix products: for heads wider than FlashAttention takes. Queries and keys share the
-    boundaries (`cu_k` must equal `cu_q`: self-attention of packed rows)."""
-    if cu_k is not cu_q and not torch.equal(cu_q, cu_k):
-        raise ValueError("wide_varlen: self-attention only (the query and key boundaries differ)")
+    boundaries (`cu_k` must equal `cu_q`: self-attention of packed rows; checked once per micro batch, `_LastPlan`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _WideAttention.apply(q, k, v, cu_q, scale, int(window_size[0]), window_size[1] == 0)
+    return _WideAttention.apply(q, k, v, cu_q, cu_k, scale, int(window_size[0]), window_size[1] == 0)
