@@ -31,6 +31,7 @@ import torch
 
 from sft.errors import ConfigError
 from sft.model.architectures import FLASH_HEAD_DIM
+from sft.model.wide_heads import length_groups, wide_varlen
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,8 @@ def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(
     lengths = cu_q.diff().tolist()
     left, causal = window_size[0], window_size[1] == 0
     total, starts = q.shape[0], cu_q[:-1].long()
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n > 0:
-            groups.setdefault((n - 1).bit_length(), []).append(i)
     out = q.new_zeros(total, q.shape[1], v.shape[-1])
-    for members in groups.values():
+    for members in length_groups(lengths):
         index = torch.tensor(members, device=q.device)
         sizes = torch.tensor([lengths[i] for i in members], device=q.device)
         width = int(sizes.max())
@@ -104,9 +101,8 @@ def per_sample_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(
             allowed = real_key[:, None, :].expand(-1, width, -1)
             if windowed:
                 distance = pos[:, None] - pos[None, :]
-                padded_query = (
-                    pos[None, :, None] >= sizes[:, None, None]
-                )  # sees its sample's keys: no empty row, no NaN
+                # a padded query sees its sample's keys: no empty row, no NaN
+                padded_query = pos[None, :, None] >= sizes[:, None, None]
                 allowed = allowed & (((distance >= 0) & (distance <= left))[None] | padded_query)
             mask = allowed[:, None]
         attended = torch.nn.functional.scaled_dot_product_attention(
@@ -178,12 +174,16 @@ def packed_kernel(head_dim: int, on_gpu: bool):
 # `wide_varlen` measured 0.86x `efficient_varlen` at 2 rows of 4,096 and 1.22x at 8 (forward + backward of Gemma 4's
 # full layers, 1 x H100, benchmarks/results/families_2026 call 24), not yet through a whole training step: not the
 # default until it is
-WIDE_KERNELS = {"efficient": "efficient_varlen", "matmul": "wide_varlen"}
+WIDE_KERNELS = {
+    "efficient": "torch's memory-efficient kernel over the samples",
+    "matmul": "wide_varlen (SFT_WIDE_HEADS=matmul: batched matrix products over the samples)",
+}
 WIDE_DEFAULT = "efficient"
 
 
 def wide_kernel_name() -> str:
-    """The name (`WIDE_KERNELS`) of the kernel for heads wider than FlashAttention takes."""
+    """The name (a key of `WIDE_KERNELS`, which says what each is) of the kernel for heads wider than FlashAttention
+    takes."""
     name = os.environ.get("SFT_WIDE_HEADS", WIDE_DEFAULT)
     if name not in WIDE_KERNELS:
         raise ConfigError(f"SFT_WIDE_HEADS={name!r}: use one of {', '.join(WIDE_KERNELS)}.")
@@ -193,11 +193,7 @@ def wide_kernel_name() -> str:
 def wide_kernel():
     """The kernel for heads wider than FlashAttention takes: `efficient_varlen`, or `sft.model.wide_heads.wide_varlen`
     (batched matrix products over the row's samples)."""
-    if wide_kernel_name() == "matmul":
-        from sft.model.wide_heads import wide_varlen
-
-        return wide_varlen
-    return efficient_varlen
+    return wide_varlen if wide_kernel_name() == "matmul" else efficient_varlen
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -534,12 +530,8 @@ def resolve_attn_implementation(
             register_varlen()
             chosen, why = VARLEN, "PyTorch's varlen FlashAttention-2 (flash-attn is not installed)"
             if "wide_heads" in needs:
-                wide = {
-                    "efficient": "torch's memory-efficient kernel over the samples",
-                    "matmul": "wide_varlen (SFT_WIDE_HEADS=matmul: batched matrix products over the samples)",
-                }
                 why = (f"{'; '.join(arch.attention.needs())}: per layer, varlen FlashAttention-2 where it takes the "
-                       f"heads, {wide[wide_kernel_name()]} on the wider ones")  # fmt: skip
+                       f"heads, {WIDE_KERNELS[wide_kernel_name()]} on the wider ones")  # fmt: skip
             if scored:
                 why = (
                     f"{'; '.join(arch.attention.needs())}: flex_attention over the samples' block mask, compiled "
