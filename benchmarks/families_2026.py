@@ -33,7 +33,7 @@ RUNS = (
     ("cli_call5_dense.json", "gemma3", "sft's defaults (Liger)", "cli_call5_dense.json", 5, PLANNED),
     ("cli_call6_gemma4_auto.json", "gemma4", "sft_varlen per layer, 512-wide heads on efficient_varlen",
      "cli_call6_llama.json", 6, PLANNED),
-    ("cli_call7_gemma4_compiled.json", "gemma4", "efficient_varlen and compiled decoder layers (now)",
+    ("cli_call7_gemma4_compiled.json", "gemma4", "efficient_varlen and compiled decoder layers",
      "cli_call7_gemma4_compiled.json", 7, PLANNED),
     # mixtures of experts: MFU on the active experts' FLOPs
     ("cli_call8_moe.json", "gemma4_moe", "efficient_varlen, transformers' grouped_mm, eager layers",
@@ -56,6 +56,11 @@ RUNS = (
      19, PLANNED),
     ("cli_call20_mixtral_compiled.json", "mixtral", "varlen FA2, grouped_mm, compile_decoder_layers: true",
      "cli_call20_llama.json", 20, PLANNED),
+    # 1 x H100: the whole step with each kernel for the 512-wide heads (SFT_WIDE_HEADS), beside Llama
+    ("cli_call25_gemma4_efficient.json", "gemma4", "efficient_varlen for the 512-wide heads, compiled layers",
+     "cli_call25_llama.json", 25, PLANNED),
+    ("cli_call25_gemma4_wide_varlen.json", "gemma4", "wide_varlen for the 512-wide heads, compiled layers (now)",
+     "cli_call25_llama.json", 25, PLANNED),
 )  # fmt: skip
 
 
@@ -86,13 +91,13 @@ def step_rows(folder: Path) -> list[dict]:
 
 
 def summary(folder: Path) -> dict:
-    card = (folder / "gpu.txt").read_text().split(",")[0].strip()
     rows = []
     for name, family, path, llama_file, call, engine in RUNS:
         data = json.loads((folder / name).read_text())
         run, llama = data["families"][family], json.loads((folder / llama_file).read_text())["families"]["llama"]
         rows.append({
-            "family": family, "path": path, "engine": engine, "layers": data["layers"], "card": card,
+            "family": family, "path": path, "engine": engine, "layers": data["layers"],
+            "card": data["environment"]["gpu"],
             "memory_cap_gib": 79.18, "device_call": call, "tokens_per_second": round(run["tokens_per_second"]),
             "mfu": round(run["mfu"], 4),
             "peak_gib": round(run["peak_memory_gib"], 1), "finite": run["finite"], "loss_fell": run["loss_fell"],

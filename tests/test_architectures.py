@@ -209,13 +209,14 @@ def test_the_gpu_scored_path_is_the_cpu_one(window, softcap, sinks):
         torch.testing.assert_close(got, expected)
 
 
-def test_per_layer_widths_are_planned_and_what_else_varies_is_refused():
+def test_per_layer_widths_are_planned_and_what_else_varies_is_refused(monkeypatch):
     """Gemma 4 (transformers' per-layer configs: head dim 512 on its 5 full layers, 256 on its 25 sliding ones): the
     plan reads the layers' means, the attention backends the widest head (FlashAttention's kernels take 256: refused on
-    a GPU, sdpa and eager honour it; sft_varlen per layer: FA2 on a GPU where the heads fit, torch's memory-efficient
-    kernel over the row's samples on the wider ones, sdpa per sample on the CPU); a layer that varies in anything else
+    a GPU, sdpa and eager honour it; sft_varlen per layer: FA2 on a GPU where the heads fit, `wide_varlen` (or
+    `efficient_varlen`, SFT_WIDE_HEADS=efficient) over the row's samples on the wider ones, sdpa per sample on the CPU); a layer that varies in anything else
     is refused, naming it."""
     from sft.model.attention import check_backend, efficient_varlen, packed_kernel, per_sample_sdpa
+    from sft.model.wide_heads import wide_varlen
 
     arch = architectures.of(AutoConfig.for_model("gemma4_text"))
     assert arch.attention.head_dims.count(512) == 5 and arch.attention.head_dims.count(256) == 25
@@ -226,7 +227,13 @@ def test_per_layer_widths_are_planned_and_what_else_varies_is_refused():
             check_backend(arch, backend, padding_free=True, on_gpu=True)
     for backend, on_gpu in (("sdpa", True), ("eager", True), (VARLEN, False), (VARLEN, True)):
         check_backend(arch, backend, padding_free=True, on_gpu=on_gpu)
-    assert packed_kernel(512, on_gpu=True) is efficient_varlen and packed_kernel(256, on_gpu=False) is per_sample_sdpa
+    assert packed_kernel(512, on_gpu=True) is wide_varlen and packed_kernel(256, on_gpu=False) is per_sample_sdpa
+    monkeypatch.setenv("SFT_WIDE_HEADS", "efficient")
+    assert packed_kernel(512, on_gpu=True) is efficient_varlen
+    monkeypatch.setenv("SFT_WIDE_HEADS", "flex")
+    with pytest.raises(ConfigError, match="SFT_WIDE_HEADS='flex': use one of matmul, efficient"):
+        packed_kernel(512, on_gpu=True)
+    monkeypatch.delenv("SFT_WIDE_HEADS")
     if torch.cuda.is_available():  # the GPU's varlen FlashAttention-2 for the layers whose heads it takes
         assert packed_kernel(256, on_gpu=True) is not per_sample_sdpa
     moe = architectures.of(config_of("gemma4_moe"))

@@ -155,9 +155,9 @@ def efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=
 
 def packed_kernel(head_dim: int, on_gpu: bool):
     """The kernel `sft_varlen` runs a layer's packed row through, decided per layer by its head dim: on a GPU PyTorch's
-    varlen FlashAttention-2 where it takes the heads, else torch's memory-efficient kernel over the row's samples
-    (`efficient_varlen`). For Gemma 4's full layers (8 query / 4 key-value heads of 512, 2 rows of 4,096 tokens of
-    SFT-like samples, bf16, 1 x H200) forward and backward took 12.1 ms that way against 16.2 ms through sdpa once per
+    varlen FlashAttention-2 where it takes the heads, else `wide_kernel()` (`wide_varlen` unless `SFT_WIDE_HEADS`
+    says otherwise). Before `wide_varlen`, for Gemma 4's full layers (8 query / 4 key-value heads of 512, 2 rows of
+    4,096 tokens of SFT-like samples, bf16, 1 x H200) `efficient_varlen`'s forward and backward took 12.1 ms that way against 16.2 ms through sdpa once per
     sample (whose GQA took torch's math kernel, in fp32) and 77.8 ms through one sdpa call with the row's block mask,
     all within bf16 noise of fp32 math one sample at a time (gradients 0.0035, 0.0017, 0.0017 relative); its sliding
     layers (heads of 256, window 512) 1.4 ms on FA2 against 9.9 ms masked; flex_attention failed to compile at 512
@@ -171,14 +171,15 @@ def packed_kernel(head_dim: int, on_gpu: bool):
 
 
 # The wide heads' kernels by name; `SFT_WIDE_HEADS` picks one (the benchmarks' switch), else `WIDE_DEFAULT`.
-# `wide_varlen` measured 0.86x `efficient_varlen` at 2 rows of 4,096 and 1.22x at 8 (forward + backward of Gemma 4's
-# full layers, 1 x H100, benchmarks/results/families_2026 call 24), not yet through a whole training step: not the
-# default until it is
+# `wide_varlen` against `efficient_varlen`, forward + backward of Gemma 4's full layers on rows of 4,096 (1 x H100,
+# benchmarks/results/families_2026 call 25): 9.8 against 12.6 ms at 2 rows, 20.9 against 53.3 ms at 8; through
+# sft/train.py at 8 layers of Gemma 4's widths (sft's one-GPU plan, the same call): 72,343 against 60,752 tokens/s
+# (1.19x), every loss within 0.0067 of the other's
 WIDE_KERNELS = {
-    "efficient": "torch's memory-efficient kernel over the samples",
-    "matmul": "wide_varlen (SFT_WIDE_HEADS=matmul: batched matrix products over the samples)",
+    "matmul": "wide_varlen (batched matrix products over the samples)",
+    "efficient": "torch's memory-efficient kernel over the samples (SFT_WIDE_HEADS=efficient)",
 }
-WIDE_DEFAULT = "efficient"
+WIDE_DEFAULT = "matmul"
 
 
 def wide_kernel_name() -> str:
@@ -191,8 +192,8 @@ def wide_kernel_name() -> str:
 
 
 def wide_kernel():
-    """The kernel for heads wider than FlashAttention takes: `efficient_varlen`, or `sft.model.wide_heads.wide_varlen`
-    (batched matrix products over the row's samples)."""
+    """The kernel for heads wider than FlashAttention takes: `sft.model.wide_heads.wide_varlen` (batched matrix
+    products over the row's samples), or `efficient_varlen` where `SFT_WIDE_HEADS=efficient`."""
     return wide_varlen if wide_kernel_name() == "matmul" else efficient_varlen
 
 
