@@ -213,8 +213,8 @@ def test_per_layer_widths_are_planned_and_what_else_varies_is_refused(monkeypatc
     """Gemma 4 (transformers' per-layer configs: head dim 512 on its 5 full layers, 256 on its 25 sliding ones): the
     plan reads the layers' means, the attention backends the widest head (FlashAttention's kernels take 256: refused on
     a GPU, sdpa and eager honour it; sft_varlen per layer: FA2 on a GPU where the heads fit, `wide_varlen` (or
-    `efficient_varlen`, SFT_WIDE_HEADS=efficient) over the row's samples on the wider ones, sdpa per sample on the CPU); a layer that varies in anything else
-    is refused, naming it."""
+    `efficient_varlen`, SFT_WIDE_HEADS=efficient) over the row's samples on the wider ones, sdpa per sample on the
+    CPU); a layer that varies in anything else is refused, naming it."""
     from sft.model.attention import check_backend, efficient_varlen, packed_kernel, per_sample_sdpa
     from sft.model.wide_heads import wide_varlen
 
