@@ -158,11 +158,12 @@ def packed_kernel(head_dim: int, on_gpu: bool):
     varlen FlashAttention-2 where it takes the heads, else `wide_kernel()` (`wide_varlen` unless `SFT_WIDE_HEADS`
     says otherwise). Before `wide_varlen`, for Gemma 4's full layers (8 query / 4 key-value heads of 512, 2 rows of
     4,096 tokens of SFT-like samples, bf16, 1 x H200) `efficient_varlen`'s forward and backward took 12.1 ms against
-    16.2 ms through sdpa once per sample (whose GQA took torch's math kernel, in fp32) and 77.8 ms through one sdpa call with the row's block mask,
-    all within bf16 noise of fp32 math one sample at a time (gradients 0.0035, 0.0017, 0.0017 relative); its sliding
-    layers (heads of 256, window 512) 1.4 ms on FA2 against 9.9 ms masked; flex_attention failed to compile at 512
-    with its default tiles and took 12.7 against 12.0 ms with small ones (benchmarks/wide_heads.py,
-    benchmarks/results/families_2026/wide_heads_call6.json, wide_heads_call16.json). On the CPU
+    16.2 ms through sdpa once per sample (whose GQA took torch's math kernel, in fp32) and 77.8 ms through one sdpa
+    call with the row's block mask, all within bf16 noise of fp32 math one sample at a time (gradients 0.0035, 0.0017,
+    0.0017 relative); its sliding layers (heads of 256, window 512) 1.4 ms on FA2 against 9.9 ms masked; flex_attention
+    failed to compile at 512 with its default tiles and took 12.7 against 12.0 ms with small ones
+    (benchmarks/wide_heads.py, benchmarks/results/families_2026/wide_heads_call6.json, wide_heads_call16.json). On the
+    CPU
     `per_sample_sdpa`."""
     if not on_gpu:
         return per_sample_sdpa
