@@ -163,8 +163,7 @@ def packed_kernel(head_dim: int, on_gpu: bool):
     0.0017 relative); its sliding layers (heads of 256, window 512) 1.4 ms on FA2 against 9.9 ms masked; flex_attention
     failed to compile at 512 with its default tiles and took 12.7 against 12.0 ms with small ones
     (benchmarks/wide_heads.py, benchmarks/results/families_2026/wide_heads_call6.json, wide_heads_call16.json). On the
-    CPU
-    `per_sample_sdpa`."""
+    CPU `per_sample_sdpa`."""
     if not on_gpu:
         return per_sample_sdpa
     kernel = _varlen_attn() if head_dim <= FLASH_HEAD_DIM else None
