@@ -12,6 +12,8 @@
 #   cli      Gemma 4's defaults through sft/train.py (benchmarks/architectures.py --cli --engine-auto, $LAYERS layers,
 #            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then Llama, then
 #            Gemma 4 with =efficient
+#   runs     each of $RUNS through sft/train.py as `cli` runs them: `label=family[,field=value...]` (recipe fields
+#            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
 # Result files go straight under $OUT; logs are tarred at the end.
@@ -39,6 +41,14 @@ for part in "$@"; do
                 --out "$OUT/cli_$run" --work "$work/$run" > "$work/cli_$run.log" 2>&1
         done
         grep -hE "^[a-z0-9_]+ \{" "$work"/cli_*.log | cut -c1-500 ;;
+    runs)
+        for run in ${RUNS:-}; do
+            label=${run%%=*} spec=${run#*=}; family=${spec%%,*} sets=()
+            [[ $spec == *,* ]] && for kv in $(tr , ' ' <<< "${spec#*,}"); do sets+=("${kv%%=*}: ${kv#*=}"); done
+            late "$label" || timeout 220 "${cli[@]}" --families "$family" --set "${sets[@]}" --out "$OUT/cli_$label" \
+                --work "$work/$label" > "$work/cli_$label.log" 2>&1
+            grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
+        done ;;
     profile)
         timeout 100 python3 -m benchmarks.wide_heads_profile --out "$OUT/wide_heads_profile.txt" > "$work/profile.log" 2>&1
         grep -E "out_dtype|Self CPU time|Self CUDA time|^bmm" "$OUT/wide_heads_profile.txt" ;;
