@@ -14,6 +14,7 @@
 #            Gemma 4 with =efficient
 #   runs     each of $RUNS through sft/train.py as `cli` runs them: `label=family[,field=value...]` (recipe fields
 #            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"
+#   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
 # Result files go straight under $OUT; logs are tarred at the end.
@@ -49,6 +50,10 @@ for part in "$@"; do
                 --work "$work/$label" > "$work/cli_$label.log" 2>&1
             grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
         done ;;
+    stepprof)
+        timeout 240 python3 -m benchmarks.profile_step --shape gemma4 --layers "${LAYERS:-8}" --only sft_nods \
+            --gpu-memory 79.18 --out "$OUT/stepprof" > "$work/stepprof.log" 2>&1
+        cat "$OUT/stepprof/profile.md" 2>/dev/null | head -40 ;;
     profile)
         timeout 100 python3 -m benchmarks.wide_heads_profile --out "$OUT/wide_heads_profile.txt" > "$work/profile.log" 2>&1
         grep -E "out_dtype|Self CPU time|Self CUDA time|^bmm" "$OUT/wide_heads_profile.txt" ;;
