@@ -61,6 +61,9 @@ RUNS = (
      "cli_call25_llama.json", 25, PLANNED),
     ("cli_call25_gemma4_wide_varlen.json", "gemma4", "wide_varlen for the 512-wide heads, compiled layers (now)",
      "cli_call25_llama.json", 25, PLANNED),
+    # call 27 ran Llama on call 26's machine, held warm between the calls (another H100 than call 25's)
+    ("cli_call26_gemma4.json", "gemma4", "wide_varlen for the 512-wide heads, compiled layers (now; another H100)",
+     "cli_call27_llama.json", 26, PLANNED),
 )  # fmt: skip
 
 
