@@ -270,7 +270,7 @@ def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatc
         )
     )
     assert not any(preflight._compiled(args, a, False) for a in archs.values()) or torch.cuda.is_available()
-    monkeypatch.setattr(preflight, "_compile_bf16", lambda arch: arch.kernel("compile_bf16").on)  # as on a GPU
+    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)  # as on a GPU
     on = {n for n, a in archs.items() if preflight._compiled(args, a, False)}
     assert on == {"glm4_moe", "qwen3_moe"}
     reasons = {n: preflight._compile_reason(args, a, False) for n, a in archs.items()}
@@ -302,7 +302,7 @@ def test_liger_beside_compiled_layers_is_never_run_where_the_pair_trained_a_wron
 
     from sft.plan import preflight
 
-    monkeypatch.setattr(preflight, "_compile_bf16", lambda arch: arch.kernel("compile_bf16").on)  # as on a GPU
+    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)  # as on a GPU
     gemma, llama = architectures.of(config_of(family)), architectures.of(AutoConfig.for_model("llama"))
 
     def args(liger, compiled="auto"):

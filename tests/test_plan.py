@@ -796,6 +796,36 @@ def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_p
     assert dataclasses.replace(other, gpus_per_node=from_train.gpus_per_node) != from_train
 
 
+@pytest.mark.parametrize("liger", ["auto", "on", "off"])
+def test_sft_plan_decides_liger_and_compiled_layers_as_sft_train_does(monkeypatch, liger):
+    """For every family of the tiny models, `sft plan`'s Liger and compiled layers (`cli._kernels`, planning a GPU)
+    are `sft train`'s on a GPU (`preflight._liger_on`, `_compiled`) for the same asks, with FP8 off and on: one rule
+    each (`Architecture.liger_on`, `.compiled_on`). Gemma 4 with Liger asked for keeps its layers eager (the pair was
+    measured wrong), which `sft plan` had not known."""
+    from types import SimpleNamespace
+
+    from sft.model import architectures
+    from sft.plan import preflight
+    from tests.tiny_models import FAMILIES, config_of
+
+    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)
+    auto = {"compile_decoder_layers"} | ({"use_liger_kernel"} if liger == "auto" else set())
+    for name in FAMILIES:
+        config = config_of(name)
+        shape = SimpleNamespace(hidden=config.get_text_config().hidden_size)
+        arch = architectures.of(config)
+        for fp8_on in (False, True):
+            flags = plan_cli._parser("sft plan").parse_args(["--model", "m", "--liger", liger,
+                                                             "--fp8", "on" if fp8_on else "off"])  # fmt: skip
+            planned = plan_cli._kernels(flags, config, shape)[:3]
+            args = SimpleNamespace(auto_settings=auto, use_liger_kernel=liger != "off", compile_decoder_layers=False)
+            trained = (preflight._liger_on(args, arch), fp8_on, preflight._compiled(args, arch, fp8_on))
+            assert planned == trained, (name, fp8_on)
+    gemma4 = architectures.of(config_of("gemma4"))
+    assert gemma4.compiled_on(False, True, liger_on=True, fp8_on=False, on_gpu=True) is False
+    assert gemma4.compiled_on(False, True, liger_on=False, fp8_on=False, on_gpu=True) is True
+
+
 GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 128}
 
 

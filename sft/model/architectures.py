@@ -159,6 +159,32 @@ class Architecture:
         unknown = f"{self.family} is not in sft's architecture table: {GENERIC}"
         return Kernel(False, UNMEASURED if self.known else unknown)
 
+    def liger_on(self, asked: bool, auto: bool) -> bool:
+        """Liger as asked (`use_liger_kernel`), except `auto` on a family where it was not measured good. `sft
+        train`'s plan and `sft plan` both decide it here."""
+        return asked and (self.kernel("liger").on or not auto)
+
+    def liger_breaks_compile(self) -> str | None:
+        """Why Liger's patch and compiled decoder layers must not run together on this family (measured), or None."""
+        kernel = self.kernels.get("liger_compiled")
+        return None if kernel is None or kernel.on else kernel.reason
+
+    def compiled_on(self, asked: bool, auto: bool, liger_on: bool, fp8_on: bool, on_gpu: bool) -> bool:
+        """Compiled decoder layers as asked (`compile_decoder_layers`), or `auto`: with FP8 (float8's casts and
+        scales are fast only compiled), or on a GPU where the family's compiled bf16 measured faster (on the CPU
+        Inductor's compile costs more than a test-sized run); off beside Liger where the pair was measured wrong
+        (asked for both by name: refused). `sft train`'s plan and `sft plan` both decide it here."""
+        wrong = self.liger_breaks_compile() if liger_on else None
+        if not auto:
+            if wrong and asked:
+                raise ConfigError(
+                    f"use_liger_kernel: true with compile_decoder_layers: true on {self.family}: {wrong}. Set "
+                    "compile_decoder_layers: false to train with Liger, or use_liger_kernel: false for compiled "
+                    "layers."
+                )
+            return asked
+        return not wrong and ((fp8_on and self.kernel("compile").on) or (self.kernel("compile_bf16").on and on_gpu))
+
     def attention_pairs(self, lengths: torch.Tensor) -> torch.Tensor:
         """Query-key pairs causal attention computes for samples of these lengths, summed over the layers, each with
         its window: len^2 / 2 per sample for a full layer (the diagonal not counted apart); under a window w, w^2 / 2

@@ -190,21 +190,21 @@ def _add_kernel_and_search_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:
-    """(Liger, FP8, compiled layers) as the command line gives them, `auto` as `sft train` decides them for the family
-    on a GPU with FP8 tensor cores (`sft.plan.preflight`): Liger and FP8 where measured good for the family (FP8 not
-    with LoRA, under ZeRO-3 or below `sft.model.fp8.AUTO_MIN_HIDDEN`), layers compiled with FP8 (or where compiled
-    bf16 measured faster)."""
+    """(Liger, FP8, compiled layers, whether the speed model ranks) as the command line gives them, `auto` as `sft
+    train` decides them for the family on a GPU with FP8 tensor cores (`Architecture.liger_on`, `.compiled_on`; FP8
+    where measured good for the family, not with LoRA, under ZeRO-3's hooks or below
+    `sft.model.fp8.AUTO_MIN_HIDDEN`)."""
     from sft.model import architectures, fp8
 
     arch = architectures.of(model_config)
-    liger = arch.kernel("liger").on if args.liger == "auto" else args.liger == "on"
+    liger = arch.liger_on(args.liger != "off", args.liger == "auto")
     if args.fp8 == "auto":
         hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks  # FP8 off under ZeRO-3's hooks
         fp8_on = (arch.kernel("fp8").on and not args.lora_r and not hooks
                   and shape.hidden >= fp8.AUTO_MIN_HIDDEN)  # fmt: skip
     else:
         fp8_on = args.fp8 == "on"
-    compiled = (fp8_on and arch.kernel("compile").on) or arch.kernel("compile_bf16").on
+    compiled = arch.compiled_on(False, True, liger, fp8_on, on_gpu=True)
     return liger, fp8_on, compiled, arch.kernel("speed").on
 
 
@@ -215,18 +215,15 @@ def _card(args) -> speed.Card:
 
 
 def _bases(args, setting: Setting) -> list[Setting]:
-    """The kernel settings ranked, as `sft train` ranks them: with `--fp8 auto` turning FP8 on, bf16 beside it (FP8
-    is a candidate, not a given; layers compiled where the family's bf16 compile was measured faster); with `--liger
-    auto` on a family where Liger was measured exact, each with Liger the other way."""
+    """The kernel settings ranked, as `sft train` ranks them (`sft.plan.preflight.kernel_bases`, on a GPU: `auto`
+    Liger can run there)."""
     if not args.by_speed:
         return [setting]
     from sft.model import architectures
+    from sft.plan.preflight import kernel_bases
 
     arch = architectures.of(load_config(args.model))
-    bases = [setting]
-    if args.fp8 == "auto" and setting.fp8:
-        bases.append(dataclasses.replace(setting, fp8=False, compiled=arch.kernel("compile_bf16").on))
-    return plan.with_liger_candidates(bases) if args.liger == "auto" and arch.liger_exact else bases
+    return kernel_bases(arch, setting, args.fp8 == "auto", True, args.liger == "auto", on_gpu=True)
 
 
 def _candidate_kernels(args):

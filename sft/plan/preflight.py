@@ -626,18 +626,25 @@ def _with_accumulation(training_args, base: memplan.Setting, target: int | None)
 
 
 def _kernel_bases(training_args, arch, base: memplan.Setting) -> list[memplan.Setting]:
-    """The kernel settings to rank: `base`, and where `fp8: auto` turned FP8 on, bf16 beside it (compiled where the
-    family's compiled bf16 is good); where `use_liger_kernel: auto` and Liger was measured exact on the family, each
-    with Liger the other way: FP8 and Liger are candidates, not givens (Liger's fused loss frees the logits, which may
-    fit a faster setting where it is no faster at one micro batch)."""
+    """`kernel_bases` for this run's `auto` fields on this machine."""
     auto = training_args.auto_settings
+    liger_auto = "use_liger_kernel" in auto and bool(training_args.use_liger_kernel)  # auto, and Liger can run here
+    return kernel_bases(arch, base, "fp8" in auto, "compile_decoder_layers" in auto, liger_auto, _on_gpu())
+
+
+def kernel_bases(arch, base: memplan.Setting, fp8_auto: bool, compile_auto: bool, liger_auto: bool, on_gpu: bool):
+    """The kernel settings to rank: `base`, and where `fp8: auto` turned FP8 on, bf16 beside it (compiled where the
+    family's compiled bf16 is good on a GPU); where `use_liger_kernel: auto` and Liger was measured exact on the
+    family, each with Liger the other way: FP8 and Liger are candidates, not givens (Liger's fused loss frees the
+    logits, which may fit a faster setting where it is no faster at one micro batch). `sft train`'s plan and `sft
+    plan --suggest` both rank these."""
     bases = [base]
-    if "fp8" in auto and base.fp8:
-        compile_bf16 = _compile_bf16(arch) if "compile_decoder_layers" in auto else base.compiled
+    if fp8_auto and base.fp8:
+        compile_bf16 = arch.kernel("compile_bf16").on and on_gpu if compile_auto else base.compiled
         bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
-    # Liger can run here, and beside these layers (never a compiled one where the pair was measured wrong)
-    beside = not (any(b.compiled for b in bases) and _liger_breaks_compile(arch))
-    if "use_liger_kernel" in auto and training_args.use_liger_kernel and arch.liger_exact and beside:
+    # Liger beside these layers (never a compiled one where the pair was measured wrong)
+    beside = not (any(b.compiled for b in bases) and arch.liger_breaks_compile())
+    if liger_auto and arch.liger_exact and beside:
         return memplan.with_liger_candidates(bases)
     return bases
 
@@ -860,30 +867,15 @@ def _given_levers(training_args) -> memplan.Tools:
 
 
 def _liger_on(training_args, arch: architectures.Architecture) -> bool:
-    """Liger as asked, except `auto` on a family where it was not measured good."""
-    on = bool(training_args.use_liger_kernel)
-    return on and (arch.kernel("liger").on or "use_liger_kernel" not in training_args.auto_settings)
+    """Liger as asked, except `auto` on a family where it was not measured good (`Architecture.liger_on`)."""
+    return arch.liger_on(bool(training_args.use_liger_kernel), "use_liger_kernel" in training_args.auto_settings)
 
 
 def _compiled(training_args, arch: architectures.Architecture, fp8_on: bool) -> bool:
-    """Compiled decoder layers as asked, or `auto`: with FP8 (float8's casts and scales are fast only compiled), or
-    where the family's compiled bf16 measured faster; off beside Liger where the pair was measured wrong (and asked
-    for both by name: refused)."""
-    wrong = _liger_breaks_compile(arch) if _liger_on(training_args, arch) else None
-    if "compile_decoder_layers" not in training_args.auto_settings:
-        if wrong and training_args.compile_decoder_layers:
-            raise ConfigError(
-                f"use_liger_kernel: true with compile_decoder_layers: true on {arch.family}: {wrong}. Set "
-                "compile_decoder_layers: false to train with Liger, or use_liger_kernel: false for compiled layers."
-            )
-        return training_args.compile_decoder_layers
-    return not wrong and ((fp8_on and arch.kernel("compile").on) or _compile_bf16(arch))
-
-
-def _liger_breaks_compile(arch: architectures.Architecture) -> str | None:
-    """Why Liger's patch and compiled decoder layers must not run together on this family (measured), or None."""
-    kernel = arch.kernels.get("liger_compiled")
-    return None if kernel is None or kernel.on else kernel.reason
+    """Compiled decoder layers as asked or `auto` (`Architecture.compiled_on`), on this machine's GPU or not."""
+    auto = "compile_decoder_layers" in training_args.auto_settings
+    return arch.compiled_on(bool(training_args.compile_decoder_layers), auto, _liger_on(training_args, arch), fp8_on,
+                            _on_gpu())  # fmt: skip
 
 
 def _family_liger(training_args, arch: architectures.Architecture) -> bool:
@@ -908,16 +900,21 @@ def _liger_reason(training_args, arch: architectures.Architecture) -> str:
     return kernel.reason if training_args.use_liger_kernel or not kernel.on else "no CUDA GPU or liger-kernel"
 
 
+def _on_gpu() -> bool:
+    """Whether this run has a GPU: the measurements of compiled bf16 layers hold there (on the CPU Inductor's compile
+    costs more than a test-sized run)."""
+    return torch.cuda.is_available()
+
+
 def _compile_bf16(arch: architectures.Architecture) -> bool:
-    """Compiled layers without FP8 where measured faster for the family, on a GPU (the measurement's; on the CPU
-    Inductor's compile costs more than a test-sized run)."""
-    return arch.kernel("compile_bf16").on and torch.cuda.is_available()
+    """Compiled layers without FP8 where measured faster for the family, on a GPU."""
+    return arch.kernel("compile_bf16").on and _on_gpu()
 
 
 def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
     if "compile_decoder_layers" not in training_args.auto_settings:
         return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
-    if _liger_on(training_args, arch) and (wrong := _liger_breaks_compile(arch)):
+    if _liger_on(training_args, arch) and (wrong := arch.liger_breaks_compile()):
         return f"off beside Liger: {wrong}"
     if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
         return arch.kernel("compile_bf16").reason
