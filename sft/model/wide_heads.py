@@ -21,9 +21,10 @@ took 12.0 ms forward and backward on an H200, about 20 TFLOP/s, the largest kern
 A padded query is never read back: its log-sum-exp is set to infinity in the backward, so its probabilities are
 zero and nothing flows from it into any key or value. Exact against transformers' eager attention one sample at a
 time (tests/test_wide_heads.py: fp32 on the CPU, 1e-5); which kernel a layer takes is `attention.packed_kernel`'s
-(`SFT_WIDE_HEADS=matmul`: this one). Measured on 1 x H100 against `efficient_varlen` (benchmarks/wide_heads.py,
-call 24): 14.7 against 12.7 ms at 2 rows of 4,096, 44.3 against 53.9 ms at 8; the GPU's share of it is small (3.6 ms
-at 2 rows, call 23), the rest the host's launches, one batch at a time.
+(this one, unless `SFT_WIDE_HEADS=efficient`). Measured on 1 x H100 against `efficient_varlen`
+(benchmarks/wide_heads.py, call 25): 9.8 against 12.6 ms at 2 rows of 4,096, 20.9 against 53.3 ms at 8; a whole
+Gemma 4 step at 8 layers 1.19x (benchmarks/results/families_2026). At 2 rows the GPU's share is small (3.6 ms, call
+23), the rest the host's launches, one batch at a time.
 """
 
 from __future__ import annotations
