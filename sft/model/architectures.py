@@ -169,11 +169,16 @@ class Architecture:
         kernel = self.kernels.get("liger_compiled")
         return None if kernel is None or kernel.on else kernel.reason
 
+    def compiled_bf16(self, on_gpu: bool) -> bool:
+        """Compiled layers without FP8 where measured faster for the family, on a GPU (the measurement's; on the CPU
+        Inductor's compile costs more than a test-sized run)."""
+        return self.kernel("compile_bf16").on and on_gpu
+
     def compiled_on(self, asked: bool, auto: bool, liger_on: bool, fp8_on: bool, on_gpu: bool) -> bool:
         """Compiled decoder layers as asked (`compile_decoder_layers`), or `auto`: with FP8 (float8's casts and
-        scales are fast only compiled), or on a GPU where the family's compiled bf16 measured faster (on the CPU
-        Inductor's compile costs more than a test-sized run); off beside Liger where the pair was measured wrong
-        (asked for both by name: refused). `sft train`'s plan and `sft plan` both decide it here."""
+        scales are fast only compiled), or where the family's compiled bf16 measured faster (`compiled_bf16`); off
+        beside Liger where the pair was measured wrong (asked for both by name: refused). `sft train`'s plan and `sft
+        plan` both decide it here."""
         wrong = self.liger_breaks_compile() if liger_on else None
         if not auto:
             if wrong and asked:
@@ -183,7 +188,7 @@ class Architecture:
                     "layers."
                 )
             return asked
-        return not wrong and ((fp8_on and self.kernel("compile").on) or (self.kernel("compile_bf16").on and on_gpu))
+        return not wrong and ((fp8_on and self.kernel("compile").on) or self.compiled_bf16(on_gpu))
 
     def attention_pairs(self, lengths: torch.Tensor) -> torch.Tensor:
         """Query-key pairs causal attention computes for samples of these lengths, summed over the layers, each with

@@ -174,7 +174,7 @@ def packed_kernel(head_dim: int, on_gpu: bool):
 # `wide_varlen` against `efficient_varlen`, forward + backward of Gemma 4's full layers on rows of 4,096 (1 x H100,
 # benchmarks/results/families_2026 call 25): 9.8 against 12.6 ms at 2 rows, 20.9 against 53.3 ms at 8; through
 # sft/train.py at 8 layers of Gemma 4's widths (sft's one-GPU plan, the same call): 72,343 against 60,752 tokens/s
-# (1.19x), every loss within 0.0067 of the other's
+# (1.19x), every loss within 0.0063 of the other's
 WIDE_KERNELS = {
     "matmul": "wide_varlen (batched matrix products over the samples)",
     "efficient": "torch's memory-efficient kernel over the samples (SFT_WIDE_HEADS=efficient)",

@@ -640,7 +640,7 @@ def kernel_bases(arch, base: memplan.Setting, fp8_auto: bool, compile_auto: bool
     plan --suggest` both rank these."""
     bases = [base]
     if fp8_auto and base.fp8:
-        compile_bf16 = arch.kernel("compile_bf16").on and on_gpu if compile_auto else base.compiled
+        compile_bf16 = arch.compiled_bf16(on_gpu) if compile_auto else base.compiled
         bases.append(dataclasses.replace(base, fp8=False, compiled=compile_bf16))
     # Liger beside these layers (never a compiled one where the pair was measured wrong)
     beside = not (any(b.compiled for b in bases) and arch.liger_breaks_compile())
@@ -906,17 +906,12 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _compile_bf16(arch: architectures.Architecture) -> bool:
-    """Compiled layers without FP8 where measured faster for the family, on a GPU."""
-    return arch.kernel("compile_bf16").on and _on_gpu()
-
-
 def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: bool) -> str:
     if "compile_decoder_layers" not in training_args.auto_settings:
         return f"compile_decoder_layers: {str(bool(training_args.compile_decoder_layers)).lower()}"
     if _liger_on(training_args, arch) and (wrong := arch.liger_breaks_compile()):
         return f"off beside Liger: {wrong}"
-    if _compile_bf16(arch) and not (fp8_on and arch.kernel("compile").on):
+    if arch.compiled_bf16(_on_gpu()) and not (fp8_on and arch.kernel("compile").on):
         return arch.kernel("compile_bf16").reason
     if not fp8_on:
         measured = arch.kernels.get("compile_bf16")  # measured for this family: that says why
