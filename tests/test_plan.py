@@ -826,6 +826,37 @@ def test_sft_plan_decides_liger_and_compiled_layers_as_sft_train_does(monkeypatc
     assert gemma4.compiled_on(False, True, liger_on=False, fp8_on=False, on_gpu=True) is True
 
 
+@pytest.mark.parametrize("zero,lora", [("2", 0), ("3", 0), ("2", 8)])
+def test_sft_plan_decides_fp8_auto_as_sft_train_does_on_an_fp8_card(monkeypatch, zero, lora):
+    """`--fp8 auto` in `sft plan` (planning a card with FP8 tensor cores) is `sft train`'s `fp8: auto` on such a card
+    (`preflight._fp8_decision`, this machine's GPU made an H100) for every tiny family and the same widths made 2,048
+    wide (FP8's `auto` needs >= 2,048): one rule, `preflight.fp8_auto`; Llama's FP8 on at 2,048 wide under ZeRO-2
+    without LoRA (the check can fail), off under ZeRO-3's hooks and with LoRA."""
+    from types import SimpleNamespace
+
+    from sft.core.engine import Sharding
+    from sft.model import architectures, fp8
+    from sft.plan import preflight
+    from tests.tiny_models import FAMILIES, config_of
+
+    monkeypatch.setattr(fp8, "fp8_gpu", lambda: "NVIDIA H100 80GB HBM3")
+    flags = plan_cli._parser("sft plan").parse_args(["--model", "m", "--zero", zero, "--lora-r", str(lora)])
+    training_args = SimpleNamespace(auto_settings={"fp8"}, fp8=False)
+    seen = {}
+    for name in FAMILIES:
+        for hidden in (None, 2048):
+            config = config_of(name)
+            if hidden:
+                config.get_text_config().hidden_size = hidden
+            shape, arch = SimpleNamespace(hidden=config.get_text_config().hidden_size), architectures.of(config)
+            planned = plan_cli._kernels(flags, config, shape)[1]
+            trained = preflight._fp8_decision(training_args, SimpleNamespace(use_peft=bool(lora)), arch,
+                                              flags.engine, Sharding(int(zero))).on  # fmt: skip
+            assert planned == trained, (name, hidden)
+            seen[name, hidden] = planned
+    assert seen["llama", 2048] == (zero == "2" and not lora) and not seen["llama", None]
+
+
 GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 128}
 
 

@@ -115,6 +115,19 @@ def resolve(
         if not has_torchao:
             raise ConfigError("`fp8: true` needs torchao: `pip install torchao` (or `pip install -e .[fp8]`).")
         return Decision(True, "fp8: true" + (f" ({CPU_ENV}=1: float8 matmuls on the CPU)" if on_cpu else ""))
+    return decide_auto(gpu, has_torchao, hidden_size, use_peft, under_zero3, fsdp2)
+
+
+def decide_auto(
+    gpu: str | None,
+    has_torchao: bool,
+    hidden_size: int,
+    use_peft: bool,
+    under_zero3: bool = False,
+    fsdp2: bool = False,
+) -> Decision:
+    """`fp8: auto` for a run on `gpu` (a GPU with FP8 tensor cores, or None) with or without torchao: this machine's
+    (`resolve`) or the one `sft plan` plans for."""
     if gpu is None:
         return Decision(False, "no GPU with FP8 tensor cores")
     if use_peft:

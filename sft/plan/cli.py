@@ -191,17 +191,17 @@ def _add_kernel_and_search_flags(parser: argparse.ArgumentParser) -> None:
 
 def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:
     """(Liger, FP8, compiled layers, whether the speed model ranks) as the command line gives them, `auto` as `sft
-    train` decides them for the family on a GPU with FP8 tensor cores (`Architecture.liger_on`, `.compiled_on`; FP8
-    where measured good for the family, not with LoRA, under ZeRO-3's hooks or below
-    `sft.model.fp8.AUTO_MIN_HIDDEN`)."""
-    from sft.model import architectures, fp8
+    train` decides them for the family on a GPU with FP8 tensor cores (`Architecture.liger_on`, `.compiled_on`,
+    `sft.plan.preflight.fp8_auto`)."""
+    from sft.model import architectures
+    from sft.plan.preflight import fp8_auto
 
     arch = architectures.of(model_config)
     liger = arch.liger_on(args.liger != "off", args.liger == "auto")
-    if args.fp8 == "auto":
-        hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks  # FP8 off under ZeRO-3's hooks
-        fp8_on = (arch.kernel("fp8").on and not args.lora_r and not hooks
-                  and shape.hidden >= fp8.AUTO_MIN_HIDDEN)  # fmt: skip
+    if args.fp8 == "auto":  # on a card with FP8 tensor cores and torchao, as planned for
+        hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks
+        gpu = args.gpu_name or "the planned GPU"
+        fp8_on = fp8_auto(arch, gpu, True, shape.hidden, bool(args.lora_r), hooks).on
     else:
         fp8_on = args.fp8 == "on"
     compiled = arch.compiled_on(False, True, liger, fp8_on, on_gpu=True)

@@ -923,11 +923,21 @@ def _compile_reason(training_args, arch: architectures.Architecture, fp8_on: boo
 
 def _fp8_decision(training_args, model_args, arch, engine: str, sharding: Sharding) -> fp8.Decision:
     """`fp8` resolved by `sft.model.fp8` for this engine and its layout (`true` refused where it cannot run); `auto`
-    also needs the family measured good."""
-    auto, traits = "fp8" in training_args.auto_settings, engines.spec(engine).traits
-    decision = fp8.resolve(bool(training_args.fp8), auto, arch.hidden, bool(model_args.use_peft),
-                           sharding.weights and traits.host_hooks, traits.layer_units)  # fmt: skip
-    if auto and decision.on and not arch.kernel("fp8").on:
+    by `fp8_auto` on this machine."""
+    traits = engines.spec(engine).traits
+    under_zero3, use_peft = sharding.weights and traits.host_hooks, bool(model_args.use_peft)
+    if "fp8" not in training_args.auto_settings:
+        return fp8.resolve(bool(training_args.fp8), False, arch.hidden, use_peft, under_zero3, traits.layer_units)
+    has_torchao = importlib.util.find_spec("torchao") is not None
+    return fp8_auto(arch, fp8.fp8_gpu(), has_torchao, arch.hidden, use_peft, under_zero3, traits.layer_units)
+
+
+def fp8_auto(arch, gpu: str | None, has_torchao: bool, hidden: int, use_peft: bool, under_zero3: bool,
+             fsdp2: bool = False) -> fp8.Decision:  # fmt: skip
+    """`fp8: auto` for a run on `gpu` (`sft.model.fp8.decide_auto`), and only where the family was measured good.
+    `sft train`'s plan (this machine) and `sft plan` (the card it plans for) both decide it here."""
+    decision = fp8.decide_auto(gpu, has_torchao, hidden, use_peft, under_zero3, fsdp2)
+    if decision.on and not arch.kernel("fp8").on:
         return fp8.Decision(False, arch.kernel("fp8").reason)
     return decision
 
