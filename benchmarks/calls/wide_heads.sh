@@ -13,7 +13,8 @@
 #            rows of 4,096, planned for and capped at 79.18 GiB) with SFT_WIDE_HEADS=matmul, then Llama, then
 #            Gemma 4 with =efficient
 #   runs     each of $RUNS through sft/train.py as `cli` runs them: `label=family[,field=value...]` (recipe fields
-#            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"
+#            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"; each within
+#            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26)
 #   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
@@ -46,7 +47,7 @@ for part in "$@"; do
         for run in ${RUNS:-}; do
             label=${run%%=*} spec=${run#*=}; family=${spec%%,*} sets=()
             [[ $spec == *,* ]] && for kv in $(tr , ' ' <<< "${spec#*,}"); do sets+=("${kv%%=*}: ${kv#*=}"); done
-            late "$label" || timeout 220 "${cli[@]}" --families "$family" --set "${sets[@]}" --out "$OUT/cli_$label" \
+            late "$label" || timeout "${RUN_TIMEOUT:-220}" "${cli[@]}" --families "$family" --set "${sets[@]}" --out "$OUT/cli_$label" \
                 --work "$work/$label" > "$work/cli_$label.log" 2>&1
             grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
         done ;;
