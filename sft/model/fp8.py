@@ -79,6 +79,11 @@ class Decision(NamedTuple):
     reason: str
 
 
+def torchao_installed() -> bool:
+    """Whether torchao can be imported here (float8 training and its 8-bit AdamW need it; an optional dependency)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def fp8_gpu() -> str | None:
     """The name of this machine's GPU when it has FP8 tensor cores, else None."""
     if not torch.cuda.is_available():
@@ -94,7 +99,7 @@ def resolve(
     """Whether this run trains in FP8, and why: `fp8: true` refused where it cannot run, `auto` decided."""
     gpu = fp8_gpu()
     on_cpu = not torch.cuda.is_available() and os.environ.get(CPU_ENV) == "1"
-    has_torchao = importlib.util.find_spec("torchao") is not None
+    has_torchao = torchao_installed()
     if not is_auto:
         if not value:
             return Decision(False, "fp8: false")

@@ -48,7 +48,7 @@ from typing import NamedTuple
 from sft import engines
 from sft.core.engine import Sharding
 from sft.errors import ConfigError
-from sft.model import attention, wide_heads
+from sft.model import attention, fp8, wide_heads
 from sft.model.shapes import ModelShape
 from sft.plan import speed
 from sft.plan.speed import StepTime
@@ -746,10 +746,8 @@ def eight_bit_candidate(s: Setting) -> bool:
     """Whether `optim: auto` may give `s` 8-bit Adam moments: full fine-tuning (LoRA's states are small) under
     DeepSpeed's ZeRO with the optimizer on the GPU (DeepSpeed's CPU Adam keeps fp32 moments), torchao installed. Not
     under FSDP2: it steps each parameter apart, and its memory with 8-bit Adam was not measured."""
-    import importlib.util
-
     return (not s.lora_r and s.sharding.optimizer and not s.offload_optimizer and s.traits.eight_bit_moments
-            and importlib.util.find_spec("torchao") is not None)  # fmt: skip
+            and fp8.torchao_installed())  # fmt: skip
 
 
 def with_liger_candidates(bases: list[Setting]) -> list[Setting]:

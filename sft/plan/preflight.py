@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import logging
 import math
 import re
@@ -928,8 +927,8 @@ def _fp8_decision(training_args, model_args, arch, engine: str, sharding: Shardi
     under_zero3, use_peft = sharding.weights and traits.host_hooks, bool(model_args.use_peft)
     if "fp8" not in training_args.auto_settings:
         return fp8.resolve(bool(training_args.fp8), False, arch.hidden, use_peft, under_zero3, traits.layer_units)
-    has_torchao = importlib.util.find_spec("torchao") is not None
-    return fp8_auto(arch, fp8.fp8_gpu(), has_torchao, arch.hidden, use_peft, under_zero3, traits.layer_units)
+    return fp8_auto(arch, fp8.fp8_gpu(), fp8.torchao_installed(), arch.hidden, use_peft, under_zero3,
+                    traits.layer_units)  # fmt: skip
 
 
 def fp8_auto(arch, gpu: str | None, has_torchao: bool, hidden: int, use_peft: bool, under_zero3: bool,
@@ -1086,7 +1085,7 @@ def _stepped_with_rounding(training_args, model_args, model_config) -> bool:
     """Whether bf16 weights without an engine would be stepped by torchao's 8-bit AdamW with stochastic rounding
     (`optim: auto`, torchao installed)."""
     return (_bf16_weights(model_args, model_config) and "optim" in training_args.auto_settings
-            and importlib.util.find_spec("torchao") is not None)  # fmt: skip
+            and fp8.torchao_installed())  # fmt: skip
 
 
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
