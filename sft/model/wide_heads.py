@@ -187,8 +187,9 @@ def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, t
                 "qw": (dest[:, None, None, :] * heads + q_heads).ravel(),
                 "kr": (tokens[:, None, :] * kv_heads + kv).ravel(),
                 "kw": (dest[:, None, :] * kv_heads + kv).ravel(),
-                "real": real.ravel(),
             }
+            if not causal:  # attention both ways masks the padding keys
+                part["real"] = real.ravel()
             shapes.append((len(chosen), width, {k: v.size for k, v in part.items()}))
             parts.append(part)
     flat = torch.from_numpy(np.concatenate([v.astype(np.int64) for part in parts for v in part.values()]))
@@ -200,7 +201,8 @@ def plan(cu: torch.Tensor, heads: int, kv_heads: int, left: int, causal: bool, t
         for key, size in sizes.items():
             index[key] = flat[offset : offset + size]
             offset += size
-        index["real"] = index["real"].bool()
+        if "real" in index:
+            index["real"] = index["real"].bool()
         batches.append(Batch(index, samples, width, group, left, causal))
     return batches
 
