@@ -16,6 +16,8 @@
 #            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"; each within
 #            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26)
 #   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
+#   compnan  benchmarks/calls/compile_nan.py: where Gemma 4 MoE's compiled layers turn non-finite ($LAYERS layers,
+#            per experts implementation in $EXPERTS)
 #   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
 # Result files go straight under $OUT; logs are tarred at the end.
@@ -58,6 +60,10 @@ for part in "$@"; do
     profile)
         timeout 100 python3 -m benchmarks.wide_heads_profile --out "$OUT/wide_heads_profile.txt" > "$work/profile.log" 2>&1
         grep -E "out_dtype|Self CPU time|Self CUDA time|^bmm" "$OUT/wide_heads_profile.txt" ;;
+    compnan)
+        timeout "${RUN_TIMEOUT:-300}" python3 benchmarks/calls/compile_nan.py gemma4_moe "${LAYERS:-8}" ${EXPERTS:-} \
+            > "$work/compnan.log" 2>&1
+        grep -E "^[a-z_]+ \{" "$work/compnan.log" | cut -c1-1200; tail -3 "$work/compnan.log" ;;
     gputest)
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k wide > "$OUT/test_gpu.txt" 2>&1
         tail -3 "$OUT/test_gpu.txt" ;;
