@@ -320,6 +320,9 @@ def cli_runs(args, work: Path, results: dict) -> None:
     data = work / "data.jsonl"
     make_sft_data(data, 400, VOCAB, args.tokens)
     out = results["families"]
+    earlier = [str(work / name) for name in args.families if (work / name).exists()]
+    if earlier:  # sft would refuse the run, and its metrics would be the earlier run's (call 29's Llama row)
+        raise SystemExit(f"--work {work} holds earlier runs ({', '.join(earlier)}): pass a new --work")
     for name in args.families:
         config = config_for(name, args.layers, args.tiny).to_dict()
         config.update(pad_token_id=1, bos_token_id=2, eos_token_id=3)  # the demo tokenizer's

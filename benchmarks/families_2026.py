@@ -64,6 +64,12 @@ RUNS = (
     # call 27 ran Llama on call 26's machine, held warm between the calls (another H100 than call 25's)
     ("cli_call26_gemma4.json", "gemma4", "wide_varlen for the 512-wide heads, compiled layers (now; another H100)",
      "cli_call27_llama.json", 26, PLANNED),
+    # 1 x H100, the image's Triton 3.6 (fla's backward piece that it refuses there through sft.model.fla_hopper);
+    # Llama from call 28, the same machine held warm (call 29's Llama entry is call 28's run, refused as finished)
+    ("cli_call29_qwen3_5_fla.json", "qwen3_5", "fla varlen kernels, Triton 3.6 with sft's dqkwg (now)",
+     "cli_call28_llama.json", 29, PLANNED),
+    ("cli_call30_qwen3_5_torch.json", "qwen3_5", "torch recurrence, batched, Triton 3.6 (before)",
+     "cli_call28_llama.json", 30, PLANNED),
 )  # fmt: skip
 
 

@@ -239,6 +239,10 @@ def main() -> None:
             result["gradients"] = {"error": str(e)[:400]}
         print("gradients", result["gradients"], flush=True)
     result["speed"] = speed(model, args.tokens, args.steps)
+    if args.path == "varlen":
+        from sft.model import fla_hopper
+
+        result["sft_dqkwg"] = fla_hopper.register()  # fla's refused backward piece through sft's torch form
     name = f"linear_attention_{args.path}{'_fla' if linear_attention.FLA else '_torch'}"
     (args.out / f"{name}.json").write_text(json.dumps(result))
     print(name, {k: v for k, v in result["exactness"].items() if "diff" in k}, result["speed"], flush=True)

@@ -95,6 +95,11 @@ def test_torch_dqkwg_equals_autograd_of_the_chunk_terms(batch, tokens, heads, v_
     got = chunk_bwd_dqkwg(q=q, k=k, v=v, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, cu_seqlens=cu,
                           chunk_size=CHUNK, state_v_first=state_v_first)  # fmt: skip
     want = _reference(q, k, v, do, h, dh, w, dv, g, scale, bounds, state_v_first)
+    if bounds is None:  # fla's layout of the states of rows of one sequence each: [B, chunks per row, HV, ...]
+        rowed = dict(h=h.view(batch, -1, *h.shape[1:]), dh=dh.view(batch, -1, *dh.shape[1:]))
+        again = chunk_bwd_dqkwg(q=q, k=k, v=v, w=w, g=g, dv=dv, do=do, scale=scale, chunk_size=CHUNK,
+                                state_v_first=state_v_first, **rowed)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):
         assert a.shape == b.shape, name
         assert float((a.double() - b).norm() / b.norm()) < 1e-5, name
@@ -117,6 +122,10 @@ def test_torch_dqkwg_takes_fla_chunk_indices_and_keeps_the_dtypes():
     dq, dk, dw, dg = chunk_bwd_dqkwg(**half, g=g, scale=0.25, cu_seqlens=cu, chunk_size=CHUNK)
     assert (dq.dtype, dk.dtype, dw.dtype, dg.dtype) == (torch.bfloat16,) * 3 + (torch.float32,)
     assert float((dq.float() - without[0]).norm() / without[0].norm()) < 2e-2  # bf16 inputs, the same gradients
+    # fla passes the states as [B, chunks, HV, K, V] (one row for packed sequences; call 28 on the GPU failed on it)
+    rowed = {**kwargs, "h": h[None], "dh": dh[None]}
+    for a, b in zip(chunk_bwd_dqkwg(**rowed), without, strict=True):
+        assert torch.equal(a, b)
     # a wrong gate gives a wrong dq: the comparison can fail
     wrong = chunk_bwd_dqkwg(**{**kwargs, "g": g * 1.5})
     assert float((wrong[0] - without[0]).norm() / without[0].norm()) > 1e-2

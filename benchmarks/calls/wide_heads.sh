@@ -26,7 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     || exit
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import transformers, trl, deepspeed, datasets" || echo "the carried packages do not import"
-work=/tmp/wide; mkdir -p "$work"
+work=/tmp/wide/$(date +%s); mkdir -p "$work"  # a new one per call: a warm machine keeps /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 late() { (( SECONDS > ${DEADLINE:-500} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
 cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18 --engine-auto)

@@ -181,8 +181,8 @@ def _linear_attention(model, plan) -> None:
     count = linear_attention.by_sample(model)
     if linear_attention.path() == "varlen":
         logger.info("Linear attention (%s): %d Gated DeltaNet layers over packed rows through flash-linear-attention's"
-                    " varlen kernels on GPU (each sample from a zero state; one sample at a time on CPU)",
-                    plan.arch.family, count)  # fmt: skip
+                    " varlen kernels on GPU (each sample from a zero state; one sample at a time on CPU)%s",
+                    plan.arch.family, count, linear_attention.fla_note())  # fmt: skip
     else:
         logger.info("Linear attention (%s): %d Gated DeltaNet layers over packed rows, each sample from a zero state, "
                     "on transformers' torch kernels, the recurrence batched over samples of similar length on GPU "

@@ -13,7 +13,9 @@ that restart at each boundary:
   `causal_conv1d(cu_seqlens=...)`. On an H200 under Triton 3.7.1 beside torch 2.11 (Qwen3.5 text widths, 4 layers,
   rows of 8,192; benchmarks/linear_attention.py, benchmarks/results/families_2026): every gradient within 0.067 of the
   fp32 per-sample path's (bf16 torch: 0.054), forward and backward 71,980 tokens/s against 32,057 batched and 22,886
-  per sample; below Triton 3.7.1 fla refuses its backward on Hopper (`fla_cannot_train`).
+  per sample. On a Hopper GPU under Triton 3.4-3.7.0 (torch 2.10-2.11's) fla refuses one of its backward kernels
+  (fla issue #640); `sft.model.fla_hopper` gives fla that piece in torch, through fla's own backend registry (one
+  H100, Triton 3.6: gradients within 0.079 of the fp32 per-sample path's, 57,442 tokens/s against 27,638 batched).
 - **per sample** (anywhere else): transformers' torch convolution once per sample's slice from a zero-padded window,
   and its torch recurrence (`torch_chunk_gated_delta_rule`) from a zero state per sample, as the sample alone
   (tests/test_linear_attention.py: packed rows equal their samples one by one, gradients too). The recurrence takes
@@ -51,31 +53,25 @@ BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", 
 FLA = importlib.util.find_spec("fla") is not None
 
 
-# fla-core 0.6's gated delta rule stops its backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, whose kernels
-# give it wrong gradients there (fla's issue #640; torch 2.11's Triton on the H200 measured, 2026-11-29)
-BAD_TRITON = ("3.4.0", "3.7.1")
 # a group of samples in one batched recurrence pads each to the group's longest: at most this share more tokens
 PADDING = 1.5
 
 
 def fla_cannot_train() -> str | None:
-    """Why flash-linear-attention's kernels cannot train on this machine, or None where they can."""
+    """Why flash-linear-attention's kernels cannot train on this machine, or None where they can (on a Hopper GPU
+    under a Triton whose build of one of fla's backward kernels fla refuses, through `sft.model.fla_hopper`)."""
     if not FLA:
         return "flash-linear-attention is not installed (`pip install 'sft[fla]'`)"
     if not torch.cuda.is_available():
         return "no CUDA GPU here (its kernels are Triton's)"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return None
-    import triton
-    from packaging.version import Version
-
-    low, high = (Version(v) for v in BAD_TRITON)
-    if low <= Version(triton.__version__) < high:
-        return (f"Triton {triton.__version__} on a Hopper GPU: flash-linear-attention refuses its gated delta rule's "
-                f"backward there (wrong gradients below Triton {BAD_TRITON[1]}, fla issue #640); to use it, "
-                f"`pip install 'triton>={BAD_TRITON[1]}'` (with torch 2.11 measured exact and 2.2x the torch path on "
-                "an H200: benchmarks/results/families_2026)")  # fmt: skip
     return None
+
+
+def fla_note() -> str:
+    """What the log says about fla's kernels beyond their name: where `sft.model.fla_hopper` stands in for one."""
+    from sft.model import fla_hopper
+
+    return fla_hopper.NOTE if fla_hopper.register() else ""
 
 
 def path(varlen: bool | None = None) -> str:
@@ -99,6 +95,10 @@ def by_sample(model: torch.nn.Module, varlen: bool | None = None, batched: bool 
     from its linear-attention layer) hands that layer the boundaries they mark."""
     found = layers(model)
     mode = "varlen" if path(varlen) == "varlen" else {None: "torch", True: "batched", False: "per sample"}[batched]
+    if mode == "varlen" and FLA:
+        from sft.model import fla_hopper
+
+        fla_hopper.register()  # where fla would refuse its backward on this GPU and Triton
     for layer in found:
         _kernels_by_sample(sys.modules[type(layer).__module__])
         layer.forward = _with_boundaries(layer.forward, mode)
