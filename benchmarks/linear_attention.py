@@ -242,7 +242,7 @@ def main() -> None:
     if args.path == "varlen":
         from sft.model import fla_hopper
 
-        result["sft_dqkwg"] = fla_hopper.register()  # fla's refused backward piece through sft's torch form
+        result["sft_dqkwg"] = fla_hopper.registered()  # fla's refused backward piece through sft's torch form
     name = f"linear_attention_{args.path}{'_fla' if linear_attention.FLA else '_torch'}"
     (args.out / f"{name}.json").write_text(json.dumps(result))
     print(name, {k: v for k, v in result["exactness"].items() if "diff" in k}, result["speed"], flush=True)

@@ -145,6 +145,11 @@ def _unchunk(x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, toke
 _REGISTERED = False
 
 
+def registered() -> bool:
+    """Whether `register` has put the torch form in fla's registry in this process."""
+    return _REGISTERED
+
+
 def register() -> bool:
     """Add `chunk_bwd_dqkwg` to fla's backends for its gated calls where fla would refuse them (`needed`); returns
     whether it is registered. Once per process."""

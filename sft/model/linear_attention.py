@@ -71,7 +71,7 @@ def fla_note() -> str:
     """What the log says about fla's kernels beyond their name: where `sft.model.fla_hopper` stands in for one."""
     from sft.model import fla_hopper
 
-    return fla_hopper.NOTE if fla_hopper.register() else ""
+    return fla_hopper.NOTE if fla_hopper.registered() else ""
 
 
 def path(varlen: bool | None = None) -> str:
