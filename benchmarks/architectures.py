@@ -20,7 +20,9 @@ elsewhere); the kernels are the ones sft's trainer applies. With `--cli`, instea
 
 3. **sft's defaults** through the real entry point (`sft/train.py` under torchrun, 1 process, ZeRO-2, packing, rows
    of `--tokens`, `--layers` layers, pre-tokenised SFT-like data, `--steps` optimizer steps of 8 rows): exit code, the
-   `Model:` and attention lines sft logged, per-step loss and grad norm (finite, falling), tokens/s and MFU.
+   `Model:` and attention lines sft logged, per-step loss and grad norm (finite, falling), tokens/s and MFU. With
+   `--trl`, each family's TRL baseline instead (`trl_setting`: the fastest setting a skilled TRL user runs for it on
+   one GPU, through the same entry point), `trl` in its entry saying how it batched.
 
 Writes `architectures.json` (`cli.json` with `--cli`) and `architectures.md` to `--out`.
 """
@@ -32,6 +34,7 @@ import gc
 import itertools
 import json
 import math
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -310,6 +313,46 @@ CLI_RECIPE = {"bf16": True, "dtype": "bfloat16", "learning_rate": 1e-4, "lr_sche
               "deepspeed": "ds_configs/zero2.json"}  # fmt: skip
 
 
+# The fastest setting a skilled TRL user runs for a family on one GPU (issue #79's baseline), as recipe fields over
+# CLI_RECIPE, run through sft's trainer as throughput.py's TRL rows are (TRL's SFTTrainer, plus sft's per-micro-batch
+# check and FLOP count, which sft's rows pay too): no engine, bf16 weights stepped by torchao's own 8-bit AdamW
+# (`optim: adamw_torch_8bit`; SFT_FUSED_ADAMW=0 keeps sft's fused step out), Liger where it has a patch for the family,
+# no FP8 (TRL has none), no compiled layers, no checkpointing (`trl_setting` adds it where nothing fits without), the
+# micro batch the largest that fits (sft's memory plan picks it, every lever pinned off).
+TRL_FIELDS = {"deepspeed": "none", "optim": "adamw_torch_8bit", "fp8": False, "compile_decoder_layers": False,
+              "activation_checkpointing": False, "tiled_mlp": False, "offload_checkpoints": False,
+              "keep_attention_outputs": False}  # fmt: skip
+TRL_ENV = {"SFT_FUSED_ADAMW": "0"}
+
+
+def trl_setting(config) -> tuple[dict, str]:
+    """The TRL baseline's fields for the family of `config`, and how it batches: packed rows on varlen
+    FlashAttention-2 where TRL packs the family exactly (padding-free: every layer's heads within FlashAttention's
+    256, no attention sinks, linear-attention layers only where fla trains unpatched), else padded rows grouped by
+    length (`train_sampling_strategy: group_by_length`) on sdpa (eager for sinks, which sdpa cannot add)."""
+    from sft.model import architectures, fla_hopper, linear_attention
+
+    arch = architectures.of(config)
+    attention = arch.attention
+    fla_as_shipped = linear_attention.fla_cannot_train() is None and not fla_hopper.needed()
+    packs = not attention.wide_heads and not attention.sinks and (not attention.per_sample or fla_as_shipped)
+    fields = {**TRL_FIELDS, "use_liger_kernel": arch.family in _liger_families()}
+    if packs:
+        return {**fields, "packing": True, "attn_implementation": "sft_varlen"}, "packed, varlen FlashAttention-2"
+    why = ("heads wider than 256" if attention.wide_heads else "attention sinks" if attention.sinks
+           else "linear attention without fla able to train")  # fmt: skip
+    kernel = "eager" if attention.sinks else "sdpa"
+    padded = {"packing": False, "padding_free": False, "attn_implementation": kernel,
+              "train_sampling_strategy": "group_by_length"}  # fmt: skip
+    return {**fields, **padded}, f"padded rows grouped by length on {kernel} ({why})"
+
+
+def samples_per_step(data: Path, tokens: int) -> int:
+    """The power of two of samples of `data` (JSON lines of `input_ids`) nearest to `tokens` tokens."""
+    lengths = [len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines()]
+    return 2 ** round(math.log2(tokens * len(lengths) / sum(lengths)))
+
+
 def cli_runs(args, work: Path, results: dict) -> None:
     """Part 3: each family with sft's defaults through `sft/train.py` (see the module docstring), into
     `results["families"]`, written to `cli.json` after each family."""
@@ -337,18 +380,33 @@ def cli_runs(args, work: Path, results: dict) -> None:
             recipe["attn_implementation"] = args.attn
         if args.engine_auto:
             del recipe["deepspeed"]
+        env, batching = {}, None
+        if args.trl:
+            fields, batching = trl_setting(config_for(name, args.layers, args.tiny))
+            recipe.pop("deepspeed", None)
+            recipe.update(fields)
+            env = TRL_ENV
+            if not fields["packing"]:  # padded rows hold one sample each: as many tokens per optimizer step as packed
+                recipe["global_batch_size"] = samples_per_step(data, recipe["global_batch_size"] * args.tokens)
         for field in args.set:  # each a one-line YAML mapping
             recipe.update(yaml.safe_load(field))
         (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
         log = work / f"{name}.log"
-        rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log)
+        rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log, env)
+        if args.trl and rc != 0 and not (work / name / "metrics.jsonl").exists():  # nothing fits without checkpointing
+            recipe["activation_checkpointing"] = True
+            (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+            shutil.rmtree(work / name, ignore_errors=True)
+            rc, seconds = run(sft_command(1, ["--config", str(work / f"{name}.yaml")]), log, env)
+            batching += ", activation checkpointing (nothing fit without)"
         text = log.read_text()
         lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()] if (
             work / name / "metrics.jsonl").exists() else []  # fmt: skip
         steps = [r for r in lines if "loss" in r and "grad_norm" in r]
         said = [x.split(": ", 1)[1] for x in text.splitlines() if "sft.model.architectures: Model:" in x
-                or "Attention backend:" in x]  # fmt: skip
+                or "Attention backend:" in x or "auto settings:" in x]  # fmt: skip
         entry = out[name] = {
+            **({"trl": batching} if args.trl else {}),
             "exit_code": rc,
             "seconds": round(seconds, 1),
             "said": said,
@@ -390,6 +448,8 @@ def main() -> None:
         metavar="FIELD: VALUE",
         help="with --cli: recipe fields over the defaults, YAML ('compile_decoder_layers: true')",
     )
+    parser.add_argument("--trl", action="store_true", help="with --cli: the fastest setting a skilled TRL user runs "
+                        "for each family instead of sft's defaults (`trl_setting`)")  # fmt: skip
     parser.add_argument("--work", type=Path, help="with --cli: the folder for the models, recipes and run logs "
                         "(default: a new temporary one)")  # fmt: skip
     parser.add_argument("--attn", help="with --cli: attn_implementation instead of sft's auto (e.g. sdpa)")

@@ -15,6 +15,8 @@
 #   runs     each of $RUNS through sft/train.py as `cli` runs them: `label=family[,field=value...]` (recipe fields
 #            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"; each within
 #            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26)
+#   trl      the TRL baseline (benchmarks/architectures.py --cli --trl) of each of $TRL_FAMILIES (gemma4 llama), the
+#            families' runs otherwise as `cli` runs them
 #   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
 #   compnan  benchmarks/calls/compile_nan.py: where Gemma 4 MoE's compiled layers turn non-finite ($LAYERS layers,
 #            per experts implementation in $EXPERTS)
@@ -53,6 +55,10 @@ for part in "$@"; do
                 --work "$work/$label" > "$work/cli_$label.log" 2>&1
             grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
         done ;;
+    trl)
+        late trl || timeout "${RUN_TIMEOUT:-400}" "${cli[@]}" --trl --families ${TRL_FAMILIES:-gemma4 llama} \
+            --out "$OUT/cli_trl" --work "$work/trl" > "$work/cli_trl.log" 2>&1
+        grep -hE "^[a-z0-9_]+ \{" "$work/cli_trl.log" | cut -c1-400 ;;
     stepprof)
         timeout 240 python3 -m benchmarks.profile_step --shape gemma4 --layers "${LAYERS:-8}" --only sft_nods \
             --gpu-memory 79.18 --out "$OUT/stepprof" > "$work/stepprof.log" 2>&1
