@@ -57,9 +57,8 @@ def _reference(q, k, v, do, h, dh, w, dv, g, scale, bounds, state_v_first):
     return q64.grad, k64.grad, w64.grad, g64.grad / math.log(2)
 
 
-def _inputs(batch, tokens, heads, v_heads, bounds, state_v_first, seed=0):
+def _inputs(batch, tokens, heads, v_heads, bounds, state_v_first, seed=0, k_dim=16, v_dim=8):
     gen = torch.Generator().manual_seed(seed)
-    k_dim, v_dim = 16, 8
     chunks = sum(-(-(end - start) // CHUNK) for _, start, end in _sequences(batch, tokens, bounds))
 
     def r(*shape):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import subprocess
 import sys
@@ -103,3 +104,30 @@ def test_wide_kernels_take_512_wide_heads_exactly_as_each_sample_alone(name):
     # the H200, 2026-12-03, benchmarks/results/families_2026)
     fast, noise = errors(kernel), errors(per_sample_sdpa)
     assert all(n < 2**-7 and f < 2.5 * n for f, n in zip(fast, noise, strict=True)), (fast, noise)
+
+
+def test_sfts_form_of_flas_gated_dqkwg_at_qwen3_5_widths_in_bf16():
+    """`sft.model.fla_hopper.chunk_bwd_dqkwg` on the GPU at Qwen3.5's linear-attention widths (16 query-key heads,
+    32 value heads, 128 wide; three packed sequences), bf16 inputs as fla gives them: against autograd of the chunk
+    terms in float64 (tests/test_fla_hopper.py), and against fla's own kernel where fla runs it here (not on Hopper
+    under Triton 3.4-3.7.0, which is why the torch form exists)."""
+    from sft.model import fla_hopper
+    from tests.test_fla_hopper import CHUNK, _inputs, _reference
+
+    bounds = [0, 300, 1000, 1100]
+    inputs = _inputs(1, 1100, 16, 32, bounds, False, k_dim=128, v_dim=128)
+    q, k, v, do, h, dh, w, dv, g = (x.bfloat16() if x is not inputs[-1] else x for x in inputs)
+    scale, cu = 128**-0.5, torch.tensor(bounds)
+    want = _reference(q, k, v, do, h, dh, w, dv, g, scale, bounds, False)
+    kwargs = dict(q=q, k=k, v=v, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK)
+    got = fla_hopper.chunk_bwd_dqkwg(**{n: x.cuda() for n, x in kwargs.items() if torch.is_tensor(x)},
+                                     scale=scale, chunk_size=CHUNK, cu_seqlens=cu.cuda())  # fmt: skip
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):
+        assert float((a.double().cpu() - b).norm() / b.norm()) < 1e-2, name  # bf16 outputs: 0.001-0.003 on a CPU
+    if importlib.util.find_spec("fla") is not None and not fla_hopper.needed():
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg as flas
+
+        theirs = flas(**{n: x.cuda() for n, x in kwargs.items() if torch.is_tensor(x)}, scale=scale,
+                      chunk_size=CHUNK, cu_seqlens=cu.cuda())  # fmt: skip
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, theirs, strict=True):
+            assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2, name
