@@ -405,11 +405,13 @@ def cli_runs(args, work: Path, results: dict) -> None:
         steps = [r for r in lines if "loss" in r and "grad_norm" in r]
         said = [x.split(": ", 1)[1] for x in text.splitlines() if "sft.model.architectures: Model:" in x
                 or "Attention backend:" in x or "auto settings:" in x]  # fmt: skip
+        chosen = [x.strip() for x in text.splitlines() if x.strip().startswith("chosen micro batch")]
         entry = out[name] = {
             **({"trl": batching} if args.trl else {}),
             "exit_code": rc,
             "seconds": round(seconds, 1),
             "said": said,
+            "plan": chosen[-1] if chosen else None,  # the setting the plan chose, its estimates (speed model, peak)
             "losses": [r["loss"] for r in steps],
             "grad_norms": [r["grad_norm"] for r in steps],
         }

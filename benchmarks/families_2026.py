@@ -6,16 +6,18 @@ Each row: a family's `sft/train.py` run (`benchmarks/architectures.py --cli`: it
 layers, rows of 4,096, planned for and capped at 79.18 GiB; `engine`: ZeRO-2 on one process (`ds_configs/zero2.json`)
 or what sft's plan picks on one GPU (`--engine-auto`: no engine, 8-bit AdamW)) beside the Llama run of the same device
 call (the same depth and engine; `llama.file` names it: one row's Llama is from the call before, said in RUNS), and
-their MFU ratio. `trl` and `estimate` (the fastest TRL setting for the family, the speed model's estimate) stay null
-until measured: no row claims them. `steps`: the one-GPU optimizer step's rows (`benchmarks/optimizer_step.py`, item
-5 of the issue), each set's fused 8-bit step with stochastic rounding and torch's fused fp32 AdamW against the bytes
-they move over the card's bandwidth (H200 4.8 TB/s, H100 3.35 TB/s); the latest file per card and set (STEPS).
+their MFU ratio. `trl` (the fastest TRL setting for the family) stays null until measured; `estimate` is the plan's
+(speed model and memory plan) for runs that kept its log line, null for the older ones. `steps`: the one-GPU
+optimizer step's rows (`benchmarks/optimizer_step.py`, item 5 of the issue), each set's fused 8-bit step with
+stochastic rounding and torch's fused fp32 AdamW against the bytes they move over the card's bandwidth (H200 4.8
+TB/s, H100 3.35 TB/s); the latest file per card and set (STEPS).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 # (file, family in it, the path it ran, the same call's Llama file, the call, the engine)
@@ -99,6 +101,21 @@ def step_rows(folder: Path) -> list[dict]:
     return rows
 
 
+PLAN = re.compile(r"([\d,]+) tokens/s/GPU, MFU ([\d.]+)%.*peak ([\d.]+) GiB")
+
+
+def estimate(run: dict) -> dict | None:
+    """The plan's estimate for a run (the `chosen micro batch` line its log printed, kept by
+    `benchmarks/architectures.py --cli` since 2026-12-07 evening) beside what the run measured; None for older runs."""
+    found = PLAN.search(run.get("plan") or "")
+    if not found:
+        return None
+    speed, mfu, peak = float(found[1].replace(",", "")), float(found[2]) / 100, float(found[3])
+    return {"tokens_per_second": round(speed), "mfu": mfu, "peak_gib": peak,
+            "speed_of_measured": round(speed / run["tokens_per_second"], 3),
+            "peak_of_measured": round(peak / run["peak_memory_gib"], 3)}  # fmt: skip
+
+
 def summary(folder: Path) -> dict:
     rows = []
     for name, family, path, llama_file, call, engine in RUNS:
@@ -112,7 +129,7 @@ def summary(folder: Path) -> dict:
             "peak_gib": round(run["peak_memory_gib"], 1), "finite": run["finite"], "loss_fell": run["loss_fell"],
             "llama": {"tokens_per_second": round(llama["tokens_per_second"]), "mfu": round(llama["mfu"], 4),
                       "file": llama_file},
-            "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": None,
+            "mfu_of_llama": round(run["mfu"] / llama["mfu"], 3), "trl": None, "estimate": estimate(run),
         })  # fmt: skip
     return {
         "source": "benchmarks/families_2026.py over " + ", ".join(sorted({r[0] for r in RUNS})),
