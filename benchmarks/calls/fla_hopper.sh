@@ -10,6 +10,8 @@
 #   varlen   its fla run alone
 #   cli      Qwen3.5 (fla) and Llama through sft/train.py (benchmarks/architectures.py --cli --engine-auto, $LAYERS
 #            layers, rows of 4,096, planned for and capped at 79.18 GiB); $FLA_FAMILIES for more (qwen3_5_moe)
+#   activations  benchmarks/linear_activations.py: what a Gated DeltaNet layer keeps per token on each path (fla
+#            with the piece, batched, per sample) against the memory plan's term
 # Result files go straight under $OUT; logs are tarred at the end.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,6 +39,9 @@ for part in "$@"; do
             --work "$work/cli" > "$work/cli.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli.log" | cut -c1-600
         grep -rh "Linear attention" "$work/cli" | head -1 | cut -c1-500 ;;
+    activations)
+        fla timeout 200 python3 -m benchmarks.linear_activations --out "$OUT" > "$work/activations.log" 2>&1
+        grep -E "measured|Error" "$work/activations.log" | cut -c1-300 ;;
     esac
 done
 tar -czf "$OUT/fla_hopper_logs.tar.gz" -C "$work" --exclude='model-*' --exclude='*.safetensors' .
