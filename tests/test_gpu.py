@@ -119,15 +119,14 @@ def test_sfts_form_of_flas_gated_dqkwg_at_qwen3_5_widths_in_bf16():
     q, k, v, do, h, dh, w, dv, g = (x.bfloat16() if x is not inputs[-1] else x for x in inputs)
     scale, cu = 128**-0.5, torch.tensor(bounds)
     want = _reference(q, k, v, do, h, dh, w, dv, g, scale, bounds, False)
-    kwargs = dict(q=q, k=k, v=v, w=w, g=g, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=CHUNK)
-    got = fla_hopper.chunk_bwd_dqkwg(**{n: x.cuda() for n, x in kwargs.items() if torch.is_tensor(x)},
-                                     scale=scale, chunk_size=CHUNK, cu_seqlens=cu.cuda())  # fmt: skip
+    on_gpu = {n: x.cuda() for n, x in dict(q=q, k=k, v=v, w=w, g=g, h=h, dv=dv, do=do, dh=dh, cu_seqlens=cu).items()}
+    kwargs = dict(**on_gpu, scale=scale, chunk_size=CHUNK)
+    got = fla_hopper.chunk_bwd_dqkwg(**kwargs)
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):
         assert float((a.double().cpu() - b).norm() / b.norm()) < 1e-2, name  # bf16 outputs: 0.001-0.003 on a CPU
     if importlib.util.find_spec("fla") is not None and not fla_hopper.needed():
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg as flas
 
-        theirs = flas(**{n: x.cuda() for n, x in kwargs.items() if torch.is_tensor(x)}, scale=scale,
-                      chunk_size=CHUNK, cu_seqlens=cu.cuda())  # fmt: skip
+        theirs = flas(**kwargs)
         for name, a, b in zip(("dq", "dk", "dw", "dg"), got, theirs, strict=True):
             assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2, name
