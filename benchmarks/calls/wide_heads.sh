@@ -20,13 +20,18 @@
 #   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
 #   compnan  benchmarks/calls/compile_nan.py: where Gemma 4 MoE's compiled layers turn non-finite ($LAYERS layers,
 #            per experts implementation in $EXPERTS)
-#   gputest  tests/test_gpu.py -k wide (both kernels against fp32 one sample at a time)
+#   gputest  tests/test_gpu.py -k "$TESTS" (default `wide`: both kernels against fp32 one sample at a time)
+# With `.fla` carried as well (fla_hopper.sh's header), fla-core is on the path of every part.
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
 # Result files go straight under $OUT; logs are tarred at the end.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit
 export PYTHONPATH=/tmp/site:$PWD
+if compgen -G ".fla/*.whl" > /dev/null; then  # fla carried (fla_hopper.sh's header): on the path of every part
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .fla/*.whl || exit
+    export PYTHONPATH=/tmp/fla:$PYTHONPATH
+fi
 python3 -c "import transformers, trl, deepspeed, datasets" || echo "the carried packages do not import"
 work=/tmp/wide/$(date +%s); mkdir -p "$work"  # a new one per call: a warm machine keeps /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
@@ -71,7 +76,7 @@ for part in "$@"; do
             > "$work/compnan.log" 2>&1
         grep -E "^[a-z_]+ \{" "$work/compnan.log" | cut -c1-1200; tail -3 "$work/compnan.log" ;;
     gputest)
-        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k wide > "$OUT/test_gpu.txt" 2>&1
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "${TESTS:-wide}" > "$OUT/test_gpu.txt" 2>&1
         tail -3 "$OUT/test_gpu.txt" ;;
     esac
 done
