@@ -17,7 +17,7 @@
 #            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26)
 #   trl      the TRL baseline (benchmarks/architectures.py --cli --trl) of each of $TRL_FAMILIES (gemma4 llama), the
 #            families' runs otherwise as `cli` runs them
-#   stepprof benchmarks/profile_step.py: where Gemma 4's step goes under sft's one-GPU plan ($LAYERS layers)
+#   stepprof benchmarks/profile_step.py: where $SHAPE's (gemma4) step goes under sft's one-GPU plan ($LAYERS layers)
 #   compnan  benchmarks/calls/compile_nan.py: where Gemma 4 MoE's compiled layers turn non-finite ($LAYERS layers,
 #            per experts implementation in $EXPERTS)
 #   gputest  tests/test_gpu.py -k "$TESTS" (default `wide`: both kernels against fp32 one sample at a time)
@@ -65,7 +65,7 @@ for part in "$@"; do
             --out "$OUT/cli_trl" --work "$work/trl" > "$work/cli_trl.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli_trl.log" | cut -c1-400 ;;
     stepprof)
-        timeout 240 python3 -m benchmarks.profile_step --shape gemma4 --layers "${LAYERS:-8}" --only sft_nods \
+        timeout 240 python3 -m benchmarks.profile_step --shape "${SHAPE:-gemma4}" --layers "${LAYERS:-8}" --only sft_nods \
             --gpu-memory 79.18 --out "$OUT/stepprof" > "$work/stepprof.log" 2>&1
         cat "$OUT/stepprof/profile.md" 2>/dev/null | head -40 ;;
     profile)
