@@ -61,7 +61,9 @@ for part in "$@"; do
             grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
         done ;;
     trl)
-        late trl || timeout "${RUN_TIMEOUT:-400}" "${cli[@]}" --trl --families ${TRL_FAMILIES:-gemma4 llama} \
+        # without fla: on Hopper under this image's Triton fla refuses its backward (issue #640), so a TRL user
+        # runs transformers' torch path (padded rows: `trl_setting`)
+        late trl || PYTHONPATH=/tmp/site:$PWD timeout "${RUN_TIMEOUT:-400}" "${cli[@]}" --trl --families ${TRL_FAMILIES:-gemma4 llama} \
             --out "$OUT/cli_trl" --work "$work/trl" > "$work/cli_trl.log" 2>&1
         grep -hE "^[a-z0-9_]+ \{" "$work/cli_trl.log" | cut -c1-400 ;;
     stepprof)
