@@ -185,10 +185,11 @@ def test_attention_pairs_are_weighed_by_each_layers_head_dim_and_skip_linear_att
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe", "glm4_moe", "gpt_oss"])
 def test_compiled_layers_match_eager_on_a_packed_row(family):
     """The compiled decoder layers of the families whose `compile_bf16` was measured (on by default on a GPU for
-    dense Gemma 4 and GLM-4-MoE: `KERNELS`; off for Gemma 4's MoE) on a packed row through `sft_varlen`: logits and
+    dense Gemma 4 and GLM-4-MoE: `KERNELS`; off for Gemma 4's MoE) and of gpt-oss, whose sinks' attention stays out
+    of the layer's graph (`sft.model.attention.scored_attention`), on a packed row through `sft_varlen`: logits and
     every parameter's gradient equal eager (fp32, CPU; a full-tier repeat of `test_compiled_decoder_layers_match_eager`
     for the families whose layers it turns on, 50-110 s of compiling each)."""
     from sft.model.attention import VARLEN, register_varlen

@@ -188,3 +188,32 @@ def test_the_batched_recurrence_equals_one_call_per_sample(monkeypatch):
         torch.testing.assert_close(many_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert calls == [3, 3] * 2, calls  # two linear-attention layers, two calls each (and none by default on CPU)
     torch.testing.assert_close(results[None][0], one, atol=0, rtol=0)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_compiled_layers_keep_the_token_mixer_out_of_their_graph(family):
+    """`compile_decoder_layers` on a Qwen3.5 model over packed rows: each Gated DeltaNet token mixer runs outside the
+    layer's graph (`torch.compiler.disable`: its kernels restart at the boundaries the host reads), the rest compiles;
+    logits and every gradient equal eager's (fp32, CPU; gradients within 1e-5 of the largest gradient's norm: the
+    tiny-norm ones of a mixer's gate differ by rounding, 4e-11)."""
+    from sft.model.converters import compile_decoder_layers
+
+    register_varlen()
+    eager, compiled = (build(family) for _ in range(2))
+    for model in (eager, compiled):
+        model.set_attn_implementation(VARLEN)
+        model.train()
+        linear_attention.by_sample(model)
+    compiled.load_state_dict(eager.state_dict())
+    compile_decoder_layers(compiled)
+    batch = {k: v for k, v in packed().items() if k != "seq_idx"}
+    outputs = [m(**batch) for m in (eager, compiled)]
+    for out in outputs:
+        out.loss.backward()
+    assert (outputs[0].logits - outputs[1].logits).abs().max() < 1e-5
+    grads = [{n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
+             for m in (eager, compiled)]  # fmt: skip
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 40
+    largest = max(float(g.norm()) for g in grads[0].values())
+    assert max(float((grads[0][n] - grads[1][n]).norm()) for n in grads[0]) < 1e-5 * largest

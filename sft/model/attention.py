@@ -206,11 +206,16 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
 
 
+@torch.compiler.disable
 def scored_attention(q, k, v, cu, scale, window: int | None, softcap: float | None, sinks: torch.Tensor | None):
     """Attention whose scores a model changes (soft-capping, sinks), sample by sample on the boundaries `cu`: exact
     where the model's own mask code would mix packed samples (transformers' gpt-oss builds its mask without the
     position ids). On a GPU flex_attention with a block mask of the samples (and window); on the CPU the eager
-    arithmetic of transformers' Gemma 2 / gpt-oss attention, one sample at a time. [total, heads, dim] tensors."""
+    arithmetic of transformers' Gemma 2 / gpt-oss attention, one sample at a time. [total, heads, dim] tensors.
+
+    Never traced into a compiled decoder layer (`compile_decoder_layers`): the layer's graph breaks around it, and
+    flex_attention and its block mask are compiled on their own as in an eager layer (traced into gpt-oss's layers,
+    the first backward failed in Inductor, benchmarks/results/families_2026; the CPU path is a loop over samples)."""
     if q.is_cuda:
         return _flex_scored(q, k, v, cu, scale, window, softcap, sinks)
     heads, groups = q.shape[1], q.shape[1] // k.shape[1]

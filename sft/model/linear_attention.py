@@ -168,6 +168,10 @@ def _batched(torch_chunk, query, key, value, g, beta, bounds: list[int], **kwarg
 
 
 def _with_boundaries(forward, mode: str):
+    # never traced into a compiled decoder layer (`compile_decoder_layers`): the token mixer runs as in an eager layer
+    # (fla's Triton kernels, or transformers' torch functions per sample or group, whose boundaries the host reads),
+    # and the layer's graph breaks around it; its MLP and norms compile
+    @torch.compiler.disable
     @functools.wraps(forward)
     def run(hidden_states, cache=None, attention_mask=None, **kwargs):
         bounds = _bounds(kwargs) if hidden_states.shape[0] == 1 and cache is None else None
