@@ -72,6 +72,10 @@ RUNS = (
      "cli_call28_llama.json", 29, PLANNED),
     ("cli_call30_qwen3_5_torch.json", "qwen3_5", "torch recurrence, batched, Triton 3.6 (before)",
      "cli_call28_llama.json", 30, PLANNED),
+    # 1 x H100: FP8 with Liger under compiled layers (the token mixer out of their graph); the run of compiled layers
+    # without Liger (the default since) was cut after step 5 and has no file here (the results' README, item 24)
+    ("cli_call31_qwen3_5_fp8.json", "qwen3_5", "fla (Triton 3.6, sft's dqkwg), fp8: true, compiled layers, Liger",
+     "cli_call31_llama.json", 31, PLANNED),
 )  # fmt: skip
 
 
