@@ -259,7 +259,7 @@ def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatc
     everywhere without a GPU (the compile costs more than a CPU-sized run)."""
     from types import SimpleNamespace
 
-    from sft.plan import preflight
+    from sft.plan import kernels as family_kernels
 
     args = SimpleNamespace(auto_settings={"compile_decoder_layers"}, use_liger_kernel=False,
                            compile_decoder_layers=False)  # fmt: skip
@@ -269,11 +269,11 @@ def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatc
             "qwen3_5_moe_text", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]
         )
     )
-    assert not any(preflight._compiled(args, a, False) for a in archs.values()) or torch.cuda.is_available()
-    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)  # as on a GPU
-    on = {n for n, a in archs.items() if preflight._compiled(args, a, False)}
+    assert not any(family_kernels.compiled(args, a, False) for a in archs.values()) or torch.cuda.is_available()
+    monkeypatch.setattr(family_kernels, "on_gpu", lambda: True)  # as on a GPU
+    on = {n for n, a in archs.items() if family_kernels.compiled(args, a, False)}
     assert on == {"glm4_moe", "qwen3_moe"}
-    reasons = {n: preflight._compile_reason(args, a, False) for n, a in archs.items()}
+    reasons = {n: family_kernels.compile_reason(args, a, False) for n, a in archs.items()}
     assert reasons["glm4_moe"].startswith("1.25x the eager layers' tokens/s at 8 layers of GLM-4-MoE's widths")
     assert "NaN gradient norm at the first step" in reasons["gemma4_moe"]
     assert "not finished one step after 130 s" in archs["qwen3_5_moe"].kernel("compile_bf16").reason
@@ -285,9 +285,9 @@ def test_compiled_layers_without_fp8_follow_each_mixtures_measurement(monkeypatc
         ("gpt_oss", "wrong number of dimensions"),
         ("glm4_moe", None),
     ):
-        with caplog.at_level(logging.WARNING, logger=preflight.logger.name):
+        with caplog.at_level(logging.WARNING, logger=family_kernels.logger.name):
             caplog.clear()
-            preflight._family_liger(asked, archs[name])
+            family_kernels.family_liger(asked, archs[name])
         warned = [r.getMessage() for r in caplog.records if "compile_decoder_layers: true" in r.getMessage()]
         assert (warned and said in warned[0] and "kept as asked" in warned[0]) if said else not warned, (name, warned)
 
@@ -300,21 +300,23 @@ def test_liger_beside_compiled_layers_is_never_run_where_the_pair_trained_a_wron
     (the pair measured exact) keeps both."""
     from types import SimpleNamespace
 
-    from sft.plan import preflight
+    from sft.plan import kernels as family_kernels
 
-    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)  # as on a GPU
+    monkeypatch.setattr(family_kernels, "on_gpu", lambda: True)  # as on a GPU
     gemma, llama = architectures.of(config_of(family)), architectures.of(AutoConfig.for_model("llama"))
 
     def args(liger, compiled="auto"):
         auto = {"compile_decoder_layers"} if compiled == "auto" else set()
         return SimpleNamespace(auto_settings=auto, use_liger_kernel=liger, compile_decoder_layers=compiled is True)
 
-    assert preflight._compiled(args(False), gemma, False) is (family == "gemma4")  # NaN on the MoE's GPU run
-    assert preflight._compiled(args(True), gemma, False) is False
-    assert preflight._compile_reason(args(True), gemma, False).startswith("off beside Liger: Liger's Gemma 4 patch")
+    assert family_kernels.compiled(args(False), gemma, False) is (family == "gemma4")  # NaN on the MoE's GPU run
+    assert family_kernels.compiled(args(True), gemma, False) is False
+    assert family_kernels.compile_reason(args(True), gemma, False).startswith(
+        "off beside Liger: Liger's Gemma 4 patch"
+    )
     with pytest.raises(ConfigError, match=r"use_liger_kernel: true with compile_decoder_layers: true on gemma4_text: "
                                           r"Liger's Gemma 4 patch .* Set compile_decoder_layers: false"):  # fmt: skip
-        preflight._compiled(args(True, compiled=True), gemma, False)
-    assert preflight._compiled(args(True, compiled=False), gemma, False) is False
-    assert preflight._compiled(args(True), llama, True)
-    assert preflight._compiled(args(True, compiled=True), llama, False)
+        family_kernels.compiled(args(True, compiled=True), gemma, False)
+    assert family_kernels.compiled(args(True, compiled=False), gemma, False) is False
+    assert family_kernels.compiled(args(True), llama, True)
+    assert family_kernels.compiled(args(True, compiled=True), llama, False)

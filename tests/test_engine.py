@@ -166,7 +166,7 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
                                              "--plan_gpu_memory_gib", "139.8", *extra])  # fmt: skip
         assert "engine" in args.auto_settings and args.engine == "deepspeed"  # DeepSpeed's until the plan decides
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+        with caplog.at_level(logging.INFO, logger="sft.plan"):
             plan = pre.preflight(args, model_args, resume)
         return plan, caplog.text
 
@@ -226,7 +226,7 @@ def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(t
                                              "--plan_gpu_memory_gib", "79.18", "--bf16", "true", "--dtype",
                                              "bfloat16", *extra])  # fmt: skip
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+        with caplog.at_level(logging.INFO, logger="sft.plan"):
             plan = pre.preflight(args, model_args, resume)
         return plan, caplog.text
 

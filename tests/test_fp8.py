@@ -52,7 +52,7 @@ def test_config_fields(tmp_path):
 def test_preflight_without_fp8_gpu_turns_auto_off_and_true_is_refused(tmp_path, caplog, monkeypatch):
     monkeypatch.delenv(fp8.CPU_ENV, raising=False)
     _, _, args, model_args = demo_args(tmp_path)
-    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
         resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is False and resolved.compile_decoder_layers is False
     assert resolved.pad_to_multiple_of is None
@@ -199,7 +199,7 @@ def test_auto_on_an_fp8_gpu_follows_the_measurements(monkeypatch):
 def test_fp8_under_zero3_is_compiled_and_says_it_measured_slower(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(fp8.CPU_ENV, "1")
     _, _, args, model_args = demo_args(tmp_path, "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero3.json"))
-    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
         resolved = preflight(args, model_args).training_args
     assert resolved.fp8 is True and resolved.compile_decoder_layers is True
     assert fp8.ZERO3_SLOWER in caplog.text and "0.875x" in caplog.text

@@ -364,7 +364,7 @@ def test_optim_auto_takes_8_bit_adam_only_where_the_plan_finds_it_much_faster(tm
     auto = ("--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto")
     _, _, training_args, model_args = demo_args(tmp_path, *auto, "--plan_gpu_memory_gib", "0.04")
     assert "optim" in training_args.auto_settings and training_args.optim == "adamw_torch_fused"
-    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
         run = preflight(training_args, model_args)
     assert run.training_args.optim == "adamw_torch_8bit" and run.training_args.per_device_train_batch_size == 2
     assert "optim: auto -> adamw_torch_8bit (torchao's 8-bit AdamW)" in caplog.text
@@ -526,7 +526,7 @@ def test_zero3_run_hears_when_zero2_fits_with_the_measured_cost(tmp_path, caplog
     _, _, training_args, model_args = demo_args(
         tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "1"
     )
-    with caplog.at_level("WARNING", logger="sft.plan.preflight"):
+    with caplog.at_level("WARNING", logger="sft.plan"):
         preflight(training_args, model_args)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeRO-2 fits here")]
     assert (
@@ -799,16 +799,16 @@ def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_p
 @pytest.mark.parametrize("liger", ["auto", "on", "off"])
 def test_sft_plan_decides_liger_and_compiled_layers_as_sft_train_does(monkeypatch, liger):
     """For every family of the tiny models, `sft plan`'s Liger and compiled layers (`cli._kernels`, planning a GPU)
-    are `sft train`'s on a GPU (`preflight._liger_on`, `_compiled`) for the same asks, with FP8 off and on: one rule
-    each (`Architecture.liger_on`, `.compiled_on`). Gemma 4 with Liger asked for keeps its layers eager (the pair was
-    measured wrong), which `sft plan` had not known."""
+    are `sft train`'s on a GPU (`sft.plan.kernels.liger_on`, `compiled`) for the same asks, with FP8 off and on:
+    one rule each (`Architecture.liger_on`, `.compiled_on`). Gemma 4 with Liger asked for keeps its layers eager (the
+    pair was measured wrong), which `sft plan` had not known."""
     from types import SimpleNamespace
 
     from sft.model import architectures
-    from sft.plan import preflight
+    from sft.plan import kernels as family_kernels
     from tests.tiny_models import FAMILIES, config_of
 
-    monkeypatch.setattr(preflight, "_on_gpu", lambda: True)
+    monkeypatch.setattr(family_kernels, "on_gpu", lambda: True)
     auto = {"compile_decoder_layers"} | ({"use_liger_kernel"} if liger == "auto" else set())
     for name in FAMILIES:
         config = config_of(name)
@@ -819,7 +819,7 @@ def test_sft_plan_decides_liger_and_compiled_layers_as_sft_train_does(monkeypatc
                                                              "--fp8", "on" if fp8_on else "off"])  # fmt: skip
             planned = plan_cli._kernels(flags, config, shape)[:3]
             args = SimpleNamespace(auto_settings=auto, use_liger_kernel=liger != "off", compile_decoder_layers=False)
-            trained = (preflight._liger_on(args, arch), fp8_on, preflight._compiled(args, arch, fp8_on))
+            trained = (family_kernels.liger_on(args, arch), fp8_on, family_kernels.compiled(args, arch, fp8_on))
             assert planned == trained, (name, fp8_on)
     gemma4 = architectures.of(config_of("gemma4"))
     assert gemma4.compiled_on(False, True, liger_on=True, fp8_on=False, on_gpu=True) is False
@@ -829,14 +829,14 @@ def test_sft_plan_decides_liger_and_compiled_layers_as_sft_train_does(monkeypatc
 @pytest.mark.parametrize("zero,lora", [("2", 0), ("3", 0), ("2", 8)])
 def test_sft_plan_decides_fp8_auto_as_sft_train_does_on_an_fp8_card(monkeypatch, zero, lora):
     """`--fp8 auto` in `sft plan` (planning a card with FP8 tensor cores) is `sft train`'s `fp8: auto` on such a card
-    (`preflight._fp8_decision`, this machine's GPU made an H100) for every tiny family and the same widths made 2,048
-    wide (FP8's `auto` needs >= 2,048): one rule, `preflight.fp8_auto`; Llama's FP8 on at 2,048 wide under ZeRO-2
-    without LoRA (the check can fail), off under ZeRO-3's hooks and with LoRA."""
+    (`sft.plan.kernels.fp8_decision`, this machine's GPU made an H100) for every tiny family and the same widths made
+    2,048 wide (FP8's `auto` needs >= 2,048): one rule, `sft.plan.kernels.fp8_auto`; Llama's FP8 on at 2,048 wide under
+    ZeRO-2 without LoRA (the check can fail), off under ZeRO-3's hooks and with LoRA."""
     from types import SimpleNamespace
 
     from sft.core.engine import Sharding
     from sft.model import architectures, fp8
-    from sft.plan import preflight
+    from sft.plan import kernels as family_kernels
     from tests.tiny_models import FAMILIES, config_of
 
     monkeypatch.setattr(fp8, "fp8_gpu", lambda: "NVIDIA H100 80GB HBM3")
@@ -850,7 +850,7 @@ def test_sft_plan_decides_fp8_auto_as_sft_train_does_on_an_fp8_card(monkeypatch,
                 config.get_text_config().hidden_size = hidden
             shape, arch = SimpleNamespace(hidden=config.get_text_config().hidden_size), architectures.of(config)
             planned = plan_cli._kernels(flags, config, shape)[1]
-            trained = preflight._fp8_decision(training_args, SimpleNamespace(use_peft=bool(lora)), arch,
+            trained = family_kernels.fp8_decision(training_args, SimpleNamespace(use_peft=bool(lora)), arch,
                                               flags.engine, Sharding(int(zero))).on  # fmt: skip
             assert planned == trained, (name, hidden)
             seen[name, hidden] = planned

@@ -23,7 +23,7 @@ def _planned(tmp_path, caplog, *extra):
     _, _, training_args, model_args = parse_args(
         ["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "out"), *extra]
     )
-    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
         caplog.clear()
         return preflight(training_args, model_args).training_args, caplog.text
 

@@ -147,7 +147,7 @@ def test_auto_takes_the_speed_models_first_and_logs_why(tmp_path, caplog):
             "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto", "--global_batch_size",
             "32", "--plan_gpu_memory_gib", "0.15",
         ])  # fmt: skip
-        with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+        with caplog.at_level(logging.INFO, logger="sft.plan"):
             caplog.clear()
             run = preflight(args, model_args).training_args
         chosen[model.name] = (run.per_device_train_batch_size, run.activation_checkpointing, caplog.text)

@@ -67,11 +67,11 @@ def test_a_trained_encoder_is_planned_with_the_activations_it_leaves_out_said(tm
     counted; a frozen encoder's run says nothing of it."""
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.WARNING, logger="sft.plan"):
         planned(tmp_path, "--train_vision_tower", "true")
     assert "not yet its activations" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.WARNING, logger="sft.plan"):
         planned(tmp_path)
     assert "not yet its activations" not in caplog.text
 
@@ -121,7 +121,7 @@ def test_image_text_runs_take_fsdp2_when_asked_and_auto_weighs_it_against_zero3(
 
     assert planned(tmp_path, "--engine", "fsdp2", "--deepspeed", "none")[0].engine.name == "fsdp2"
     monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H200")
-    with caplog.at_level(logging.INFO, logger="sft.plan.preflight"):
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
         plan, _, _ = planned(tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "139.8")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: auto -> ")]
     assert len(said) == 1 and "FSDP2" in said[0] and "DeepSpeed ZeRO-3" in said[0] and "estimated" in said[0], said

@@ -19,6 +19,7 @@ from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape, shipped_note
+from sft.plan import kernels as family_kernels
 from sft.plan import memory as plan
 from sft.plan import speed
 from sft.plan.memory import (
@@ -191,21 +192,11 @@ def _add_kernel_and_search_flags(parser: argparse.ArgumentParser) -> None:
 
 def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:
     """(Liger, FP8, compiled layers, whether the speed model ranks) as the command line gives them, `auto` as `sft
-    train` decides them for the family on a GPU with FP8 tensor cores (`Architecture.liger_on`, `.compiled_on`,
-    `sft.plan.preflight.fp8_auto`)."""
-    from sft.model import architectures
-    from sft.plan.preflight import fp8_auto
-
+    train` decides them for the family on a GPU with FP8 tensor cores (`sft.plan.kernels.for_card`)."""
     arch = architectures.of(model_config)
-    liger = arch.liger_on(args.liger != "off", args.liger == "auto")
-    if args.fp8 == "auto":  # on a card with FP8 tensor cores and torchao, as planned for
-        hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks
-        gpu = args.gpu_name or "the planned GPU"
-        fp8_on = fp8_auto(arch, gpu, True, shape.hidden, bool(args.lora_r), hooks).on
-    else:
-        fp8_on = args.fp8 == "on"
-    compiled = arch.compiled_on(False, True, liger, fp8_on, on_gpu=True)
-    return liger, fp8_on, compiled, arch.kernel("speed").on
+    hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks
+    chosen = family_kernels.for_card(arch, args.liger, args.fp8, hooks, args.gpu_name, shape.hidden, bool(args.lora_r))
+    return (*chosen, arch.kernel("speed").on)
 
 
 def _card(args) -> speed.Card:
@@ -215,25 +206,12 @@ def _card(args) -> speed.Card:
 
 
 def _bases(args, setting: Setting) -> list[Setting]:
-    """The kernel settings ranked, as `sft train` ranks them (`sft.plan.preflight.kernel_bases`, on a GPU: `auto`
+    """The kernel settings ranked, as `sft train` ranks them (`sft.plan.kernels.kernel_bases`, on a GPU: `auto`
     Liger can run there)."""
     if not args.by_speed:
         return [setting]
-    from sft.model import architectures
-    from sft.plan.preflight import kernel_bases
-
     arch = architectures.of(load_config(args.model))
-    return kernel_bases(arch, setting, args.fp8 == "auto", True, args.liger == "auto", on_gpu=True)
-
-
-def _candidate_kernels(args):
-    """A candidate's kernel flags as `sft train` sets them: attention outputs kept run eager, in bf16 where FP8 was
-    `auto` (`sft.plan.preflight._keep_attention_eager`)."""
-
-    def kernels(setting: Setting) -> Setting:
-        return setting.attention_kept_eager(fp8_auto=args.fp8 == "auto")
-
-    return kernels
+    return family_kernels.kernel_bases(arch, setting, args.fp8 == "auto", True, args.liger == "auto", on_gpu=True)
 
 
 def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
@@ -343,9 +321,11 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         micros = plan.MICRO_BATCHES
         if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
             micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
+        # a candidate's kernel flags as `sft train` sets them (compiled layers `auto` on the card planned for)
+        kernels = functools.partial(family_kernels.kept_eager, compile_auto=True, fp8_auto=args.fp8 == "auto")
         rank = functools.partial(ranked_bases, shape, gpu_memory=memory, headroom=args.headroom, micro_batches=micros,
                                  same_stage=args.same_stage, sp_choices=sp_choices, host_memory=host,
-                                 target=args.global_batch, card=card, kernels=_candidate_kernels(args),
+                                 target=args.global_batch, card=card, kernels=kernels,
                                  by_speed=args.by_speed)  # fmt: skip
         fits_ranked = rank(_bases(args, setting))
         if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
