@@ -248,7 +248,7 @@ class Setting:
     def attention_kept_eager(self, fp8_auto: bool = True) -> Setting:
         """As a run sets it with attention outputs kept: layers not compiled (the selection of what to keep does not
         reach inside a compiled layer), and FP8 off with them where `fp8_auto` (float8 is fast only compiled;
-        `sft.plan.preflight._keep_attention_eager`)."""
+        `sft.plan.kernels.keep_attention_eager`)."""
         if not (self.keep_attention and self.compiled):
             return self
         return dataclasses.replace(self, compiled=False, fp8=self.fp8 and not fp8_auto)
