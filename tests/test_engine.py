@@ -157,6 +157,7 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
 
     from sft.core.run import Resume
     from sft.plan import preflight as pre
+    from sft.plan import search
     from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
@@ -173,7 +174,7 @@ def test_engine_auto_takes_fsdp2_for_zero3_where_estimated_faster_and_deepspeed_
     zero3 = ("--deepspeed", "ds_configs/zero3.json")
     plan, log = planned(*zero3)
     assert plan.engine.name == "deepspeed" and "engine: auto -> deepspeed (no GPU: the engines' speeds" in log
-    monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(search, "gpu_name", lambda: "NVIDIA H200")
     plan, log = planned(*zero3)
     assert plan.engine.name == "fsdp2" and plan.training_args.deepspeed is None
     assert plan.training_args.fsdp_config["version"] == 2
@@ -217,6 +218,7 @@ def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(t
 
     from sft.core.run import Resume
     from sft.plan import preflight as pre
+    from sft.plan import search
     from sft.plan.arguments import parse_args
     from tests.conftest import ROOT
 
@@ -237,7 +239,7 @@ def test_engine_auto_runs_one_process_without_an_engine_where_estimated_faster(t
     (checkpoint / "optimizer.pt").write_bytes(b"")
     plan, log = planned(resume=Resume(str(checkpoint), 1, 2, 1, 2))
     assert plan.training_args.deepspeed is None and "was written by one process without an engine" in log
-    monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(search, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
     plan, log = planned()
     assert plan.training_args.deepspeed is None and plan.engine.sharding.stage is None
     assert "engine: auto -> none (one process: nothing to shard" in log and "against DeepSpeed ZeRO-2: " in log

@@ -778,7 +778,7 @@ def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_p
     training arguments and `sft plan`'s flags for the same run give equal settings; a lever changed on one side only
     makes them differ (the comparison can fail)."""
     from sft.plan import cli
-    from sft.plan.preflight import base_setting
+    from sft.plan.search import base_setting
 
     recipe = ["--from_scratch", "false", "--per_device_train_batch_size", "3", "--max_length", "512",
               "--activation_checkpointing", "true",

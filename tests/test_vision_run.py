@@ -117,10 +117,10 @@ def test_image_text_runs_take_fsdp2_when_asked_and_auto_weighs_it_against_zero3(
     on GPUs: benchmarks/results/vlm_engines), saying both estimates."""
     import logging
 
-    from sft.plan import preflight as pre
+    from sft.plan import search
 
     assert planned(tmp_path, "--engine", "fsdp2", "--deepspeed", "none")[0].engine.name == "fsdp2"
-    monkeypatch.setattr(pre, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(search, "gpu_name", lambda: "NVIDIA H200")
     with caplog.at_level(logging.INFO, logger="sft.plan"):
         plan, _, _ = planned(tmp_path, "--deepspeed", "ds_configs/zero3.json", "--plan_gpu_memory_gib", "139.8")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: auto -> ")]

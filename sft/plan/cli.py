@@ -289,7 +289,7 @@ def _optimizer_states(rank, bases: list[Setting], fp32: list) -> list:
 def _without_engine(args, rank, setting: Setting, fits: list) -> list:
     """One GPU, bf16 weights, full fine-tuning, `--optim auto`: the settings without DeepSpeed (torchao's 8-bit AdamW
     with stochastic rounding) where their fastest is estimated faster than `fits`' or nothing else fits, said in a
-    line, as `sft train`'s `engine: auto` decides (`sft.plan.preflight._without_engine`); else `fits`."""
+    line, as `sft train`'s `engine: auto` decides (`sft.plan.search._without_engine`); else `fits`."""
     cut = (args.gpus != 1, not setting.sharding.engine, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
            not args.by_speed, args.offload != "none", engines.spec(args.engine).unsharded is None)  # fmt: skip
     if any(cut):

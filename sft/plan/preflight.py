@@ -23,45 +23,23 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
 from sft import engines
-from sft.core.batch import BatchPlan, keep_global_batch, micro_batches_for, plan_batch
+from sft.core.batch import BatchPlan, keep_global_batch, plan_batch
 from sft.core.dims import ParallelDims
-from sft.core.engine import Sharding
 from sft.core.retry import Retry
 from sft.core.run import Check, MemoryDecision, Resume, RunPlan
 from sft.errors import ConfigError
-from sft.model import architectures, fp8, quantization, shapes
+from sft.model import architectures, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
 from sft.plan import kernels as family_kernels
 from sft.plan import memory as memplan
-from sft.plan import speed
-
-# The training arguments of the plan's memory levers: {argument: `sft.plan.memory.Tools` field} (ZeRO's offload levers
-# are the engine's, `Engine.offload_auto`)
-TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints": "offload", "tiled_mlp": "tiled_mlp",
-               "keep_attention_outputs": "keep_attention"}  # fmt: skip
+from sft.plan import search
 
 logger = logging.getLogger(__name__)
-
-
-def base_setting(
-    training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
-) -> memplan.Setting:
-    """The setting the training arguments ask for (`sft.plan.memory.setting_of`), with the kernels as decided where
-    given; compiled layers are set by the caller."""
-    fields = {k: getattr(training_args, k, getattr(model_args, k, None)) for k in memplan.SETTING_FIELDS}
-    fields.update(compile_decoder_layers=False, use_liger_kernel=training_args.use_liger_kernel if liger_on is None
-                  else liger_on, fp8=training_args.fp8 if fp8_on is None else fp8_on)  # fmt: skip
-    engine, dims = training_args.run_engine, training_args.parallel
-    return memplan.setting_of(fields, engine.sharding, engine.name, dims.world_size, dims.gpus_per_node, dims.sp,
-                              dims.ep)  # fmt: skip
 
 
 def preflight(training_args, model_args, resume: Resume | None = None, sources=None) -> RunPlan:
@@ -163,7 +141,9 @@ def _engine_step(d: Decided) -> Decided:
     args, model_args, arch = d.training_args, d.model_args, d.arch
     remote = bool(getattr(model_args, "trust_remote_code", False))
     if "engine" in args.auto_settings:
-        args = _choose_engine(args, model_args, arch, d.shape_of, d.target, d.micro_cap, d.resume, d.model_config)
+        args = search.choose_engine(
+            args, model_args, arch, d.shape_of, d.target, d.micro_cap, d.resume, d.model_config
+        )
     dims, engine = args.parallel, args.run_engine
     check_resume_engine(engine.name, d.resume)
     quantization.check(model_args, args, engine)  # quantized base weights against the engine decided
@@ -312,17 +292,6 @@ def _emit(d: Decided) -> RunPlan:
 # Image+text runs under FSDP2 train as under ZeRO-2 (the demo on the CPU, tests/multiproc/test_vision_runs.py, since
 # the head's unit holds the text model's norm: `sft.engines.fsdp2.head_with_the_decoders_norm`; on 2 x H200 their loss
 # curves agree within 0.7% over 10 steps) and were measured against ZeRO-3 on GPUs (benchmarks/results/vlm_engines)
-FSDP2_MEASURED = ("FSDP2's default measured 1.26-1.33x ZeRO-3's on Llama-3.1-8B widths, 2 and 4 x H200 "
-                  "(benchmarks/results/fsdp2_h200x4), and 1.59x on the Qwen2.5-VL-7B widths' image+text benchmark, "
-                  "2 x H200 planned for 80 GB (benchmarks/results/vlm_engines)")  # fmt: skip
-QLORA_MEASURED = ("QLoRA on the Llama-3.1-70B widths, 2 x H200 capped at 24 GiB: FSDP2 2.47x ZeRO-3's tokens/s at 4 "
-                  "layers, and 40 layers trained in 17.26 GiB where ZeRO-3 ran out of memory "
-                  "(benchmarks/results/qlora_70b_fsdp2)")  # fmt: skip
-
-
-def gpu_name() -> str | None:
-    """This machine's GPU (the speed model's card), None without one."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def check_resume_engine(engine: str, resume: Resume | None) -> None:
@@ -425,203 +394,12 @@ def _vision_changes(training_args, model_config, sp: int, changes: dict):
                        train_tower=bool(training_args.train_vision_tower), packing=packing)  # fmt: skip
 
 
-def _choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, resume: Resume | None,
-                   model_config=None):  # fmt: skip
-    """`engine: auto`: on one process, no engine where that is estimated fastest (`_without_engine`); an engine
-    declared to stand in for the config's layout (`Traits.in_place_of`: FSDP2 in place of DeepSpeed's ZeRO-3) where
-    the speed model estimates its fastest setting that fits faster (each with its own kernels: FP8 under FSDP2, 8-bit
-    Adam under DeepSpeed where `optim: auto` takes it), else the registry's first engine (DeepSpeed); a resume keeps
-    its checkpoint's engine. Only for what both engines can run and what was measured: full fine-tuning on a GPU, no
-    offload, sequence or expert parallelism. The choice and its reason are logged; the training arguments are emitted
-    for the chosen engine (the `auto` fields kept `auto`). QLoRA under ZeRO-3 goes to FSDP2 by its measurement
-    (`QLORA_MEASURED`), not the speed model's estimate."""
-    sharding, dims = training_args.run_engine.sharding, training_args.parallel
-    current = engines.spec(training_args.engine)
-
-    def keep(reason: str):
-        logger.info("engine: auto -> %s (%s)", current.name, reason)
-        return training_args
-
-    if resume is None and model_config is not None:
-        alone = _without_engine(training_args, model_args, model_config, arch, shape_of, target, micro_cap)
-        if alone is not None:
-            return alone
-    if resume is not None:
-        return _resumed_engine(training_args, resume, current, keep)
-    rival = next((s for s in engines.SPECS.values() if s.traits.in_place_of is not None and s is not current), None)
-    if rival is None:
-        return keep("no other engine is registered to stand in for it")
-    reason = _engine_excluded(training_args, model_args, sharding, dims, current, rival)
-    if reason:
-        return keep(reason)
-    if model_args.use_peft and model_args.load_in_4bit:
-        logger.info("engine: auto -> %s (QLoRA: PyTorch's FSDP2 in place of ZeRO-3; %s; `engine: deepspeed` keeps "
-                    "DeepSpeed)", rival.name, QLORA_MEASURED)  # fmt: skip
-        return training_args.with_values(**rival.selected)
-    reason = next((why for cut, why in (
-        (not arch.kernel("speed").on, f"the speed model does not rank {arch.family}"),
-        (not training_args.max_length, "no max_length to plan for"),
-    ) if cut), None)  # fmt: skip
-    if reason:
-        return keep(reason)
-    limits, best = _memory_limits(training_args), {}
-    names = {current.name: f"{current.traits.label} ZeRO-{sharding.stage}", rival.name: rival.traits.label}
-    for name in names:
-        bases = _engine_bases(training_args, model_args, arch, target, name)
-        fits = _fits_with_optim(training_args, shape_of(), bases, target, micro_cap, limits)
-        best[name] = fits[0] if fits else None
-    if best[rival.name] is None or (best[current.name] and best[current.name].time.tokens_per_second
-                                    >= best[rival.name].time.tokens_per_second):  # fmt: skip
-        return keep(f"ZeRO-{sharding.stage}'s fastest setting that fits estimated as fast or faster: "
-                    + _against(best, names))  # fmt: skip
-    logger.info("engine: auto -> %s (PyTorch's FSDP2 in place of ZeRO-3: %s; %s; `engine: deepspeed` keeps "
-                "DeepSpeed)", rival.name, _against(best, names, first=rival.name), FSDP2_MEASURED)  # fmt: skip
-    return training_args.with_values(**rival.selected)
-
-
-def _resumed_engine(training_args, resume: Resume, current, keep):
-    """`engine: auto` on a resume: the engine that wrote the checkpoint (`sft.engines.written_by`); one process's
-    checkpoint without an engine's state (transformers' `optimizer.pt`) resumed without one."""
-    written, dims = engines.written_by(resume.checkpoint), training_args.parallel
-    alone = written is None and (Path(resume.checkpoint) / "optimizer.pt").is_file()  # transformers' own save
-    if alone and resume.world_size == dims.world_size == 1 and training_args.run_engine.on and current.unsharded:
-        logger.info("engine: auto -> none (%s was written by one process without an engine)", resume.checkpoint)
-        return training_args.with_values(**current.unsharded)
-    if written is None or written is current:
-        by = written.traits.label if written else "processes without a sharding engine"
-        return keep(f"{resume.checkpoint} was written by {by}")
-    logger.info("engine: auto -> %s (%s was written by %s)", written.name, resume.checkpoint, written.traits.label)
-    return training_args.with_values(**written.selected)
-
-
-def _engine_excluded(training_args, model_args, sharding, dims, current, rival) -> str | None:
-    """Why `engine: auto` does not weigh `rival` against the config's engine here, else None."""
-    stage = sharding.label if sharding.engine else "no ZeRO"
-    label, theirs = current.traits.label, rival.traits
-    excluded = (
-        (sharding.stage != theirs.in_place_of,
-         f"{stage}: {theirs.label} is chosen only in place of ZeRO-{theirs.in_place_of}, where the states are "
-         "sharded"),
-        ((sharding.offload_optimizer or sharding.offload_params) and not theirs.offload,
-         f"offloading to the CPU or NVMe is {label}'s here"),
-        ((dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings) and not theirs.sequence_parallel,
-         f"sequence parallelism is {label}'s (Ulysses)"),
-        (dims.ep > 1 and not theirs.expert_parallel, f"expert parallelism is {label}'s (AutoEP)"),
-        (model_args.use_peft and not model_args.load_in_4bit, f"LoRA on 16-bit weights under {theirs.label} is not "
-         "measured on GPUs"),
-        (gpu_name() is None, "no GPU: the engines' speeds were measured on GPUs"),
-    )  # fmt: skip
-    return next((why for cut, why in excluded if cut), None)
-
-
-# `engine: auto` without an engine on one process: what it was measured on (benchmarks/results/family_speed_h100)
-ALONE_MEASURED = ("measured without DeepSpeed on one GPU at 43.5-59.7% MFU: Qwen3-4B widths 17,102 tokens/s on an "
-                  "H100 (16,072 under ZeRO-2 on another); Qwen3-8B, Mistral-7B, Llama-3.1-8B and the Qwen2.5-VL "
-                  "benchmark on an H200 planned for 80 GB, where ZeRO-2 fits none of the 7-8B ones; its loss curve "
-                  "0.9% from fp32 master weights' on the 1B widths")  # fmt: skip
-
-
 def _auto_line(training_args, changes: dict, engine) -> str:
     """The `auto` fields as the plan set them (`engine = none` where the engine is off: DeepSpeed without a config)."""
     shown = {k: changes.get(k, getattr(training_args, k)) for k in training_args.auto_settings}
     if "engine" in shown and not engine.on:
         shown["engine"] = "none"
     return ", ".join(f"{k} = {_shown(v)}" for k, v in sorted(shown.items()))
-
-
-def _without_engine(training_args, model_args, model_config, arch, shape_of, target, micro_cap):
-    """`engine: auto` on one process: the training arguments without DeepSpeed (bf16 weights stepped in place by
-    torchao's 8-bit AdamW with stochastic rounding: `_precision`) where the speed model estimates that run's fastest
-    setting that fits faster than the DeepSpeed config's (or nothing fits with DeepSpeed); None to keep the engine.
-    Only where that path is what `_precision` takes (bf16 weights, `optim: auto`, torchao) and what was measured: full
-    fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
-    sharding, dims = training_args.run_engine.sharding, training_args.parallel
-    current = engines.spec(training_args.engine)
-    cut = (dims.world_size > 1, not training_args.run_engine.on, current.unsharded is None,
-           sharding.offload_optimizer or sharding.offload_params,
-           dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings, dims.ep > 1, model_args.use_peft,
-           gpu_name() is None, not arch.kernel("speed").on, not training_args.max_length,
-           not _stepped_with_rounding(training_args, model_args, model_config))  # fmt: skip
-    if any(cut):
-        return None
-    shape, limits = shape_of(), _memory_limits(training_args)
-    engine_bases = _engine_bases(training_args, model_args, arch, target, current.name, sharding.stage)
-    engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
-    bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, current.name, None))
-    alone = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
-
-    def said(fits) -> str:
-        if not fits:
-            return "nothing fits"
-        best, levers = fits[0], fits[0].estimate.setting.levers_and_micro()
-        return f"{best.time.tokens_per_second:,.0f} tokens/s/GPU estimated ({levers})"
-
-    if not alone or (engine and engine[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
-        logger.info("engine: auto keeps %s on one process (ZeRO-%s: %s; without an engine: %s)",
-                    current.traits.label, sharding.stage, said(engine), said(alone))  # fmt: skip
-        return None
-    logger.info("engine: auto -> none (one process: nothing to shard; bf16 weights stepped in place by torchao's "
-                "8-bit AdamW with stochastic rounding, no fp32 master copy: %s, against DeepSpeed ZeRO-%s: %s; %s; "
-                "`engine: deepspeed` keeps DeepSpeed)", said(alone), sharding.stage, said(engine),
-                ALONE_MEASURED)  # fmt: skip
-    return training_args.with_values(**current.unsharded)
-
-
-def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> list:
-    """The settings of `bases` that fit, fastest first, with the moments `optim: auto` would take: 8-bit where they
-    win (`sft.plan.memory.eight_bit_wins`; DeepSpeed's only), else the bases' own."""
-    fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
-    if "optim" not in training_args.auto_settings or not memplan.eight_bit_candidate(bases[0]):
-        return fits
-    eight = _ranked(training_args, shape, memplan.with_eight_bit_moments(bases), target, micro_cap, limits)[0]
-    return eight if memplan.eight_bit_wins(fits, eight) else fits
-
-
-def _against(best: dict, names: dict, first: str | None = None) -> str:
-    """Both engines' estimates ({name: fastest fit}), `first`'s first (else `names`' order)."""
-
-    def said(name: str) -> str:
-        fit = best[name]
-        if fit is None:
-            return f"{names[name]}: nothing fits"
-        speed_ = f"{fit.time.tokens_per_second:,.0f}"
-        return f"{names[name]} {speed_} tokens/s/GPU estimated ({fit.estimate.setting.levers_and_micro()})"
-
-    first = first or next(iter(names))
-    return ", against ".join(said(n) for n in (first, *(n for n in names if n != first)))
-
-
-def _engine_bases(
-    training_args, model_args, arch, target, engine: str, stage: int | None = 3
-) -> list[memplan.Setting]:
-    """The settings `_plan_memory` would rank for this run under the engine called `engine` (in its own layout of ZeRO
-    `stage`; None: no engine): its kernels as `family_kernels.decide` decides them (without logging), bf16 beside
-    FP8 where `fp8: auto` turned it on."""
-    fp8_on = family_kernels.fp8_decision(training_args, model_args, arch, engine, Sharding(stage)).on
-    compiled = family_kernels.compiled(training_args, arch, fp8_on)
-    liger = family_kernels.liger_on(training_args, arch)
-    base = dataclasses.replace(base_setting(training_args, model_args, fp8_on, liger), compiled=bool(compiled),
-                               engine=engine)  # fmt: skip
-    return family_kernels.run_bases(training_args, arch, _with_accumulation(training_args, base, target))
-
-
-def _memory_limits(training_args) -> tuple[float | None, float, float | None]:
-    """(the GPU memory planned for: `plan_gpu_memory_gib`, `max_gpu_memory_gib` or the GPU's; None without any, the
-    headroom, the host's memory)."""
-    planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
-    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
-    return memory, training_args.plan_headroom, memplan.detected_host_memory()
-
-
-def _with_accumulation(training_args, base: memplan.Setting, target: int | None) -> memplan.Setting:
-    """`base` with the accumulation the global-batch target gives: above 1 wherever a micro batch is below
-    target / dp (the micro batch `auto`: 2, the plan then sets it per candidate)."""
-    if not target:
-        return base
-    dp, micro = training_args.parallel.dp, training_args.per_device_train_batch_size
-    fixed = "per_device_train_batch_size" not in training_args.auto_settings
-    accumulation = target // (dp * micro) if fixed else (2 if target > dp else 1)
-    return dataclasses.replace(base, accumulation=max(accumulation, 1))
 
 
 def _shown(value):
@@ -664,7 +442,7 @@ def _lever_changes(training_args, micro: int, tools: memplan.Tools, batch: Batch
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
-    for key, lever in TOOL_FIELDS.items():
+    for key, lever in search.TOOL_FIELDS.items():
         value = getattr(tools, lever)
         if value != getattr(training_args, key) or key in auto:
             changes[key] = value
@@ -742,29 +520,6 @@ def _plan_batch(training_args, micro: int, resume: Resume | None, dp: int, retry
     return batch
 
 
-def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
-    """The plan's memory levels with every lever that is not `auto` held at its given value (in the plan's order):
-    the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
-    auto = training_args.auto_settings
-    given = _given_levers(training_args)
-    optimizer, params = training_args.run_engine.offload_auto()
-    free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
-    free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
-    levels = []
-    for level in memplan.levels():
-        fixed = memplan.Tools(**{f: getattr(level if f in free else given, f) for f in memplan.Tools._fields})
-        if fixed not in levels and fixed.valid:
-            levels.append(fixed)
-    return tuple(levels)
-
-
-def _given_levers(training_args) -> memplan.Tools:
-    """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
-    zero = training_args.run_engine.sharding
-    fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
-    return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
-
-
 def _plan_memory(
     training_args,
     model_args,
@@ -788,10 +543,10 @@ def _plan_memory(
     resumed_optim = optimizer.get("optim", resume.optim if resume is not None and "optim" in auto else None)
     unplanned = {"optim": resumed_optim, **optimizer}  # what the optimizer is where the memory plan does not run
     micro = training_args.per_device_train_batch_size
-    tools = _given_levers(training_args)
+    tools = search.given_levers(training_args)
     ratio = training_args.run_engine.sharding.offload_ratio
     sp = training_args.sequence_parallel_size
-    memory, headroom, host = _memory_limits(training_args)
+    memory, headroom, host = search.memory_limits(training_args)
     if memory is None:
         if auto:
             logger.info(
@@ -808,11 +563,11 @@ def _plan_memory(
         logger.warning("No max_length: the memory plan cannot size activations and is skipped.")
         return micro, tools, sp, "The memory plan was skipped (no max_length).", ratio, None, unplanned, None
     shape = shape_of()
-    base = _planned_base(training_args, model_args, kernels, master, resumed_optim, target)
+    base = search.planned_base(training_args, model_args, kernels, master, resumed_optim, target)
     bf16, optim, liger = None, resumed_optim, None
     if auto:
         limits = (memory, headroom, host)
-        chosen = _auto_setting(training_args, shape, arch, base, target, micro_cap, limits, resumed_optim)
+        chosen = search.auto_setting(training_args, shape, arch, base, target, micro_cap, limits, resumed_optim)
         micro, tools, sp, ratio = chosen.micro_batch, chosen.tools, chosen.sp, chosen.offload_ratio
         if chosen.moment_bytes != base.moment_bytes:  # `optim: auto` chose 8-bit moments
             base, optim = dataclasses.replace(base, moment_bytes=chosen.moment_bytes), memplan.EIGHT_BIT_OPTIM
@@ -823,35 +578,6 @@ def _plan_memory(
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))
     return micro, tools, sp, sentence, ratio, bf16, {"optim": optim, **optimizer}, liger
-
-
-def _planned_base(training_args, model_args, kernels: dict, master: bool, resumed_optim, target):
-    """The setting the plan starts from: the run's fields, its kernels, the resumed optimizer's moments, bf16 weights
-    stepped in place where no master copy is kept, the accumulation for the target global batch."""
-    base = dataclasses.replace(base_setting(training_args, model_args, kernels["FP8"].on, kernels["Liger"].on),
-                               compiled=kernels["compiled layers"].on)  # fmt: skip
-    if resumed_optim:
-        base = dataclasses.replace(base, moment_bytes=memplan.moment_bytes_of(resumed_optim))
-    if not master:
-        base = base.stepped_in_place()
-    return _with_accumulation(training_args, base, target)
-
-
-def _auto_setting(training_args, shape, arch, base, target, micro_cap, limits, resumed_optim):
-    """The setting the `auto` fields take: the kernel bases of the family (where its speed model is on; else the
-    largest micro batch with the fewest levers), with 8-bit moments as candidates where `optim: auto` may take them,
-    ranked by `_choose`."""
-    bases = [base]
-    by_speed = arch.kernel("speed")
-    if not by_speed.on:
-        logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
-                    by_speed.reason)  # fmt: skip
-    else:
-        bases = family_kernels.run_bases(training_args, arch, base)
-    auto = training_args.auto_settings
-    if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
-        bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
-    return _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
 
 
 # bf16 weights without an engine that keeps an fp32 master copy: torchao's 8-bit AdamW with stochastic rounding
@@ -868,9 +594,9 @@ def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
     engine = training_args.run_engine
     if engine.on or model_args.use_peft:
         return True, {}
-    if not _bf16_weights(model_args, model_config):
+    if not search.bf16_weights(model_args, model_config):
         return True, {}
-    if _stepped_with_rounding(training_args, model_args, model_config):
+    if search.stepped_with_rounding(training_args, model_args, model_config):
         logger.info("Precision: bf16 weights without an fp32 master copy (no sharding engine): optim: auto -> %s with "
                     "%s (torchao: each update rounded up or down in proportion, so updates under half a bf16 ulp are "
                     "not lost; 6 bytes a weight with its 8-bit moments)", memplan.EIGHT_BIT_OPTIM,
@@ -881,94 +607,6 @@ def _precision(training_args, model_args, model_config) -> tuple[bool, dict]:
                        "update under half a bf16 ulp is rounded away. Set optim: auto (8-bit AdamW with stochastic "
                        "rounding), dtype: float32, or a DeepSpeed config.", _shown(training_args.optim))  # fmt: skip
     return False, {}
-
-
-def _bf16_weights(model_args, model_config) -> bool:
-    """Whether the model's weights are bf16 (`dtype`, or with `auto` the checkpoint's own)."""
-    weights = str(model_args.dtype or "auto")
-    if weights == "auto":
-        weights = str(getattr(model_config, "dtype", None) or "")
-    return "bfloat16" in weights
-
-
-def _stepped_with_rounding(training_args, model_args, model_config) -> bool:
-    """Whether bf16 weights without an engine would be stepped by torchao's 8-bit AdamW with stochastic rounding
-    (`optim: auto`, torchao installed)."""
-    return (_bf16_weights(model_args, model_config) and "optim" in training_args.auto_settings
-            and fp8.torchao_installed())  # fmt: skip
-
-
-def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
-    """`optim: auto`: `bases` with 8-bit Adam moments where their fastest fitting setting beats fp32 moments' by
-    `EIGHT_BIT_GAIN` (then `optim` is set to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
-    eight = memplan.with_eight_bit_moments(bases)
-    fp32_fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
-    eight_fits = _ranked(training_args, shape, eight, target, micro_cap, limits)[0]
-    if not memplan.eight_bit_wins(fp32_fits, eight_fits):
-        return bases
-    fast = eight_fits[0].time.tokens_per_second
-    slow = fp32_fits[0].time.tokens_per_second if fp32_fits else 0.0
-    against = (f"{fp32_fits[0].estimate.setting.levers_and_micro()} at {slow:,.0f} tokens/s with fp32 moments"
-               if fp32_fits else "nothing fitting with fp32 moments")  # fmt: skip
-    logger.info("optim: auto -> %s (torchao's 8-bit AdamW): the fastest setting that fits with 8-bit Adam moments, "
-                "%s, estimates %s tokens/s per GPU against %s (its loss curve measured equal to fp32 Adam's)",
-                memplan.EIGHT_BIT_OPTIM, eight_fits[0].estimate.setting.levers_and_micro(), f"{fast:,.0f}",
-                against)  # fmt: skip
-    return eight
-
-
-def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
-    """The `auto` settings as the memory plan and the speed model choose them: the fastest that fits (`_ranked`), the
-    ranking logged; nothing fitting, the most frugal setting (reported by `_check_plan`)."""
-    fits, card, frugal = _ranked(training_args, shape, bases, target, micro_cap, limits, by_speed)
-    if not fits:
-        return frugal
-    if by_speed:
-        _log_ranking(fits, card)
-    return fits[0].estimate.setting
-
-
-def _ranked(
-    training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True
-) -> tuple[list, speed.Card, memplan.Setting]:
-    """(the settings that fit at the smallest sp that fits any (every step of sp costs all-to-all traffic): `bases`
-    (their kernels: FP8 or bf16) with the micro batches and levers that fit, fastest first (`sft.plan.memory.ranked`),
-    empty where nothing fits; the speed model's card; the most frugal setting, for when nothing fits)."""
-    memory, headroom, host = limits
-    auto = training_args.auto_settings
-    micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
-    world = training_args.parallel.world_size
-    sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
-    levels = _tool_levels(training_args)
-    micro_choices = (micro,)
-    card = speed.card(gpu_name())
-    kernels = functools.partial(family_kernels.candidate_kernels, training_args)
-    fits = []
-    for sp_choice in sp_choices:
-        if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
-            rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
-            rows = [m for m in rows if not micro_cap or m <= micro_cap]
-            micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-        fits = memplan.ranked_bases(shape, bases, memory, headroom, micro_choices, levels=levels,
-                                    sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
-                                    kernels=kernels, by_speed=by_speed)  # fmt: skip
-        if fits:
-            break
-    frugal = dataclasses.replace(bases[0].with_tools(levels[-1]), micro_batch=min(micro_choices), sp=max(sp_choices))
-    return fits, card, frugal
-
-
-def _log_ranking(fits: list, card, shown: int = 3) -> None:
-    """Why the chosen setting won: its estimate beside the next ones'."""
-    if len(fits) < 2:
-        return
-    lines = [
-        f"  {'chosen' if i == 0 else 'then':<6} {r.estimate.setting.levers_and_micro()}: {r.time.describe()}, peak "
-        f"{r.estimate.peak / memplan.GiB:.2f} GiB"
-        for i, r in enumerate(fits[:shown])
-    ]
-    logger.info("Speed model (%s; %s): %d settings fit, fastest first\n%s", card.name, card.source, len(fits),
-                "\n".join(lines))  # fmt: skip
 
 
 def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limits) -> str:
