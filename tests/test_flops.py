@@ -194,7 +194,7 @@ def test_compiled_layers_match_eager_on_a_packed_row(family):
     for the families whose layers it turns on, 50-110 s of compiling each)."""
     from sft.model.attention import VARLEN, register_varlen
     from sft.model.converters import compile_decoder_layers
-    from tests.tiny_models import config_of, packed_batch
+    from tests.tiny_models import config_of, eager_and_compiled, packed_batch
 
     register_varlen()
     config = config_of(family)
@@ -203,11 +203,7 @@ def test_compiled_layers_match_eager_on_a_packed_row(family):
     compiled.load_state_dict(eager.state_dict())
     compile_decoder_layers(compiled)
     batch = {k: v for k, v in packed_batch(config.vocab_size).items() if k != "seq_idx"}
-    outputs = [m(**batch) for m in (eager, compiled)]
-    for out in outputs:
-        out.loss.backward()
-    assert (outputs[0].logits - outputs[1].logits).abs().max() < 1e-5
-    grads = [{n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
-             for m in (eager, compiled)]  # fmt: skip
+    logits, grads = eager_and_compiled(eager, compiled, batch)
+    assert logits < 1e-5
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
     assert max(float((grads[0][n] - grads[1][n]).norm() / grads[0][n].norm()) for n in grads[0]) < 5e-5

@@ -198,6 +198,7 @@ def test_compiled_layers_keep_the_token_mixer_out_of_their_graph(family):
     logits and every gradient equal eager's (fp32, CPU; gradients within 1e-5 of the largest gradient's norm: the
     tiny-norm ones of a mixer's gate differ by rounding, 4e-11)."""
     from sft.model.converters import compile_decoder_layers
+    from tests.tiny_models import eager_and_compiled
 
     register_varlen()
     eager, compiled = (build(family) for _ in range(2))
@@ -208,12 +209,8 @@ def test_compiled_layers_keep_the_token_mixer_out_of_their_graph(family):
     compiled.load_state_dict(eager.state_dict())
     compile_decoder_layers(compiled)
     batch = {k: v for k, v in packed().items() if k != "seq_idx"}
-    outputs = [m(**batch) for m in (eager, compiled)]
-    for out in outputs:
-        out.loss.backward()
-    assert (outputs[0].logits - outputs[1].logits).abs().max() < 1e-5
-    grads = [{n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
-             for m in (eager, compiled)]  # fmt: skip
+    logits, grads = eager_and_compiled(eager, compiled, batch)
+    assert logits < 1e-5
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 40
     largest = max(float(g.norm()) for g in grads[0].values())
     assert max(float((grads[0][n] - grads[1][n]).norm()) for n in grads[0]) < 1e-5 * largest

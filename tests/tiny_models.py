@@ -58,6 +58,18 @@ def config_of(name: str):
     return AutoConfig.for_model(model_type, **{**BASE, **extra})
 
 
+def eager_and_compiled(eager, compiled, batch: dict) -> tuple[float, list[dict]]:
+    """One forward and backward of `batch` through each model (the same weights, `compiled`'s decoder layers
+    compiled): the largest logit difference, and each model's parameter gradients by name (compiled modules' prefix
+    removed)."""
+    outputs = [m(**batch) for m in (eager, compiled)]
+    for out in outputs:
+        out.loss.backward()
+    grads = [{n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
+             for m in (eager, compiled)]  # fmt: skip
+    return float((outputs[0].logits - outputs[1].logits).abs().max()), grads
+
+
 def packed_batch(vocab: int) -> dict:
     torch.manual_seed(1)
     rows = [{"input_ids": torch.randint(3, vocab, (n,)).tolist(), "seq_lengths": [n]} for n in LENGTHS]
