@@ -156,10 +156,10 @@ ALONE_MEASURED = ("measured without DeepSpeed on one GPU at 43.5-59.7% MFU: Qwen
 
 def _without_engine(training_args, model_args, model_config, arch, shape_of, target, micro_cap):
     """`engine: auto` on one process: the training arguments without DeepSpeed (bf16 weights stepped in place by
-    torchao's 8-bit AdamW with stochastic rounding: `_precision`) where the speed model estimates that run's fastest
-    setting that fits faster than the DeepSpeed config's (or nothing fits with DeepSpeed); None to keep the engine.
-    Only where that path is what `_precision` takes (bf16 weights, `optim: auto`, torchao) and what was measured: full
-    fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
+    torchao's 8-bit AdamW with stochastic rounding: `sft.plan.preflight._precision`) where the speed model estimates
+    that run's fastest setting that fits faster than the DeepSpeed config's (or nothing fits with DeepSpeed); None to
+    keep the engine. Only where that path is what `_precision` takes (bf16 weights, `optim: auto`, torchao) and what
+    was measured: full fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
     current = engines.spec(training_args.engine)
     cut = (dims.world_size > 1, not training_args.run_engine.on, current.unsharded is None,
@@ -219,9 +219,9 @@ def _against(best: dict, names: dict, first: str | None = None) -> str:
 def _engine_bases(
     training_args, model_args, arch, target, engine: str, stage: int | None = 3
 ) -> list[memplan.Setting]:
-    """The settings `_plan_memory` would rank for this run under the engine called `engine` (in its own layout of ZeRO
-    `stage`; None: no engine): its kernels as `family_kernels.decide` decides them (without logging), bf16 beside
-    FP8 where `fp8: auto` turned it on."""
+    """The settings `sft.plan.preflight._plan_memory` would rank for this run under the engine called `engine` (in
+    its own layout of ZeRO `stage`; None: no engine): its kernels as `sft.plan.kernels.decide` decides them (without
+    logging), bf16 beside FP8 where `fp8: auto` turned it on."""
     fp8_on = family_kernels.fp8_decision(training_args, model_args, arch, engine, Sharding(stage)).on
     compiled = family_kernels.compiled(training_args, arch, fp8_on)
     liger = family_kernels.liger_on(training_args, arch)
@@ -337,7 +337,7 @@ def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) ->
 
 def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
     """The `auto` settings as the memory plan and the speed model choose them: the fastest that fits (`_ranked`), the
-    ranking logged; nothing fitting, the most frugal setting (reported by `_check_plan`)."""
+    ranking logged; nothing fitting, the most frugal setting (reported by `sft.plan.preflight._check_plan`)."""
     fits, card, frugal = _ranked(training_args, shape, bases, target, micro_cap, limits, by_speed)
     if not fits:
         return frugal
