@@ -3,11 +3,12 @@
 `preflight` runs right after the configuration is parsed and the resume point is known, before data or model are
 loaded. It resolves `per_device_train_batch_size: auto` and the `auto` memory levers (`activation_checkpointing`,
 `keep_attention_outputs`, `offload_checkpoints`, `tiled_mlp`, and ZeRO's offload where the DeepSpeed config's device
-is `"auto"`) from `sft.plan.memory` (the largest micro batch that fits, each lever only if needed, in the plan's
-order), turns the global-batch target into `gradient_accumulation_steps` with `sft.core.batch` (on a resume the target
-is the checkpoint's global batch, kept on any number of processes), sets DeepSpeed to load a ZeRO checkpoint of another
-process count as a universal checkpoint, logs the plan, and refuses a run whose planned peak does not fit the GPU
-(unless `plan_check: false`). The training arguments are then rebuilt once, with every change.
+is `"auto"`) through the plan's search (`sft.plan.search`: the memory plan's fit and the speed model's ranking; the
+kernels from `sft.plan.kernels`), turns the global-batch target into `gradient_accumulation_steps` with
+`sft.core.batch` (on a resume the target is the checkpoint's global batch, kept on any number of processes), sets
+DeepSpeed to load a ZeRO checkpoint of another process count as a universal checkpoint, logs the plan, and refuses a
+run whose planned peak does not fit the GPU (unless `plan_check: false`). The training arguments are then rebuilt
+once, with every change.
 
 The decisions are `STEPS`, one declared order: the batch target, the model, the engine, the kernels, the memory plan,
 the attention backend, the parallel sizes (and an image+text run's packing), the packing check, the engine's
