@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -980,3 +981,34 @@ def test_a_memory_cap_at_the_cards_own_size_is_the_whole_card():
     assert plan.memory_fraction(79.179 / 2, h100) == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"`max_gpu_memory_gib: 80` is more than this GPU has \(79\.179 GiB\)"):
         plan.memory_fraction(80, h100)
+
+
+# (DeepSpeed config, GiB planned for, global batch, row length): `sft train`'s plan and `sft plan --suggest` on each
+SAME_PLAN_CASES = [("zero2", 0.15, 32, 512), ("zero2", 0.3, 32, 512), ("zero2", 0.08, 16, 512),
+                   ("zero3", 0.15, 32, 512), ("zero2", 0.15, 16, 1024)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zero", "memory", "batch", "length"), SAME_PLAN_CASES)
+def test_sft_plan_suggests_the_setting_sft_train_plans(tmp_path, capsys, caplog, zero, memory, batch, length):
+    """The demo model planned by `sft train` (`per_device_train_batch_size` and checkpointing `auto`, the plan at
+    `memory` GiB) and by `sft plan --suggest` with the same engine layout, memory, global batch and row length (Liger
+    and FP8 off on both sides: this CPU has neither; `--same-stage`: `sft train` keeps the configured ZeRO stage): the
+    same micro batch, accumulation and checkpointing, and the same speed estimate and peak (the figures each prints)
+    (issue #80's matrix, begun: one family, one GPU, ZeRO-2 and ZeRO-3)."""
+    _, _, args, model_args = demo_args(
+        tmp_path, "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto", "--deepspeed",
+        f"ds_configs/{zero}.json", "--plan_gpu_memory_gib", str(memory), "--global_batch_size", str(batch),
+        "--max_length", str(length),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
+        preflight(args, model_args)
+    chosen = next(r.getMessage() for r in caplog.records if "chosen micro batch" in r.getMessage())
+    said = r"chosen micro batch (\d+) x (\d+) accumulation, (.*?): ([\d,]+) tokens/s/GPU.*peak ([\d.]+) GiB"
+    trained = re.search(said, chosen)
+    plan_cli.main(["--model", str(ROOT / "recipes" / "demo" / "model"), "--gpus", "1", "--zero", zero[-1],
+                   "--seq-len", str(length), "--gpu-memory", str(memory), "--global-batch", str(batch), "--dtype",
+                   "float32", "--liger", "off", "--fp8", "off", "--same-stage", "--suggest"])  # fmt: skip
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |"))
+    planned = re.search(r"micro batch (\d+) x (\d+) accumulation, (.*?) \| ([\d,]+) \|.*\| ([\d.]+) \|$", first)
+    assert trained and planned, (chosen, first)
+    assert trained.groups() == planned.groups(), (chosen, first)
