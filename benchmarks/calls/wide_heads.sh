@@ -21,8 +21,8 @@
 #   compnan  benchmarks/calls/compile_nan.py: where Gemma 4 MoE's compiled layers turn non-finite ($LAYERS layers,
 #            per experts implementation in $EXPERTS)
 #   gputest  tests/test_gpu.py -k "$TESTS" (default `wide`: both kernels against fp32 one sample at a time)
-# With `.fla` carried as well (fla_hopper.sh's header), fla-core is on the path of every part.
 #   profile  benchmarks/wide_heads_profile.py: wide_varlen's kernels under torch.profiler (2 rows)
+# With `.fla` carried as well (fla_hopper.sh's header), fla-core is on the path of every part.
 # Result files go straight under $OUT; logs are tarred at the end.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -214,12 +214,6 @@ def resolve_fp8(training_args, model_args, engine, arch: architectures.Architect
     return decision
 
 
-def candidate_kernels(training_args, setting: memplan.Setting) -> memplan.Setting:
-    """A candidate's FP8 and compile flags as this run would set them (`kept_eager`)."""
-    auto = training_args.auto_settings
-    return kept_eager(setting, "compile_decoder_layers" in auto, "fp8" in auto)
-
-
 def kept_eager(setting: memplan.Setting, compile_auto: bool, fp8_auto: bool) -> memplan.Setting:
     """A candidate's FP8 and compile flags as a run sets them: with attention outputs kept, compiled layers (and FP8
     with them where `fp8_auto`) off where compiled layers are `auto` (`keep_attention_eager`)."""

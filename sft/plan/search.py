@@ -360,7 +360,9 @@ def _ranked(
     levels = _tool_levels(training_args)
     micro_choices = (micro,)
     card = speed.card(gpu_name())
-    kernels = functools.partial(family_kernels.candidate_kernels, training_args)
+    # a candidate's FP8 and compile flags as this run sets them
+    kernels = functools.partial(family_kernels.kept_eager, compile_auto="compile_decoder_layers" in auto,
+                                fp8_auto="fp8" in auto)  # fmt: skip
     fits = []
     for sp_choice in sp_choices:
         if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
