@@ -14,7 +14,8 @@
 #            Gemma 4 with =efficient
 #   runs     each of $RUNS through sft/train.py as `cli` runs them: `label=family[,field=value...]` (recipe fields
 #            over the defaults), e.g. RUNS="gemma4_fp8=gemma4,fp8=true llama_bf16=llama,fp8=false"; each within
-#            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26)
+#            $RUN_TIMEOUT s (220: Gemma 4 with fp8: true needed more, its first step 149 s of compiling, call 26) or
+#            what is left before $LIMIT s (570), whichever is less
 #   trl      the TRL baseline (benchmarks/architectures.py --cli --trl) of each of $TRL_FAMILIES (gemma4 llama), the
 #            families' runs otherwise as `cli` runs them
 #   stepprof benchmarks/profile_step.py: where $SHAPE's (gemma4) step goes under sft's one-GPU plan ($LAYERS layers)
@@ -36,6 +37,8 @@ python3 -c "import transformers, trl, deepspeed, datasets" || echo "the carried 
 work=/tmp/wide/$(date +%s); mkdir -p "$work"  # a new one per call: a warm machine keeps /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 late() { (( SECONDS > ${DEADLINE:-500} )) && { echo "[$1] not started: past the deadline"; return 0; }; return 1; }
+# a run's limit: $RUN_TIMEOUT, or what is left before $LIMIT s (the call's own limit less the tar), whichever is less
+left() { local rest=$(( ${LIMIT:-570} - SECONDS )); (( rest < $1 )) && echo "$rest" || echo "$1"; }
 cli=(python3 -m benchmarks.architectures --cli --layers "${LAYERS:-8}" --steps 8 --gpu-memory 79.18 --engine-auto)
 for part in "$@"; do
     late "$part" && continue
@@ -56,7 +59,7 @@ for part in "$@"; do
         for run in ${RUNS:-}; do
             label=${run%%=*} spec=${run#*=}; family=${spec%%,*} sets=()
             [[ $spec == *,* ]] && for kv in $(tr , ' ' <<< "${spec#*,}"); do sets+=("${kv%%=*}: ${kv#*=}"); done
-            late "$label" || timeout "${RUN_TIMEOUT:-220}" "${cli[@]}" --families "$family" --set "${sets[@]}" --out "$OUT/cli_$label" \
+            late "$label" || timeout "$(left "${RUN_TIMEOUT:-220}")" "${cli[@]}" --families "$family" --set "${sets[@]}" --out "$OUT/cli_$label" \
                 --work "$work/$label" > "$work/cli_$label.log" 2>&1
             grep -hE "^[a-z0-9_]+ \{" "$work/cli_$label.log" | cut -c1-300
         done ;;
