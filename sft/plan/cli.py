@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import sys
 from pathlib import Path
 
 from sft import engines
 from sft.core import flags, logs
-from sft.core.batch import micro_batches_for
 from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape, shipped_note
 from sft.plan import kernels as family_kernels
 from sft.plan import memory as plan
-from sft.plan import speed
+from sft.plan import search, speed
 from sft.plan.memory import (
     Estimate,
     GiB,
@@ -33,7 +31,6 @@ from sft.plan.memory import (
     lever_report,
     longest,
     nothing_fits,
-    ranked_bases,
     sp_sizes,
     suggest,
 )
@@ -88,9 +85,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         model_config = load_config(args.model, False)
         frozen_vision = architectures.is_vision(model_config) and not args.train_vision_tower
         shape = load_shape(args.model, False, model_config, frozen_vision=frozen_vision)
-        kernels = _kernels(args, model_config, shape)
-        setting = _setting(args, kernels)
-        args.by_speed = kernels[3]
+        setting = _setting(args, _kernels(args, model_config, shape))
+        args.arch = architectures.of(model_config)
+        args.by_speed = args.arch.kernel("speed").on
         if args.gpus % setting.sp:
             raise ConfigError(f"--sp {setting.sp} must divide --gpus {args.gpus}.")
         result = estimate(shape, setting)
@@ -190,28 +187,12 @@ def _add_kernel_and_search_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool, bool]:
-    """(Liger, FP8, compiled layers, whether the speed model ranks) as the command line gives them, `auto` as `sft
-    train` decides them for the family on a GPU with FP8 tensor cores (`sft.plan.kernels.for_card`)."""
-    arch = architectures.of(model_config)
+def _kernels(args, model_config, shape: ModelShape) -> tuple[bool, bool, bool]:
+    """(Liger, FP8, compiled layers) as the flags give them, `auto` as `sft train` decides them for the family on the
+    card planned for (`sft.plan.kernels.for_card`)."""
     hooks = args.zero == "3" and engines.spec(args.engine).traits.host_hooks
-    chosen = family_kernels.for_card(arch, args.liger, args.fp8, hooks, args.gpu_name, shape.hidden, bool(args.lora_r))
-    return (*chosen, arch.kernel("speed").on)
-
-
-def _card(args) -> speed.Card:
-    import torch
-
-    return speed.card(args.gpu_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else None))
-
-
-def _bases(args, setting: Setting) -> list[Setting]:
-    """The kernel settings ranked, as `sft train` ranks them (`sft.plan.kernels.kernel_bases`, on a GPU: `auto`
-    Liger can run there)."""
-    if not args.by_speed:
-        return [setting]
-    arch = architectures.of(load_config(args.model))
-    return family_kernels.kernel_bases(arch, setting, args.fp8 == "auto", True, args.liger == "auto", on_gpu=True)
+    arch = architectures.of(model_config)
+    return family_kernels.for_card(arch, args.liger, args.fp8, hooks, args.gpu_name, shape.hidden, bool(args.lora_r))
 
 
 def _ranking_table(fits: list, card: speed.Card, by_speed: bool = True) -> str:
@@ -262,46 +243,49 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
     layout = Sharding(None if args.zero == "none" else int(args.zero), args.offload != "none",
                       args.offload == "optimizer+params")  # fmt: skip
     setting = plan.setting_of(fields, layout, args.engine, args.gpus, args.gpus_per_node, args.sp or 1)
-    if args.zero == "none" and args.dtype == "bfloat16" and not args.lora_r:  # bf16 weights stepped in place, as
-        # `sft train` does (`sft.plan.preflight._precision`): 8-bit moments with stochastic rounding under `--optim
-        # auto`, else the optimizer's moments in bf16
-        moments = plan.moment_bytes_of(plan.EIGHT_BIT_OPTIM if args.optim == "auto" else args.optim)
-        setting = dataclasses.replace(setting, moment_bytes=moments).stepped_in_place()
+    if args.zero == "none" and args.dtype == "bfloat16" and not args.lora_r:
+        setting = search.stepped_in_place(setting, args.optim)
     if not args.global_batch:
         return setting
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))
 
 
-def _optimizer_states(rank, bases: list[Setting], fp32: list) -> list:
-    """`--optim auto`: the settings ranked with 8-bit Adam moments where `sft train` would take them
-    (`sft.plan.memory.eight_bit_wins`), said in a line; else `fp32`'s."""
-    eight = rank(plan.with_eight_bit_moments(bases))
-    if not eight:
-        return fp32
-    taken = plan.eight_bit_wins(fp32, eight)
-    fp32_speed = f"{fp32[0].time.tokens_per_second:,.0f}" if fp32 else "nothing fits"
-    print(f"optim auto -> {plan.EIGHT_BIT_OPTIM if taken else 'fp32 AdamW'}: with 8-bit Adam moments the fastest "
-          f"estimates {eight[0].time.tokens_per_second:,.0f} tokens/s/GPU, with fp32 moments {fp32_speed} (8-bit "
-          f"taken at {plan.EIGHT_BIT_GAIN}x or more)")  # fmt: skip
-    return eight if taken else fp32
-
-
-def _without_engine(args, rank, setting: Setting, fits: list) -> list:
-    """One GPU, bf16 weights, full fine-tuning, `--optim auto`: the settings without DeepSpeed (torchao's 8-bit AdamW
-    with stochastic rounding) where their fastest is estimated faster than `fits`' or nothing else fits, said in a
-    line, as `sft train`'s `engine: auto` decides (`sft.plan.search._without_engine`); else `fits`."""
-    cut = (args.gpus != 1, not setting.sharding.engine, args.dtype != "bfloat16", args.lora_r, args.optim != "auto",
-           not args.by_speed, args.offload != "none", engines.spec(args.engine).unsharded is None)  # fmt: skip
-    if any(cut):
-        return fits
-    alone = rank(plan.without_engine(_bases(args, setting)))
-    if not alone or (fits and fits[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
-        return fits
-    against = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fitting"
-    print(f"engine auto -> none (one GPU, as `sft train`'s `engine: auto` takes it): bf16 weights with 8-bit AdamW "
-          f"and stochastic rounding estimate {alone[0].time.tokens_per_second:,.0f} tokens/s/GPU, with DeepSpeed "
-          f"{against}")  # fmt: skip
-    return alone
+def _suggest(args, shape, setting: Setting, memory: float, host: float) -> None:
+    """`--suggest`: the fastest settings that fit, ranked by the plan's search (`sft.plan.search.Search`) as `sft
+    train` ranks its `auto` fields (micro batch, levers, sp, `optim`, `engine: auto`'s run without an engine); the
+    flags as given are the fields that are not `auto`."""
+    card = speed.card(args.gpu_name or search.gpu_name())
+    sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
+    found = search.Search(shape, (memory, args.headroom, host), args.gpus, args.global_batch, card,
+                          plan.ACTIVATION_LEVELS, sp_choices, fp8_auto=args.fp8 == "auto", by_speed=args.by_speed,
+                          same_stage=args.same_stage)  # fmt: skip
+    bases = search.card_bases(args.arch, setting, args.fp8 == "auto", args.liger == "auto", args.by_speed)
+    fits = found.rank(bases)
+    if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
+        fp32 = fits
+        _, fits, eight = found.optimizer_states(bases, fp32)
+        if eight:
+            fp32_speed = f"{fp32[0].time.tokens_per_second:,.0f}" if fp32 else "nothing fits"
+            print(f"optim auto -> {plan.EIGHT_BIT_OPTIM if fits is eight else 'fp32 AdamW'}: with 8-bit Adam moments "
+                  f"the fastest estimates {eight[0].time.tokens_per_second:,.0f} tokens/s/GPU, with fp32 moments "
+                  f"{fp32_speed} (8-bit taken at {plan.EIGHT_BIT_GAIN}x or more)")  # fmt: skip
+    rounding = args.dtype == "bfloat16" and args.optim == "auto"
+    if not search.alone_excluded(args.gpus, setting.sharding.engine, engines.spec(args.engine).unsharded,
+                                 args.offload != "none", setting.sp > 1, 1, bool(args.lora_r), args.by_speed,
+                                 rounding):  # fmt: skip
+        alone = found.rank(plan.without_engine(bases))
+        if search.alone_wins(fits, alone):
+            against = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fitting"
+            print(f"engine auto -> none (one GPU, as `sft train`'s `engine: auto` takes it): bf16 weights with 8-bit "
+                  f"AdamW and stochastic rounding estimate {alone[0].time.tokens_per_second:,.0f} tokens/s/GPU, with "
+                  f"DeepSpeed {against}")  # fmt: skip
+            fits = alone
+    if not fits:
+        print(nothing_fits(setting, shape, memory, args.headroom, host))
+        return
+    best = fits[0].estimate
+    print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
+    print(_ranking_table(fits[: args.top], card, args.by_speed))
 
 
 def _fit_report(args, shape, setting: Setting, result, memory: float, host: float) -> int:
@@ -316,27 +300,7 @@ def _fit_report(args, shape, setting: Setting, result, memory: float, host: floa
         f"{host * (1 - args.headroom) / GiB:.2f} GiB usable per node"
     )
     if args.suggest or not fits:
-        sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
-        card = _card(args)
-        micros = plan.MICRO_BATCHES
-        if args.global_batch:  # micro batches that make the global batch exactly (as `sft train` plans them)
-            micros = micro_batches_for(args.global_batch, args.gpus // setting.sp, micros) or (1,)
-        # a candidate's kernel flags as `sft train` sets them (compiled layers `auto` on the card planned for)
-        kernels = functools.partial(family_kernels.kept_eager, compile_auto=True, fp8_auto=args.fp8 == "auto")
-        rank = functools.partial(ranked_bases, shape, gpu_memory=memory, headroom=args.headroom, micro_batches=micros,
-                                 same_stage=args.same_stage, sp_choices=sp_choices, host_memory=host,
-                                 target=args.global_batch, card=card, kernels=kernels,
-                                 by_speed=args.by_speed)  # fmt: skip
-        fits_ranked = rank(_bases(args, setting))
-        if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
-            fits_ranked = _optimizer_states(rank, _bases(args, setting), fits_ranked)
-        fits_ranked = _without_engine(args, rank, setting, fits_ranked)
-        if not fits_ranked:
-            print(nothing_fits(setting, shape, memory, args.headroom, host))
-        else:
-            best = fits_ranked[0].estimate
-            print(f"fastest setting that fits: {best.setting.describe()} (peak {best.peak / GiB:.2f} GiB)")
-            print(_ranking_table(fits_ranked[: args.top], card, args.by_speed))
+        _suggest(args, shape, setting, memory, host)
     if args.longest:
         sp_choices = (setting.sp,) if args.sp else sp_sizes(shape, args.gpus)
         top = longest(shape, setting, memory, args.headroom, sp_choices, host_memory=host)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,18 +164,29 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
     was measured: full fine-tuning on a GPU, one process, no offload, sequence or expert parallelism."""
     sharding, dims = training_args.run_engine.sharding, training_args.parallel
     current = engines.spec(training_args.engine)
-    cut = (dims.world_size > 1, not training_args.run_engine.on, current.unsharded is None,
-           sharding.offload_optimizer or sharding.offload_params,
-           dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings, dims.ep > 1, model_args.use_peft,
-           gpu_name() is None, not arch.kernel("speed").on, not training_args.max_length,
-           not stepped_with_rounding(training_args, model_args, model_config))  # fmt: skip
-    if any(cut):
+    sp_many = dims.sp > 1 or "sequence_parallel_size" in training_args.auto_settings
+    offload = sharding.offload_optimizer or sharding.offload_params
+    if (
+        gpu_name() is None
+        or not training_args.max_length
+        or alone_excluded(
+            dims.world_size,
+            training_args.run_engine.on,
+            current.unsharded,
+            offload,
+            sp_many,
+            dims.ep,
+            model_args.use_peft,
+            arch.kernel("speed").on,
+            stepped_with_rounding(training_args, model_args, model_config),
+        )
+    ):
         return None
     shape, limits = shape_of(), memory_limits(training_args)
     engine_bases = _engine_bases(training_args, model_args, arch, target, current.name, sharding.stage)
     engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
     bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, current.name, None))
-    alone = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
+    alone = Search.of_run(training_args, shape, target, micro_cap, limits).rank(bases)
 
     def said(fits) -> str:
         if not fits:
@@ -181,7 +194,7 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
         best, levers = fits[0], fits[0].estimate.setting.levers_and_micro()
         return f"{best.time.tokens_per_second:,.0f} tokens/s/GPU estimated ({levers})"
 
-    if not alone or (engine and engine[0].time.tokens_per_second >= alone[0].time.tokens_per_second):
+    if not alone_wins(engine, alone):
         logger.info("engine: auto keeps %s on one process (ZeRO-%s: %s; without an engine: %s)",
                     current.traits.label, sharding.stage, said(engine), said(alone))  # fmt: skip
         return None
@@ -194,12 +207,12 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
 
 def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> list:
     """The settings of `bases` that fit, fastest first, with the moments `optim: auto` would take: 8-bit where they
-    win (`sft.plan.memory.eight_bit_wins`; DeepSpeed's only), else the bases' own."""
-    fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
+    win (`Search.optimizer_states`; DeepSpeed's only), else the bases' own."""
+    found = Search.of_run(training_args, shape, target, micro_cap, limits)
+    fits = found.rank(bases)
     if "optim" not in training_args.auto_settings or not memplan.eight_bit_candidate(bases[0]):
         return fits
-    eight = _ranked(training_args, shape, memplan.with_eight_bit_moments(bases), target, micro_cap, limits)[0]
-    return eight if memplan.eight_bit_wins(fits, eight) else fits
+    return found.optimizer_states(bases, fits)[1]
 
 
 def _against(best: dict, names: dict, first: str | None = None) -> str:
@@ -301,6 +314,21 @@ def auto_setting(training_args, shape, arch, base, target, micro_cap, limits, re
     return _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
 
 
+def card_bases(arch, setting: memplan.Setting, fp8_auto: bool, liger_auto: bool, by_speed: bool):
+    """`sft plan --suggest`'s kernel settings to rank (`sft.plan.kernels.kernel_bases` on the GPU planned for, where
+    `auto` Liger can run), as `sft train` ranks them there; the setting alone where the speed model does not rank."""
+    if not by_speed:
+        return [setting]
+    return family_kernels.kernel_bases(arch, setting, fp8_auto, True, liger_auto, on_gpu=True)
+
+
+def stepped_in_place(setting: memplan.Setting, optim: str) -> memplan.Setting:
+    """bf16 weights without an engine (no fp32 master copy), as `sft.plan.preflight._precision` steps them: in place,
+    with 8-bit moments and stochastic rounding under `optim: auto`, else the optimizer's own moments."""
+    moments = memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM if optim == "auto" else optim)
+    return dataclasses.replace(setting, moment_bytes=moments).stepped_in_place()
+
+
 def bf16_weights(model_args, model_config) -> bool:
     """Whether the model's weights are bf16 (`dtype`, or with `auto` the checkpoint's own)."""
     weights = str(model_args.dtype or "auto")
@@ -317,12 +345,12 @@ def stepped_with_rounding(training_args, model_args, model_config) -> bool:
 
 
 def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
-    """`optim: auto`: `bases` with 8-bit Adam moments where their fastest fitting setting beats fp32 moments' by
-    `EIGHT_BIT_GAIN` (then `optim` is set to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
-    eight = memplan.with_eight_bit_moments(bases)
-    fp32_fits = _ranked(training_args, shape, bases, target, micro_cap, limits)[0]
-    eight_fits = _ranked(training_args, shape, eight, target, micro_cap, limits)[0]
-    if not memplan.eight_bit_wins(fp32_fits, eight_fits):
+    """`optim: auto`: `bases` with 8-bit Adam moments where `Search.optimizer_states` takes them (then `optim` is set
+    to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
+    found = Search.of_run(training_args, shape, target, micro_cap, limits)
+    fp32_fits = found.rank(bases)
+    chosen, eight_fits, _ = found.optimizer_states(bases, fp32_fits)
+    if chosen is bases:
         return bases
     fast = eight_fits[0].time.tokens_per_second
     slow = fp32_fits[0].time.tokens_per_second if fp32_fits else 0.0
@@ -332,7 +360,7 @@ def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) ->
                 "%s, estimates %s tokens/s per GPU against %s (its loss curve measured equal to fp32 Adam's)",
                 memplan.EIGHT_BIT_OPTIM, eight_fits[0].estimate.setting.levers_and_micro(), f"{fast:,.0f}",
                 against)  # fmt: skip
-    return eight
+    return chosen
 
 
 def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
@@ -346,36 +374,104 @@ def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bo
     return fits[0].estimate.setting
 
 
+@dataclass(frozen=True)
+class Search:
+    """One search's inputs, the same for `sft train`'s `auto` fields (`of_run`) and `sft plan --suggest` (its flags):
+    the model's shape, (GPU memory planned for, headroom, host memory), the process count and the global-batch target
+    (rows per optimizer step), the card whose speed constants rank, the memory levels to try, the sequence-parallel
+    sizes (smallest first: every step of sp costs all-to-all traffic), the micro batch (None: `auto`, the ones that
+    make the target, one packed row per micro batch under sp, up to `micro_cap`), the kernels' `auto` fields, whether
+    the speed model ranks, and whether each base keeps its ZeRO stage."""
+
+    shape: Any
+    limits: tuple
+    world: int
+    target: int | None
+    card: speed.Card
+    levels: tuple
+    sp_choices: tuple[int, ...]
+    micro: int | None = None
+    micro_cap: int | None = None
+    compile_auto: bool = True
+    fp8_auto: bool = True
+    by_speed: bool = True
+    same_stage: bool = True
+
+    @classmethod
+    def of_run(cls, training_args, shape, target, micro_cap, limits, by_speed: bool = True) -> Search:
+        """The search of a run's `auto` fields: every lever that is not `auto` held at its value (`_tool_levels`)."""
+        auto, world = training_args.auto_settings, training_args.parallel.world_size
+        sp_choices = (memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto
+                      else (training_args.sequence_parallel_size,))  # fmt: skip
+        micro = None if "per_device_train_batch_size" in auto else training_args.per_device_train_batch_size
+        return cls(shape, limits, world, target, speed.card(gpu_name()), _tool_levels(training_args), sp_choices,
+                   micro, micro_cap, "compile_decoder_layers" in auto, "fp8" in auto, by_speed)  # fmt: skip
+
+    def micro_batches(self, sp: int) -> tuple[int, ...]:
+        """The micro batches tried at sequence-parallel size `sp`."""
+        if self.micro is not None:
+            return (self.micro,)
+        rows = memplan.MICRO_BATCHES if sp == 1 else (1,)  # one packed row per micro-batch under SP
+        rows = [m for m in rows if not self.micro_cap or m <= self.micro_cap]
+        return micro_batches_for(self.target, self.world // sp, rows) or (1,)
+
+    def rank(self, bases: list[memplan.Setting]) -> list:
+        """The settings of `bases` (their kernels: FP8 or bf16) with the micro batches and levers that fit, fastest
+        first (`sft.plan.memory.ranked_bases`), at the smallest sp where any fits; empty where nothing fits."""
+        memory, headroom, host = self.limits
+        # a candidate's FP8 and compile flags as the run sets them
+        kernels = functools.partial(family_kernels.kept_eager, compile_auto=self.compile_auto,
+                                    fp8_auto=self.fp8_auto)  # fmt: skip
+        for sp in self.sp_choices:
+            fits = memplan.ranked_bases(self.shape, bases, memory, headroom, self.micro_batches(sp),
+                                        same_stage=self.same_stage, levels=self.levels, sp_choices=(sp,),
+                                        host_memory=host, target=self.target, card=self.card, kernels=kernels,
+                                        by_speed=self.by_speed)  # fmt: skip
+            if fits:
+                return fits
+        return []
+
+    def frugal(self, bases: list[memplan.Setting]) -> memplan.Setting:
+        """The most frugal setting, for when nothing fits: the last level, the smallest micro batch, the largest sp."""
+        sp = max(self.sp_choices)
+        return dataclasses.replace(bases[0].with_tools(self.levels[-1]), micro_batch=min(self.micro_batches(sp)),
+                                   sp=sp)  # fmt: skip
+
+    def optimizer_states(self, bases: list[memplan.Setting], fits: list) -> tuple[list, list, list]:
+        """`optim: auto`: (the bases, their fits) with 8-bit Adam moments where their fastest fitting setting beats
+        `fits`' (`bases`' own moments) by `EIGHT_BIT_GAIN` (`sft.plan.memory.eight_bit_wins`), else `bases` and
+        `fits`; then the 8-bit fits, for the line that says so."""
+        eight_bases = memplan.with_eight_bit_moments(bases)
+        eight = self.rank(eight_bases)
+        taken = bool(eight) and memplan.eight_bit_wins(fits, eight)
+        return (eight_bases, eight, eight) if taken else (bases, fits, eight)
+
+
+def alone_wins(fits: list, alone: list) -> bool:
+    """Whether one process without an engine (`alone`: its fits, bf16 weights stepped in place) is taken over an
+    engine (`fits`: ranked with its optimizer states): its fastest estimated faster, or nothing else fits. Decided only
+    where `alone_excluded` gives no reason."""
+    return bool(alone) and not (fits and fits[0].time.tokens_per_second >= alone[0].time.tokens_per_second)
+
+
+def alone_excluded(processes: int, engine_on: bool, unsharded, offload: bool, sp_many: bool, ep: int, peft: bool,
+                   by_speed: bool, rounding: bool) -> bool:  # fmt: skip
+    """Whether one process without an engine is not weighed against the engine: only what was measured (full
+    fine-tuning on a GPU, one process, an engine that has an unsharded form, no offload, sequence or expert
+    parallelism, a family the speed model ranks) where that path is what `sft.plan.preflight._precision` takes (bf16
+    weights stepped with stochastic rounding: `rounding`)."""
+    return any((processes > 1, not engine_on, unsharded is None, offload, sp_many, ep > 1, peft, not by_speed,
+                not rounding))  # fmt: skip
+
+
 def _ranked(
     training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True
 ) -> tuple[list, speed.Card, memplan.Setting]:
-    """(the settings that fit at the smallest sp that fits any (every step of sp costs all-to-all traffic): `bases`
-    (their kernels: FP8 or bf16) with the micro batches and levers that fit, fastest first (`sft.plan.memory.ranked`),
-    empty where nothing fits; the speed model's card; the most frugal setting, for when nothing fits)."""
-    memory, headroom, host = limits
-    auto = training_args.auto_settings
-    micro, sp = training_args.per_device_train_batch_size, training_args.sequence_parallel_size
-    world = training_args.parallel.world_size
-    sp_choices = memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto else (sp,)
-    levels = _tool_levels(training_args)
-    micro_choices = (micro,)
-    card = speed.card(gpu_name())
-    # a candidate's FP8 and compile flags as this run sets them
-    kernels = functools.partial(family_kernels.kept_eager, compile_auto="compile_decoder_layers" in auto,
-                                fp8_auto="fp8" in auto)  # fmt: skip
-    fits = []
-    for sp_choice in sp_choices:
-        if "per_device_train_batch_size" in auto:  # one packed row per micro-batch under SP
-            rows = memplan.MICRO_BATCHES if sp_choice == 1 else (1,)
-            rows = [m for m in rows if not micro_cap or m <= micro_cap]
-            micro_choices = micro_batches_for(target, world // sp_choice, rows) or (1,)
-        fits = memplan.ranked_bases(shape, bases, memory, headroom, micro_choices, levels=levels,
-                                    sp_choices=(sp_choice,), host_memory=host, target=target, card=card,
-                                    kernels=kernels, by_speed=by_speed)  # fmt: skip
-        if fits:
-            break
-    frugal = dataclasses.replace(bases[0].with_tools(levels[-1]), micro_batch=min(micro_choices), sp=max(sp_choices))
-    return fits, card, frugal
+    """(the settings that fit, fastest first (`Search.rank`), empty where nothing fits; the speed model's card; the
+    most frugal setting, for when nothing fits) of this run's `auto` fields."""
+    found = Search.of_run(training_args, shape, target, micro_cap, limits, by_speed)
+    fits = found.rank(bases)
+    return fits, found.card, found.frugal(bases)
 
 
 def _log_ranking(fits: list, card, shown: int = 3) -> None:
