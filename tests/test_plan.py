@@ -1012,3 +1012,29 @@ def test_sft_plan_suggests_the_setting_sft_train_plans(tmp_path, capsys, caplog,
     planned = re.search(r"micro batch (\d+) x (\d+) accumulation, (.*?) \| ([\d,]+) \|.*\| ([\d.]+) \|$", first)
     assert trained and planned, (chosen, first)
     assert trained.groups() == planned.groups(), (chosen, first)
+
+
+# What builds, filters or ranks candidate settings, or decides a kernel or an optimizer: the plan's search
+# (`sft.plan.search`) and kernel rules (`sft.plan.kernels`) own these; `sft plan` calls those owners
+SEARCH_PRIMITIVES = {"ranked", "ranked_bases", "with_eight_bit_moments", "eight_bit_wins", "without_engine",
+                     "kernel_bases", "run_bases", "kept_eager", "with_liger_candidates", "micro_batches_for",
+                     "moment_bytes_of", "stepped_in_place", "fp8_auto", "liger_on", "compiled_on",
+                     "lever_setting", "offload_ratios"}  # fmt: skip
+
+
+def test_sft_plan_defines_no_candidate_or_decision_function():
+    """`sft/plan/cli.py` maps its flags onto the plan's fields and prints; every candidate, ranking and kernel or
+    optimizer decision is a call into `sft.plan.search` / `sft.plan.kernels` (issue #80: two copies of a decision
+    drift). The check can fail: the copies it replaced (`_optimizer_states`, `_without_engine`, `_bases`) used
+    `with_eight_bit_moments`, `eight_bit_wins`, `without_engine`, `ranked_bases` and `kernel_bases`."""
+    import ast
+
+    tree = ast.parse((ROOT / "sft" / "plan" / "cli.py").read_text())
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    used |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    used |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for alias in node.names}  # fmt: skip
+    assert not used & SEARCH_PRIMITIVES, sorted(used & SEARCH_PRIMITIVES)
+    old = ast.parse("def f(bases, fp32):\n    eight = rank(plan.with_eight_bit_moments(bases))\n"
+                    "    return eight if plan.eight_bit_wins(fp32, eight) else fp32\n")  # fmt: skip
+    assert {n.attr for n in ast.walk(old) if isinstance(n, ast.Attribute)} & SEARCH_PRIMITIVES

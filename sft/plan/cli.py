@@ -244,7 +244,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
                       args.offload == "optimizer+params")  # fmt: skip
     setting = plan.setting_of(fields, layout, args.engine, args.gpus, args.gpus_per_node, args.sp or 1)
     if args.zero == "none" and args.dtype == "bfloat16" and not args.lora_r:
-        setting = search.stepped_in_place(setting, args.optim)
+        setting = search.without_master(setting, args.optim)
     if not args.global_batch:
         return setting
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))
@@ -273,7 +273,7 @@ def _suggest(args, shape, setting: Setting, memory: float, host: float) -> None:
     if not search.alone_excluded(args.gpus, setting.sharding.engine, engines.spec(args.engine).unsharded,
                                  args.offload != "none", setting.sp > 1, 1, bool(args.lora_r), args.by_speed,
                                  rounding):  # fmt: skip
-        alone = found.rank(plan.without_engine(bases))
+        alone = found.alone(bases)
         if search.alone_wins(fits, alone):
             against = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fitting"
             print(f"engine auto -> none (one GPU, as `sft train`'s `engine: auto` takes it): bf16 weights with 8-bit "

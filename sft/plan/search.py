@@ -185,8 +185,8 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
     shape, limits = shape_of(), memory_limits(training_args)
     engine_bases = _engine_bases(training_args, model_args, arch, target, current.name, sharding.stage)
     engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
-    bases = memplan.without_engine(_engine_bases(training_args, model_args, arch, target, current.name, None))
-    alone = Search.of_run(training_args, shape, target, micro_cap, limits).rank(bases)
+    bases = _engine_bases(training_args, model_args, arch, target, current.name, None)
+    alone = Search.of_run(training_args, shape, target, micro_cap, limits).alone(bases)
 
     def said(fits) -> str:
         if not fits:
@@ -322,7 +322,7 @@ def card_bases(arch, setting: memplan.Setting, fp8_auto: bool, liger_auto: bool,
     return family_kernels.kernel_bases(arch, setting, fp8_auto, True, liger_auto, on_gpu=True)
 
 
-def stepped_in_place(setting: memplan.Setting, optim: str) -> memplan.Setting:
+def without_master(setting: memplan.Setting, optim: str) -> memplan.Setting:
     """bf16 weights without an engine (no fp32 master copy), as `sft.plan.preflight._precision` steps them: in place,
     with 8-bit moments and stochastic rounding under `optim: auto`, else the optimizer's own moments."""
     moments = memplan.moment_bytes_of(memplan.EIGHT_BIT_OPTIM if optim == "auto" else optim)
@@ -436,6 +436,10 @@ class Search:
         sp = max(self.sp_choices)
         return dataclasses.replace(bases[0].with_tools(self.levels[-1]), micro_batch=min(self.micro_batches(sp)),
                                    sp=sp)  # fmt: skip
+
+    def alone(self, bases: list[memplan.Setting]) -> list:
+        """`rank` of `bases` on one process without an engine (bf16 weights stepped in place: `without_engine`)."""
+        return self.rank(memplan.without_engine(bases))
 
     def optimizer_states(self, bases: list[memplan.Setting], fits: list) -> tuple[list, list, list]:
         """`optim: auto`: (the bases, their fits) with 8-bit Adam moments where their fastest fitting setting beats
