@@ -345,8 +345,8 @@ class TrainConfig(SFTConfig):
         self._check_numbers()
         if self.use_liger_kernel is None:  # `auto`: on for a family only where measured (sft.plan.preflight)
             self.auto_settings.add("use_liger_kernel")
-            self.use_liger_kernel = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
-        elif self.use_liger_kernel and not torch.cuda.is_available():
+            self.use_liger_kernel = liger_runs_here()
+        elif self.use_liger_kernel and not cuda_here():
             logger.warning("`use_liger_kernel` needs a CUDA GPU (Triton kernels); turned off on this machine.")
             self.use_liger_kernel = False
         if not self.use_cpu and not torch.cuda.is_available():
@@ -503,6 +503,17 @@ class TrainConfig(SFTConfig):
     def parallel(self) -> ParallelDims:
         """The run's parallel dimensions (`sft.core.dims`), built once from the processes accelerate found."""
         return ParallelDims.of(self)
+
+
+def cuda_here() -> bool:
+    """Whether this machine has a CUDA GPU, which Liger's Triton kernels need."""
+    return torch.cuda.is_available()
+
+
+def liger_runs_here() -> bool:
+    """Whether Liger's Triton kernels can run on this machine (a CUDA GPU, liger-kernel installed): what
+    `use_liger_kernel: auto` starts from before the plan's rule for the family (`sft.plan.kernels.liger_on`)."""
+    return cuda_here() and importlib.util.find_spec("liger_kernel") is not None
 
 
 # Flags from other trainers' command lines, named in the "did you mean" of an unknown flag

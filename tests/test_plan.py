@@ -1038,3 +1038,73 @@ def test_sft_plan_defines_no_candidate_or_decision_function():
     old = ast.parse("def f(bases, fp32):\n    eight = rank(plan.with_eight_bit_moments(bases))\n"
                     "    return eight if plan.eight_bit_wins(fp32, eight) else fp32\n")  # fmt: skip
     assert {n.attr for n in ast.walk(old) if isinstance(n, ast.Attribute)} & SEARCH_PRIMITIVES
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+# (model, engine, ZeRO stage, GPUs, sp: "auto" or a size, GiB planned for, global batch, row length): shipped configs
+# of several families (dense, MoE, soft-capped) under both engines, on one GPU (`engine: auto` weighs the run without
+# one) and on several (sp searched or given)
+PLAN_MATRIX = [
+    ("meta-llama/Llama-3.2-1B", "auto", 2, 1, 1, 79.18, 32, 4096),
+    ("Qwen/Qwen3-4B", "auto", 2, 1, 1, 79.18, 32, 4096),
+    ("google/gemma-2-2b", "auto", 2, 1, 1, 79.18, 16, 2048),
+    ("Qwen/Qwen3-8B", "deepspeed", 3, 4, 1, 79.18, 16, 4096),
+    ("Qwen/Qwen3-8B", "fsdp2", 3, 4, 1, 79.18, 16, 4096),
+    ("Qwen/Qwen3-30B-A3B", "deepspeed", 3, 8, 1, 79.18, 16, 2048),
+    ("openai/gpt-oss-20b", "deepspeed", 3, 8, 1, 79.18, 16, 4096),
+    ("meta-llama/Llama-3.1-8B", "deepspeed", 3, 8, "auto", 79.18, 8, 32768),
+    ("meta-llama/Llama-3.1-8B", "deepspeed", 2, 8, 1, 79.18, 64, 4096),
+    ("meta-llama/Llama-3.1-8B", "fsdp2", 3, 8, 1, 40, 32, 8192),
+    ("Qwen/Qwen3-14B", "deepspeed", 3, 8, 2, 79.18, 16, 16384),
+    ("mistralai/Mistral-7B-v0.3", "deepspeed", 3, 4, 1, 79.18, 32, 4096),
+]
+
+
+@pytest.mark.parametrize("model,engine,zero,gpus,sp,memory,batch,length", PLAN_MATRIX)
+def test_sft_plan_suggests_sft_trains_setting_across_families_and_gpus(
+    tmp_path, capsys, caplog, monkeypatch, model, engine, zero, gpus, sp, memory, batch, length
+):
+    """`sft train`'s plan of a shipped config (bf16 weights, DeepSpeed at the given stage, the micro batch, levers,
+    `optim` and kernels `auto`, planned for an H100 at `memory` GiB; `gpus` processes) and `sft plan --suggest` with
+    the same flags (`--gpu-name` the H100, Liger and FP8 `auto`): the same micro batch, accumulation, levers, sp,
+    kernels and optimizer, with the same speed estimate and peak (issue #80's matrix: families, stages, several GPUs,
+    sp searched and given)."""
+    from sft.model import fp8
+    from sft.plan import kernels as family_kernels
+    from sft.plan import search
+
+    monkeypatch.setattr(search, "gpu_name", lambda: H100)
+    monkeypatch.setattr(family_kernels, "on_gpu", lambda: True)
+    monkeypatch.setattr(fp8, "fp8_gpu", lambda: H100)
+    from sft import config as sft_config
+    from sft.core.dims import ParallelDims
+
+    # `gpus` processes of one node, as torchrun's environment would give them to the parser and to transformers
+    monkeypatch.setattr(sft_config, "cuda_here", lambda: True)  # Liger's `auto` and its rebuilds as on a GPU
+    launch = classmethod(lambda cls, sp=1, ep=1: cls.build(gpus, sp, gpus, 0, ep))
+    monkeypatch.setattr(ParallelDims, "from_env", launch)
+    config = type(demo_args(tmp_path)[2])
+    monkeypatch.setattr(config, "world_size", property(lambda self: gpus))
+    monkeypatch.setattr(config, "process_index", property(lambda self: 0))
+    _, _, args, model_args = demo_args(
+        tmp_path, "--model_name_or_path", model, "--from_scratch", "false", "--dtype", "bfloat16", "--bf16", "true",
+        "--per_device_train_batch_size", "auto", "--activation_checkpointing", "auto", "--optim", "auto",
+        "--engine", engine, "--deepspeed", "none" if engine == "fsdp2" else f"ds_configs/zero{zero}.json",
+        "--plan_gpu_memory_gib", str(memory), "--global_batch_size", str(batch), "--max_length", str(length),
+        "--sequence_parallel_size", str(sp), "--eval_strategy", "no",
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="sft.plan"):
+        run = preflight(args, model_args)
+    chosen = next(r.getMessage() for r in caplog.records if "chosen micro batch" in r.getMessage())
+    said = r"chosen micro batch (\d+) x (\d+) accumulation, (.*?): ([\d,]+) tokens/s/GPU.*peak ([\d.]+) GiB"
+    trained = re.search(said, chosen)
+    flags = ["--model", model, "--engine", "deepspeed" if engine == "auto" else engine, "--gpus", str(gpus), "--zero",
+             str(zero), "--seq-len", str(length), "--gpu-memory",
+             str(memory), "--global-batch", str(batch), "--gpu-name", H100, "--same-stage", "--suggest"]  # fmt: skip
+    plan_cli.main(flags + ([] if sp == "auto" else ["--sp", str(sp)]))
+    first = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |"))
+    row = r"(?:sp (\d+), )?micro batch (\d+) x (\d+) accumulation, (.*?) \| ([\d,]+) \|.*\| ([\d.]+) \|$"
+    planned = re.search(row, first)
+    assert trained and planned, (chosen, first)
+    assert (str(run.memory.sp), *trained.groups()) == (planned.group(1) or "1", *planned.groups()[1:]), (chosen, first)
