@@ -1058,6 +1058,8 @@ PLAN_MATRIX = [
     ("meta-llama/Llama-3.1-8B", "fsdp2", 3, 8, 1, 40, 32, 8192),
     ("Qwen/Qwen3-14B", "deepspeed", 3, 8, 2, 79.18, 16, 16384),
     ("mistralai/Mistral-7B-v0.3", "deepspeed", 3, 4, 1, 79.18, 32, 4096),
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "auto", 2, 1, 1, 79.18, 16, 2048),
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "deepspeed", 3, 4, 1, 79.18, 32, 4096),
 ]
 
 
