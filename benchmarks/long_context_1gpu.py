@@ -227,8 +227,9 @@ def given_levers(work: Path, s, tag: str) -> tuple[list[str], str]:
     zero["offload_param"] = {"device": "cpu" if s.offload_params else "none", "pin_memory": True}
     path = work / f"zero3_{tag}.json"
     path.write_text(json.dumps(config, indent=1))
-    flags = {"activation_checkpointing": s.activation_checkpointing, "offload_checkpoints": s.offload_checkpoints,
-             "tiled_mlp": s.tiled_mlp, "keep_attention_outputs": s.keep_attention, "plan_check": False}  # fmt: skip
+    flags = {**s.tools._asdict(), "plan_check": False}
+    for engine_lever in ("offload_optimizer", "offload_params"):  # the DeepSpeed config's, written above
+        flags.pop(engine_lever)
     return [item for k, v in flags.items() for item in (f"--{k}", str(v).lower())], str(path)
 
 

@@ -74,11 +74,11 @@ SHAPES = {
     **{name: shipped_config(model) for name, model in FAMILY_SHAPES.items()},
     "tiny": None,
 }  # tiny: the demo model (--tiny)
-FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if plan.speed_ranked(t))  # none, attention kept, checkpointing
+FAST_LEVELS = tuple(t for t in plan.ACTIVATION_LEVELS if t.ranked)  # none, attention kept, checkpointing
 
 
 def setting_name(s: plan.Setting) -> str:
-    levers = "keep" if s.keep_attention else "ckpt" if s.activation_checkpointing else "none"
+    levers = "keep" if s.keep_attention_outputs else "ckpt" if s.activation_checkpointing else "none"
     kernel = "fp8" if s.fp8 else "bf16c" if s.compiled else "bf16"
     return f"z{s.zero_stage}-m{s.micro_batch}-{levers}-{kernel}"
 
@@ -90,7 +90,7 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
                                   fp8=kernel == "fp8", compiled=kernel in ("fp8", "bf16c"))  # fmt: skip
     setting = dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH),
                                   moment_bytes=_moment_bytes(name))  # fmt: skip
-    return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention=levers == "keep"))
+    return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention_outputs=levers == "keep"))
 
 
 def _moment_bytes(name: str) -> float:
@@ -132,7 +132,7 @@ def stage_of(name: str, default: int) -> int:
 def overrides(s: plan.Setting) -> dict:
     """The recipe fields that make `sft train` run setting `s` (nothing left to `auto`)."""
     return {"per_device_train_batch_size": s.micro_batch, "activation_checkpointing": s.activation_checkpointing,
-            "keep_attention_outputs": s.keep_attention, "offload_checkpoints": False, "tiled_mlp": False,
+            "keep_attention_outputs": s.keep_attention_outputs, "offload_checkpoints": False, "tiled_mlp": False,
             "fp8": s.fp8, "compile_decoder_layers": s.compiled, "use_liger_kernel": s.liger}  # fmt: skip
 
 
@@ -324,7 +324,12 @@ def measure(args) -> None:
 
 
 def _setting_of(run: dict) -> plan.Setting:
-    return plan.Setting(**run["setting"])
+    """A run's setting as its record wrote it (records before the levers took their training arguments' names wrote
+    `keep_attention` for `keep_attention_outputs`)."""
+    fields = dict(run["setting"])
+    if "keep_attention" in fields:
+        fields["keep_attention_outputs"] = fields.pop("keep_attention")
+    return plan.Setting(**fields)
 
 
 def _bucket(run: dict, shape) -> int:
@@ -348,7 +353,7 @@ def default_setting(run: dict) -> plan.Setting | None:
                            fp8=flag["fp8"], compiled=flag["compile_decoder_layers"],
                            moment_bytes=plan.moment_bytes_of(values.get("optim")))  # fmt: skip
     tools = plan.Tools(flag["activation_checkpointing"], False, False,
-                       keep_attention=flag.get("keep_attention_outputs", False))  # fmt: skip
+                       keep_attention_outputs=flag.get("keep_attention_outputs", False))  # fmt: skip
     setting = setting.with_tools(tools)
     return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH))
 

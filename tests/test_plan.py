@@ -231,7 +231,7 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
         chosen[seq] = best.setting.tools if best else None
     assert chosen == {
         8192: plan.Tools(False, False, False),
-        65536: plan.Tools(True, False, False, keep_attention=True),
+        65536: plan.Tools(True, False, False, keep_attention_outputs=True),
         393216: plan.Tools(True, True, False),
         786432: plan.Tools(True, True, True),
     }
@@ -276,8 +276,8 @@ def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_
         offloaded += two(b * p) + sum(two(b * n) for n in shape.param_sizes) if s.offload_params else 0
         offloaded += shape.layers * two(s.tokens * b * h) if s.offload_checkpoints else 0
         assert e.host_pinned == (plan.HOST_PER_PROCESS + offloaded if offloaded else 0)
-    kept, recomputed = (plan.estimate(shape, dataclasses.replace(chosen[1], keep_attention=k)).items["activations"]
-                        for k in (True, False))  # fmt: skip
+    kept, recomputed = (plan.estimate(shape, dataclasses.replace(chosen[1], keep_attention_outputs=k))
+                        .items["activations"] for k in (True, False))  # fmt: skip
     assert kept - recomputed == 65536 * shape.layers * (b * shape.heads * shape.head_dim + 4 * shape.heads)
     half = plan.estimate(shape, dataclasses.replace(chosen[-1], offload_ratio=0.5))
     first = plan.optimizer_groups(shape, base, 0.5)[0][0]
@@ -1110,3 +1110,29 @@ def test_sft_plan_suggests_sft_trains_setting_across_families_and_gpus(
     planned = re.search(row, first)
     assert trained and planned, (chosen, first)
     assert (str(run.memory.sp), *trained.groups()) == (planned.group(1) or "1", *planned.groups()[1:]), (chosen, first)
+
+
+def test_each_lever_is_one_object_named_as_its_training_argument():
+    """A memory lever is one `sft.plan.levers.Lever`: its name is the `Tools` field, the `Setting` field and (but for
+    ZeRO's offload, the engine's) the training argument; `Tools.valid`, the speed model's ranked levers, a setting's
+    levers and the out-of-memory advice read the objects, and agree with the rules they replaced."""
+    import itertools
+
+    from sft.config import TrainConfig
+    from sft.plan import levers
+    from sft.run import failsafe
+
+    assert plan.Tools._fields == tuple(lever.name for lever in levers.LEVERS)
+    assert set(plan.Tools._fields) <= {f.name for f in dataclasses.fields(plan.Setting)}
+    assert set(levers.run_levers()) <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(plan.Tools._fields) - set(levers.run_levers()) == {"offload_optimizer", "offload_params"}
+    for flags in itertools.product((False, True), repeat=len(plan.Tools._fields)):
+        tools = plan.Tools(*flags)
+        ckpt, offload, tiled, optimizer, params, keep = flags
+        assert tools.valid == ((ckpt or not (offload or keep)) and not (offload and keep)), tools
+        assert tools.ranked == (not (offload or tiled or optimizer or params)), tools
+        assert plan.Setting(zero_stage=3).with_tools(tools).tools == tools
+    assert len(plan.levels()) == 32 and plan.levels()[: len(plan.MEMORY_LEVELS)] == plan.MEMORY_LEVELS
+    said = failsafe.LEVERS
+    assert all(f"{name}: true" in said for name in ("activation_checkpointing", "offload_checkpoints", "tiled_mlp"))
+    assert "keep_attention_outputs" not in said  # it frees nothing against checkpointing alone

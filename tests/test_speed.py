@@ -89,13 +89,13 @@ def test_a_larger_micro_batch_with_kept_attention_outranks_micro_batch_1_on_the_
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=4096, liger=True)
     micro1 = dataclasses.replace(base, micro_batch=1, accumulation=32)
     micro8 = dataclasses.replace(base, micro_batch=8, accumulation=4).with_tools(
-        plan.Tools(True, False, False, keep_attention=True)
+        plan.Tools(True, False, False, keep_attention_outputs=True)
     )
     card = speed.card()
     assert speed.step_time(shape, micro8, card).seconds < speed.step_time(shape, micro1, card).seconds
     fits = plan.ranked(shape, base, H100, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base], target=32, card=card)
     best = fits[0].estimate.setting
-    assert (best.micro_batch, best.keep_attention) == (8, True)
+    assert (best.micro_batch, best.keep_attention_outputs) == (8, True)
     assert [r.time.tokens_per_second for r in fits] == sorted((r.time.tokens_per_second for r in fits), reverse=True)
     ideal = dataclasses.replace(card, half_tokens=0.0, host_s_per_layer={}, bucket_s=0.0,
                                 gradient_s_per_gparam={"2": 0.0})  # fmt: skip
@@ -111,7 +111,7 @@ def test_step_time_parts_follow_the_setting():
     card = speed.card()
     plain = plan.Setting(gpus=1, zero_stage=2, seq_len=4096, micro_batch=4, liger=True)
     full = dataclasses.replace(plain, activation_checkpointing=True)
-    kept = dataclasses.replace(full, keep_attention=True)
+    kept = dataclasses.replace(full, keep_attention_outputs=True)
     t_plain, t_full, t_kept = (speed.step_time(shape, s, card) for s in (plain, full, kept))
     assert t_plain.recompute == 0 and t_kept.recompute < t_full.recompute
     decoder = speed.linear_flops_per_token(shape) - 6 * shape.vocab * shape.hidden

@@ -51,6 +51,7 @@ from sft.errors import ConfigError
 from sft.model import attention, fp8, wide_heads
 from sft.model.shapes import ModelShape
 from sft.plan import speed
+from sft.plan.levers import ACTIVATION_LEVELS, MEMORY_LEVELS, Tools, levels  # noqa: F401 (the plan's names)
 from sft.plan.speed import StepTime
 
 logger = logging.getLogger(__name__)
@@ -74,64 +75,6 @@ STEP_GROUP_PARAMS = SUB_GROUP_SIZE
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # With the checkpoints offloaded, this many layers' inputs are on the GPU at once (the one recomputed, the next)
 OFFLOAD_STASH_LAYERS = 2
-
-
-class Tools(NamedTuple):
-    """The memory levers for long rows, one setting of each: the three activation tools, then ZeRO's CPU offload of
-    the optimizer states (ZeRO-2/3; under ZeRO-3 a share of them, `Setting.offload_ratio`) and of the weights
-    (ZeRO-3)."""
-
-    checkpointing: bool
-    offload: bool
-    tiled_mlp: bool
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    keep_attention: bool = False  # checkpointing keeps the attention kernels' outputs (`sft.model.checkpointing`)
-
-    def names(self) -> list[str]:
-        return [LEVER_NAMES[i] for i, on in enumerate(self) if on]
-
-    @property
-    def valid(self) -> bool:
-        """Offloaded or attention-keeping checkpoints need checkpointing; kept attention outputs stay on the GPU, so
-        not with offloaded checkpoints."""
-        return (self.checkpointing or not (self.offload or self.keep_attention)) and not (
-            self.offload and self.keep_attention
-        )
-
-
-LEVER_NAMES = ("activation checkpointing", "checkpoints offloaded", "tiled MLP", "optimizer offloaded",
-               "weights offloaded", "attention outputs kept")  # fmt: skip
-# From cheapest to dearest (`suggest` tries them in this order): activation checkpointing that keeps the attention
-# kernels' outputs (one more forward but for the attention kernel), activation checkpointing (one more forward), its
-# checkpoints offloaded to pinned CPU memory (a copy out and back per layer), the MLP in
-# tiles (DeepSpeed's TiledMLP runs each MLP forward once more; measured in benchmarks/results/long_context, the
-# `tools` part), the optimizer states on the CPU (DeepSpeed's CPU Adam steps them there, its gradients copied out:
-# a cost per step, not per token, and under ZeRO-3 the smallest share that fits first), then the weights (gathered
-# from host memory for every layer in the forward, the recomputation and the backward). The loss is always computed
-# in chunks (Liger's fused linear cross-entropy or TRL's fused LM head), so it is no lever.
-MEMORY_LEVELS = (
-    Tools(False, False, False),
-    Tools(True, False, False, keep_attention=True),
-    Tools(True, False, False),
-    Tools(True, True, False),
-    Tools(True, True, True),
-    Tools(True, True, True, True),
-    Tools(True, True, True, True, True),
-)
-# The activation tools alone: what `suggest` tries on each of its candidates (ZeRO stages and offload, `ladder`)
-ACTIVATION_LEVELS = MEMORY_LEVELS[:5]
-
-
-def levels() -> tuple[Tools, ...]:
-    """Every combination of levers, `MEMORY_LEVELS` first (in their order), then the others with the fewest levers
-    first (offloading the optimizer but keeping the checkpoints on the GPU, say, which leaves host memory to the
-    states): what the plan tries for the longest row and for a run's `auto` levers."""
-    import itertools
-
-    others = [Tools(*flags) for flags in itertools.product((False, True), repeat=len(Tools._fields))]
-    others = [t for t in others if t not in MEMORY_LEVELS and t.valid]
-    return MEMORY_LEVELS + tuple(sorted(others, key=sum))
 
 
 # Host memory of one training process besides what it offloads (Python, torch, the CUDA context's host side,
@@ -166,7 +109,8 @@ class Setting:
     # with offload_optimizer under ZeRO-3: the share of the optimizer states (whole sub-groups) on the CPU, the rest
     # stepped on the GPU (DeepSpeed's `offload_optimizer.ratio`)
     offload_ratio: float = 1.0
-    keep_attention: bool = False  # with checkpointing: the attention kernels' outputs kept (`sft.model.checkpointing`)
+    # with checkpointing: the attention kernels' outputs kept (`sft.model.checkpointing`)
+    keep_attention_outputs: bool = False
     compiled: bool = False  # compiled decoder layers (the speed model's; no memory of their own)
     # Adam's two moments per trained parameter: fp32 (8 bytes), or 8-bit blocks (`optim: adamw_torch_8bit`, torchao's
     # AdamW8bit: a byte each plus a fp32 scale per 256; `moment_bytes_of`)
@@ -225,7 +169,7 @@ class Setting:
             f", {name}"
             for name, on in (
                 ("offloaded to CPU", self.offload_checkpoints),
-                ("attention kept", self.keep_attention),
+                ("attention kept", self.keep_attention_outputs),
                 ("tiled MLP", self.tiled_mlp),
             )  # fmt: skip
             if on
@@ -249,7 +193,7 @@ class Setting:
         """As a run sets it with attention outputs kept: layers not compiled (the selection of what to keep does not
         reach inside a compiled layer), and FP8 off with them where `fp8_auto` (float8 is fast only compiled;
         `sft.plan.kernels.keep_attention_eager`)."""
-        if not (self.keep_attention and self.compiled):
+        if not (self.keep_attention_outputs and self.compiled):
             return self
         return dataclasses.replace(self, compiled=False, fp8=self.fp8 and not fp8_auto)
 
@@ -267,17 +211,14 @@ class Setting:
         return dataclasses.replace(self, master_weights=True, moment_bytes=moments)
 
     def with_tools(self, tools: Tools, ratio: float = 1.0) -> Setting:
-        return dataclasses.replace(
-            self, activation_checkpointing=tools.checkpointing, offload_checkpoints=tools.offload,
-            tiled_mlp=tools.tiled_mlp, offload_optimizer=tools.offload_optimizer, offload_params=tools.offload_params,
-            offload_ratio=ratio if tools.offload_optimizer and not tools.offload_params else 1.0,
-            keep_attention=tools.keep_attention,
-        )  # fmt: skip
+        """This setting with every lever as `tools` sets it (a lever's `Setting` field is its name), and the optimizer
+        offload's share `ratio` where only the optimizer is offloaded."""
+        return dataclasses.replace(self, **tools._asdict(), offload_ratio=ratio if tools.offload_optimizer and not
+                                   tools.offload_params else 1.0)  # fmt: skip
 
     @property
     def tools(self) -> Tools:
-        return Tools(self.activation_checkpointing, self.offload_checkpoints, self.tiled_mlp, self.offload_optimizer,
-                     self.offload_params, self.keep_attention)  # fmt: skip
+        return Tools(*(getattr(self, name) for name in Tools._fields))
 
     @property
     def ratio(self) -> float:
@@ -425,7 +366,7 @@ def activation_bytes_per_token(shape: ModelShape, s: Setting) -> float:
     extra = EXTRA_PER_TOKEN["liger" if s.liger else "eager"] * shape.hidden
     if s.activation_checkpointing:
         kept = min(OFFLOAD_STASH_LAYERS, shape.layers) if s.offload_checkpoints else shape.layers
-        attention = shape.layers * attention_kept_bytes_per_token(shape, s) if s.keep_attention else 0
+        attention = shape.layers * attention_kept_bytes_per_token(shape, s) if s.keep_attention_outputs else 0
         return kept * s.dtype_bytes * shape.hidden + attention + layer + extra
     # the query and key norms' saved tensors, where every layer keeps its own (within the peaks measured with
     # checkpointing, Qwen3-4B's long rows, the one recomputed layer's are not counted apart)
@@ -643,7 +584,7 @@ def _check_setting(s: Setting) -> None:
         raise ConfigError("QLoRA needs a LoRA rank (--lora-r).")
     if s.offload_checkpoints and not s.activation_checkpointing:
         raise ConfigError("Offloading checkpoints needs activation checkpointing (--activation-checkpointing).")
-    if s.keep_attention and not (s.activation_checkpointing and not s.offload_checkpoints):
+    if s.keep_attention_outputs and not (s.activation_checkpointing and not s.offload_checkpoints):
         raise ConfigError("Keeping attention outputs needs activation checkpointing, without offloaded checkpoints.")
 
 
@@ -711,7 +652,7 @@ def setting_of(fields, layout, engine: str, gpus: int, gpus_per_node: int | None
         activation_checkpointing=bool(fields.get("activation_checkpointing")),
         offload_checkpoints=bool(fields.get("offload_checkpoints")),
         tiled_mlp=bool(fields.get("tiled_mlp")),
-        keep_attention=bool(fields.get("keep_attention_outputs")),
+        keep_attention_outputs=bool(fields.get("keep_attention_outputs")),
         liger=bool(fields.get("use_liger_kernel")),
         lora_r=fields.get("lora_r") or 0 if peft else 0,
         lora_dropout=fields.get("lora_dropout") or 0.0 if peft else 0.0,
@@ -999,14 +940,14 @@ def ranked(
     base's), the first of `candidates` (default: `ladder(base)`: ZeRO-0..3, then offload; sft's measurements put a
     lower stage ahead wherever it fits, and the sweep has not calibrated the collectives of a higher one), then the
     levers. Levers that the sweep measured (none, checkpointing, checkpointing that keeps attention outputs:
-    `speed_ranked`) are ranked by the speed model with every micro batch of `micro_batches`; only where none fits
+    `Tools.ranked`) are ranked by the speed model with every micro batch of `micro_batches`; only where none fits
     do the others (offloaded checkpoints, the tiled MLP, ZeRO's offload) come on, in `levels`' order, each with the
     largest micro batch that fits. With `target` (rows per optimizer step) a candidate accumulates `target /
     (data-parallel size x micro batch)` micro-batches; `kernels(setting)` gives a candidate's FP8 and compile flags
     where its levers change them (attention outputs kept run eager)."""
     card = card or speed.card()
-    fast = [t for t in levels if speed_ranked(t)]
-    rest = [t for t in levels if not speed_ranked(t)]
+    fast = [t for t in levels if t.ranked]
+    rest = [t for t in levels if not t.ranked]
 
     def fitting(candidate: Setting, sp: int, tools: Tools, ratio: float):
         levered = lever_setting(candidate, tools, ratio)
@@ -1056,11 +997,6 @@ def ranked_bases(
         unique.setdefault(r.estimate.setting, r)
     # fastest first; among equals the earlier (fewer levers, larger micro batch) stays ahead
     return sorted(unique.values(), key=lambda r: -r.time.tokens_per_second)
-
-
-def speed_ranked(tools: Tools) -> bool:
-    """Levers the speed model ranks: none, or checkpointing (keeping attention outputs or not) on the GPU."""
-    return not (tools.offload or tools.tiled_mlp or tools.offload_optimizer or tools.offload_params)
 
 
 def first_fit(shape: ModelShape, base: Setting, gpu_memory: float, headroom: float, levels: tuple[Tools, ...],
@@ -1156,9 +1092,9 @@ def lever_report(e: Estimate, base: Setting, gpu_memory: float, headroom: float,
                  binds: str = "") -> str:  # fmt: skip
     """Which levers a setting turned on beyond `base`'s (the last is the one that made it fit), the memory that
     `binds` (`binding`), and both memories' use."""
-    added = [name for name, on, was in zip(LEVER_NAMES, e.setting.tools, base.tools, strict=True) if on and not was]
-    if e.setting.offload_optimizer and e.setting.ratio < 1:
-        added = [f"{n} ({e.setting.ratio:.0%} of its states)" if n == LEVER_NAMES[3] else n for n in added]
+    added = [lever for lever in e.setting.tools.on() if lever not in base.tools.on()]
+    share = f" ({e.setting.ratio:.0%} of its states)" if e.setting.offload_optimizer and e.setting.ratio < 1 else ""
+    added = [lever.label + (share if lever.name == "offload_optimizer" else "") for lever in added]
     gpu_use, host_use = gpu_memory * (1 - headroom), host_memory * (1 - headroom)
     gpu_left, host_left = (gpu_use - e.peak) / GiB, (host_use - e.host_pinned) / GiB
     use = (

@@ -37,8 +37,8 @@ from sft.model import architectures, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
 from sft.plan import kernels as family_kernels
+from sft.plan import levers, search
 from sft.plan import memory as memplan
-from sft.plan import search
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _memory_step(d: Decided) -> Decided:
     family_kernels.ranked_changes(kernels, changes, optimizer, liger)
     if bf16 is not None:
         family_kernels.bf16_faster(args, kernels, changes, bf16)
-    if tools.keep_attention:
+    if tools.keep_attention_outputs:
         family_kernels.keep_attention_eager(args, kernels, changes)
     memory = MemoryDecision(micro, tools, sp, ratio, sentence, "per_device_train_batch_size" in args.auto_settings)
     return d.with_changes(changes, kernels=kernels, memory=memory)
@@ -443,10 +443,10 @@ def _lever_changes(training_args, micro: int, tools: memplan.Tools, batch: Batch
     auto = training_args.auto_settings
     if micro != training_args.per_device_train_batch_size or "per_device_train_batch_size" in auto:
         changes["per_device_train_batch_size"] = micro
-    for key, lever in search.TOOL_FIELDS.items():
+    for lever in levers.run_levers():
         value = getattr(tools, lever)
-        if value != getattr(training_args, key) or key in auto:
-            changes[key] = value
+        if value != getattr(training_args, lever) or lever in auto:
+            changes[lever] = value
     if batch.gradient_accumulation_steps != training_args.gradient_accumulation_steps:
         changes["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
 
@@ -574,7 +574,7 @@ def _plan_memory(
             base, optim = dataclasses.replace(base, moment_bytes=chosen.moment_bytes), memplan.EIGHT_BIT_OPTIM
         if chosen.liger != base.liger:  # `use_liger_kernel: auto`, taken the other way by the ranking
             base, liger = dataclasses.replace(base, liger=chosen.liger), chosen.liger
-        if base.fp8 and not chosen.fp8 and not chosen.keep_attention:  # kept attention turns FP8 off by itself
+        if base.fp8 and not chosen.fp8 and not chosen.keep_attention_outputs:  # kept attention turns FP8 off by itself
             bf16, base = chosen.compiled, dataclasses.replace(base, fp8=False)
     setting = dataclasses.replace(base.with_tools(tools, ratio), micro_batch=micro, sp=sp)
     sentence = _check_plan(training_args, model_args, shape, setting, (memory, headroom, host))

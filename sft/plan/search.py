@@ -24,8 +24,8 @@ from sft.core.engine import Sharding
 from sft.core.run import Resume
 from sft.model import fp8
 from sft.plan import kernels as family_kernels
+from sft.plan import levers, speed
 from sft.plan import memory as memplan
-from sft.plan import speed
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,6 @@ FSDP2_MEASURED = ("FSDP2's default measured 1.26-1.33x ZeRO-3's on Llama-3.1-8B 
 QLORA_MEASURED = ("QLoRA on the Llama-3.1-70B widths, 2 x H200 capped at 24 GiB: FSDP2 2.47x ZeRO-3's tokens/s at 4 "
                   "layers, and 40 layers trained in 17.26 GiB where ZeRO-3 ran out of memory "
                   "(benchmarks/results/qlora_70b_fsdp2)")  # fmt: skip
-
-# The training arguments of the plan's memory levers: {argument: `sft.plan.memory.Tools` field} (ZeRO's offload levers
-# are the engine's, `Engine.offload_auto`)
-TOOL_FIELDS = {"activation_checkpointing": "checkpointing", "offload_checkpoints": "offload", "tiled_mlp": "tiled_mlp",
-               "keep_attention_outputs": "keep_attention"}  # fmt: skip
 
 
 def base_setting(
@@ -264,11 +259,12 @@ def _with_accumulation(training_args, base: memplan.Setting, target: int | None)
 
 def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
     """The plan's memory levels with every lever that is not `auto` held at its given value (in the plan's order):
-    the tools of TOOL_FIELDS, and ZeRO's offload where the DeepSpeed config's device is `"auto"`."""
+    the training arguments' levers (`sft.plan.levers.run_levers`), and ZeRO's offload where the DeepSpeed config's
+    device is `"auto"`."""
     auto = training_args.auto_settings
     given = given_levers(training_args)
     optimizer, params = training_args.run_engine.offload_auto()
-    free = {lever for key, lever in TOOL_FIELDS.items() if key in auto}
+    free = {lever for lever in levers.run_levers() if lever in auto}
     free |= {lever for lever, on in (("offload_optimizer", optimizer), ("offload_params", params)) if on}
     levels = []
     for level in memplan.levels():
@@ -281,7 +277,7 @@ def _tool_levels(training_args) -> tuple[memplan.Tools, ...]:
 def given_levers(training_args) -> memplan.Tools:
     """The memory levers as the recipe and DeepSpeed config give them (`auto` ones off)."""
     zero = training_args.run_engine.sharding
-    fields = {lever: bool(getattr(training_args, key)) for key, lever in TOOL_FIELDS.items()}
+    fields = {lever: bool(getattr(training_args, lever)) for lever in levers.run_levers()}
     return memplan.Tools(**fields, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params)
 
 

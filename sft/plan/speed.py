@@ -197,7 +197,7 @@ def step_time(
     flops = tokens * (linear + attention)
     again_linear = again_attention = 0.0
     if s.activation_checkpointing:  # the forward is a third of a layer's training FLOPs
-        again_linear, again_attention = decoder / 3, (0 if s.keep_attention else attention / 3)
+        again_linear, again_attention = decoder / 3, (0 if s.keep_attention_outputs else attention / 3)
     if s.tiled_mlp:
         again_linear += decoder * mlp_share(shape) / 3
     compute = tokens * (linear / linear_rate + attention / attention_rate) + _fp8_casts(shape, s, c)
@@ -207,7 +207,7 @@ def step_time(
     # the host's work per micro step (launches, one reduction call per bucket) runs ahead of a busy GPU: only what the
     # GPU's work does not cover shows
     per_layer = c.host_s_per_layer.get(kernel, 0.0) + (
-        c.host_s_per_layer.get(KEPT_ATTENTION, 0.0) if s.keep_attention else 0
+        c.host_s_per_layer.get(KEPT_ATTENTION, 0.0) if s.keep_attention_outputs else 0
     )
     host = shape.layers * per_layer + c.bucket_s * _buckets(shape, s, bucket)
     if s.sharding.weights and s.traits.host_hooks:  # ZeRO-3's hooks fetch and release each layer's weights each pass

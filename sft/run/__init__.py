@@ -4,6 +4,7 @@ run's report (`report`: plots and a page, written at its end and by `sft report`
 (`optimizer`, its Triton kernel `adamw8bit_kernel`).
 
 May import: `sft.errors`, `sft.core` (the RunPlan, steps per epoch), `sft.model`, `sft.parallel` (sequence
-parallelism's trainer hooks), `sft.plan.memory` (the fused 8-bit step's limits, which the memory plan counts).
+parallelism's trainer hooks), `sft.plan.memory` (the fused 8-bit step's limits, which the memory plan counts),
+`sft.plan.levers` (the memory levers, named in the out-of-memory advice).
 Nothing imports the trainer but the entry point (`sft.train`) and the tools.
 """

@@ -33,6 +33,7 @@ import torch
 
 from sft.core.retry import OOM_EXIT_CODE, Retry
 from sft.errors import SFTError
+from sft.plan import levers
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +144,7 @@ def _newest_checkpoint(output_dir: str) -> str:
 
 
 OOM_TEST_ENV = "SFT_TEST_OOM_ABOVE_MICRO_BATCH"  # tests: a CUDA out-of-memory error for micro batches above N, step>=2
-LEVERS = (
-    "activation_checkpointing: true, offload_checkpoints: true or tiled_mlp: true for activations; ZeRO-3 "
-    "(ds_configs/zero3.json) or its CPU offload (ds_configs/zero3_offload.json) for the model states; a shorter "
-    "max_length; LoRA; more GPUs"
-)
+LEVERS = levers.advice()  # the memory levers in a line (`sft.plan.levers`)
 
 
 @dataclass
