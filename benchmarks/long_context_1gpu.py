@@ -10,7 +10,7 @@ token ids per row, global batch 1 row), `ds_configs/zero3.json` or `zero2.json` 
 (activation checkpointing, its offload, the tiled MLP, ZeRO's optimizer and weight offload: `sft.plan.memory` decides).
 
 - `longest`: for each `shape:cap` of `--longest` (cap: GiB the GPU is capped at with `max_gpu_memory_gib`, 0: the
-  whole GPU), the plan's longest row for this GPU and this machine's host memory (`sft.plan.memory.longest`, ZeRO-3),
+  whole GPU), the plan's longest row for this GPU and this machine's host memory (`sft.plan.fits.longest`, ZeRO-3),
   then sft trained at that length for `--steps` optimizer steps (3) and, with `--over` (1.1), at that factor of it with
   the plan check off. Peak GPU memory (allocated, the metrics' `peak_memory_gib`) and peak host memory (the
   machine's MemTotal - MemAvailable above its level before the run, sampled every 0.2 s) next to the plan's lines.
@@ -179,6 +179,7 @@ def planned(work: Path, spec: str):
     import torch
 
     from sft.model import architectures, shapes
+    from sft.plan import fits as fitting
     from sft.plan import memory as plan
 
     model, cap = spec.split(":")
@@ -186,17 +187,17 @@ def planned(work: Path, spec: str):
     config = shape_config(model)
     path = model_dir(work / model, config)
     shape = shapes.load_shape(str(path))
-    gpu = cap * plan.GiB if cap else plan.detected_gpu_memory()
-    host = plan.detected_host_memory()
+    gpu = cap * plan.GiB if cap else fitting.detected_gpu_memory()
+    host = fitting.detected_host_memory()
     liger = architectures.of(shapes.load_config(str(path))).kernel("liger").on  # as sft's `auto` decides per family
     base = plan.Setting(gpus=1, zero_stage=3, liger=liger)
-    top = plan.longest(shape, base, gpu, host_memory=host)
-    binds = plan.binding(shape, top, gpu, 0.1, host)
+    top = fitting.longest(shape, base, gpu, host_memory=host)
+    binds = fitting.binding(shape, top, gpu, 0.1, host)
     result = {
         "shape": model, "gpu_gib": gpu / plan.GiB, "host_gib": host / plan.GiB, "device": torch.cuda.get_device_name(),
         "planned_tokens": top.setting.seq_len, "planned_setting": top.setting.describe(),
         "planned_peak_gib": top.peak / plan.GiB, "planned_host_gib": top.host_pinned / plan.GiB, "binding": binds,
-        "report": plan.lever_report(top, base, gpu, 0.1, host, binds),
+        "report": fitting.lever_report(top, base, gpu, 0.1, host, binds),
     }  # fmt: skip
     return model, cap, top, result
 

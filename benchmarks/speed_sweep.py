@@ -8,7 +8,7 @@ estimates; `--fit` turns the runs into the cards' constants in `sft/plan/speed_c
     python -m benchmarks.speed_sweep --report benchmarks/results/speed_sweep_h100/*/runs.jsonl   # plan vs measured
     python -m benchmarks.speed_sweep --tiny --out /tmp/sweep                    # CPU smoke test, demo model
 
-The candidates: `sft.plan.memory.ranked` over micro batches (those dividing the global batch of 32 rows) and the
+The candidates: `sft.plan.fits.ranked` over micro batches (those dividing the global batch of 32 rows) and the
 levers the speed model ranks (none, checkpointing, checkpointing that keeps attention outputs), with the kernels
 `sft train` would use (Liger; FP8 and compiled layers as `auto` decides; attention outputs kept run eager in bf16),
 plus the same without FP8 (the bf16 rows of the fit). Of each group (levers x kernels) the one the plan ranks fastest
@@ -58,6 +58,7 @@ from sft.core.batch import micro_batches_for
 from sft.engines import bucket_elements
 from sft.model import architectures
 from sft.model.shapes import load_config, load_shape, shipped_config
+from sft.plan import fits as fitting
 from sft.plan import memory as plan
 from sft.plan import speed
 
@@ -88,7 +89,7 @@ def from_name(name: str, base: plan.Setting) -> plan.Setting:
     stage, micro, levers, kernel = name.split("+")[0].split("-")
     setting = dataclasses.replace(base, zero_stage=int(stage[1:]), micro_batch=int(micro[1:]),
                                   fp8=kernel == "fp8", compiled=kernel in ("fp8", "bf16c"))  # fmt: skip
-    setting = dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH),
+    setting = dataclasses.replace(setting, accumulation=fitting.accumulation_for(setting, GLOBAL_BATCH),
                                   moment_bytes=_moment_bytes(name))  # fmt: skip
     return setting.with_tools(plan.Tools(levers != "none", False, False, keep_attention_outputs=levers == "keep"))
 
@@ -146,17 +147,17 @@ def base_setting(args, shape, arch, stage: int | None = None) -> plan.Setting:
                         fp8=fp8_on, compiled=compiled, dtype_bytes=4 if args.tiny else 2)  # fmt: skip
 
 
-def candidates(args, shape, arch, memory: float) -> list[plan.Ranked]:
+def candidates(args, shape, arch, memory: float) -> list[fitting.Ranked]:
     """Of each group (levers x kernels) that fits: the fastest by the plan and the smallest micro batch."""
     base = base_setting(args, shape, arch)
     dp = args.gpus
     micros = micro_batches_for(GLOBAL_BATCH, dp, plan.MICRO_BATCHES) or (1,)
     bases = [base] + ([dataclasses.replace(base, fp8=False, compiled=False)] if base.fp8 or base.compiled else [])
-    chosen: dict[str, plan.Ranked] = {}
+    chosen: dict[str, fitting.Ranked] = {}
     for b in bases:
-        fits = plan.ranked(shape, b, memory, args.headroom, micros, [b], FAST_LEVELS, target=GLOBAL_BATCH,
+        fits = fitting.ranked(shape, b, memory, args.headroom, micros, [b], FAST_LEVELS, target=GLOBAL_BATCH,
                            kernels=plan.Setting.attention_kept_eager)  # fmt: skip
-        groups: dict[tuple, list[plan.Ranked]] = {}
+        groups: dict[tuple, list[fitting.Ranked]] = {}
         for r in fits:
             s = r.estimate.setting
             groups.setdefault((s.tools, s.fp8, s.compiled), []).append(r)
@@ -259,7 +260,7 @@ def measure(args) -> None:
     model = model_dir(work / "model", SHAPES[args.shape])
     model_config = load_config(str(model))
     shape, arch = load_shape(str(model), False, model_config), architectures.of(model_config)
-    memory = (args.gpu_memory * plan.GiB) if args.gpu_memory else plan.detected_gpu_memory()
+    memory = (args.gpu_memory * plan.GiB) if args.gpu_memory else fitting.detected_gpu_memory()
     data = work / "data.jsonl"
     make_sft_data(
         data, args.records, 104 if args.tiny else min(SHAPES[args.shape]["vocab_size"], 128_256), args.seq_len
@@ -278,7 +279,7 @@ def measure(args) -> None:
                 continue
             base = base_setting(args, shape, arch, stage_of(name, args.zero))
             s = from_name(name, base)
-            runs.append((name, plan.Ranked(plan.estimate(shape, s), speed.step_time(shape, s, card))))
+            runs.append((name, fitting.Ranked(plan.estimate(shape, s), speed.step_time(shape, s, card))))
     else:
         runs = [(setting_name(r.estimate.setting), r) for r in candidates(args, shape, arch, memory)]
     print(f"{len(runs)} runs: {', '.join(name for name, _ in runs)}", flush=True)
@@ -355,7 +356,7 @@ def default_setting(run: dict) -> plan.Setting | None:
     tools = plan.Tools(flag["activation_checkpointing"], False, False,
                        keep_attention_outputs=flag.get("keep_attention_outputs", False))  # fmt: skip
     setting = setting.with_tools(tools)
-    return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, GLOBAL_BATCH))
+    return dataclasses.replace(setting, accumulation=fitting.accumulation_for(setting, GLOBAL_BATCH))
 
 
 def _kernel(s: plan.Setting) -> str:

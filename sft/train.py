@@ -87,7 +87,7 @@ def _plan(training_args, model_args, data_args):
     """(the RunPlan, the checkpoint it resumes or None, that checkpoint's fingerprint or None); the GPU capped where
     `max_gpu_memory_gib` asks."""
     from sft.core.run import Resume
-    from sft.plan import memory as memplan
+    from sft.plan import fits as fitting
     from sft.plan.preflight import preflight
     from sft.run import checkpoint as ckpt
 
@@ -96,7 +96,7 @@ def _plan(training_args, model_args, data_args):
     resume = Resume.of(resume_from, saved) if resume_from else None
     plan = preflight(training_args, model_args, resume, data_args.datasets)
     cap = plan.training_args.max_gpu_memory_gib
-    if memplan.cap_gpu_memory(cap):
+    if fitting.cap_gpu_memory(cap):
         logger.info("GPU memory capped at %.1f GiB per process (max_gpu_memory_gib)", cap)
     return plan, resume_from, saved
 

@@ -13,7 +13,6 @@ from sft.errors import ConfigError
 from sft.model import shapes
 from sft.parallel import launch
 from sft.plan import cli as plan_cli
-from sft.plan import memory as plan
 from tests.conftest import ROOT, cli_env
 from tests.conftest import run_cli_in_process as run_cli
 from tests.helpers import demo_args
@@ -135,7 +134,7 @@ def test_an_image_text_model_is_planned_offline_and_a_text_only_entry_says_so(ca
 
 
 def test_suggest_without_a_gpu_answers_for_common_sizes(capsys, monkeypatch):
-    monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
+    monkeypatch.setattr(plan_cli, "detected_gpu_memory", lambda: None)  # the name sft plan calls
     args = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8", "--zero", "3", "--seq-len", "4096"]
     assert plan_cli.main([*args, "--micro-batch", "2", "--liger", "--suggest"]) == 0
     out = capsys.readouterr().out

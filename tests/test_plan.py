@@ -21,6 +21,7 @@ from sft.core.run import Resume
 from sft.errors import ConfigError
 from sft.model import shapes, tiling
 from sft.plan import cli as plan_cli
+from sft.plan import fits as fitting
 from sft.plan import memory as plan
 from sft.plan import speed
 from sft.plan.preflight import preflight
@@ -193,8 +194,8 @@ def test_suggest_takes_lowest_stage_then_the_fastest_levers_and_micro_batch(tmp_
     estimates fastest; offload only where nothing fits on the GPU."""
     shape = shapes.load_shape(write_config(tmp_path, "8b", SHAPES["llama-8b"]))
     base = plan.Setting(gpus=8, seq_len=4096, liger=True)
-    fits = plan.ranked(shape, base, 80 * plan.GiB, target=64)
-    best = plan.suggest(shape, base, 80 * plan.GiB, target=64)
+    fits = fitting.ranked(shape, base, 80 * plan.GiB, target=64)
+    best = fitting.suggest(shape, base, 80 * plan.GiB, target=64)
     assert best == fits[0].estimate and best.setting.zero_stage == 1  # ZeRO-0 cannot hold 8B
     assert plan.estimate(shape, dataclasses.replace(best.setting, zero_stage=0)).peak > 72 * plan.GiB
     assert {r.estimate.setting.zero_stage for r in fits} == {1}
@@ -204,18 +205,18 @@ def test_suggest_takes_lowest_stage_then_the_fastest_levers_and_micro_batch(tmp_
         dataclasses.replace(base, zero_stage=1, micro_batch=m, accumulation=-(-64 // (8 * m))).with_tools(t)
         for m in plan.MICRO_BATCHES for t in plan.ACTIVATION_LEVELS[:3]
     ]  # fmt: skip
-    fitting = [s for s in every if plan.estimate(shape, s).fits(80 * plan.GiB, 0.1)]
-    assert len(fitting) == len(fits)  # none left out
-    assert all(speed.step_time(shape, s).tokens_per_second <= fits[0].time.tokens_per_second for s in fitting)
+    fitting_ones = [s for s in every if plan.estimate(shape, s).fits(80 * plan.GiB, 0.1)]
+    assert len(fitting_ones) == len(fits)  # none left out
+    assert all(speed.step_time(shape, s).tokens_per_second <= fits[0].time.tokens_per_second for s in fitting_ones)
     # 2 GPUs of 80 GB: nothing fits without checkpointing under ZeRO-3 at micro batch 1 -> checkpointing on
-    two = plan.suggest(shape, dataclasses.replace(base, gpus=2), 80 * plan.GiB)
+    two = fitting.suggest(shape, dataclasses.replace(base, gpus=2), 80 * plan.GiB)
     assert two.setting.zero_stage == 3 and two.setting.activation_checkpointing
     assert not plan.estimate(
         shape, dataclasses.replace(two.setting.with_tools(plan.Tools(False, False, False)), micro_batch=1)
     ).fits(80 * plan.GiB, 0.1)
-    one = plan.suggest(shape, dataclasses.replace(base, gpus=1), 8 * plan.GiB)  # 8B on one 8 GB GPU: ZeRO-Infinity
+    one = fitting.suggest(shape, dataclasses.replace(base, gpus=1), 8 * plan.GiB)  # 8B on one 8 GB GPU: ZeRO-Infinity
     assert (one.setting.zero_stage, one.setting.offload_params, one.setting.micro_batch) == (3, True, 1)
-    assert plan.suggest(shape, dataclasses.replace(base, gpus=1), 2 * plan.GiB) is None  # the gathered head: 1 GiB
+    assert fitting.suggest(shape, dataclasses.replace(base, gpus=1), 2 * plan.GiB) is None  # the gathered head: 1 GiB
 
 
 def test_memory_tools_for_long_rows_come_in_order(tmp_path):
@@ -227,7 +228,7 @@ def test_memory_tools_for_long_rows_come_in_order(tmp_path):
     chosen = {}
     for seq in (8192, 65536, 393216, 786432):
         setting = dataclasses.replace(base, seq_len=seq)
-        best = plan.suggest(shape, setting, 141 * plan.GiB, micro_batches=(1,), candidates=[setting])
+        best = fitting.suggest(shape, setting, 141 * plan.GiB, micro_batches=(1,), candidates=[setting])
         chosen[seq] = best.setting.tools if best else None
     assert chosen == {
         8192: plan.Tools(False, False, False),
@@ -262,7 +263,9 @@ def test_long_rows_on_one_gpu_turn_levers_on_in_order_and_count_host_memory(tmp_
     chosen = []
     for seq in (32768, 65536, 262144, 393216, 786432, 1048576):
         setting = dataclasses.replace(base, seq_len=seq)
-        chosen.append(plan.suggest(shape, setting, gpu, 0.1, (1,), [setting], plan.levels(), host_memory=host).setting)
+        chosen.append(
+            fitting.suggest(shape, setting, gpu, 0.1, (1,), [setting], plan.levels(), host_memory=host).setting
+        )
     assert [s.tools for s in chosen] == list(plan.MEMORY_LEVELS[:6])
     # 1.24B parameters in DeepSpeed's sub-groups of at least 1e9, in the model's order: 2
     assert [len(g) for g in plan.optimizer_groups(shape, base, 0.5)] == [1, 1]
@@ -301,12 +304,12 @@ def test_longest_row_names_its_levers_and_the_memory_that_binds(tmp_path, capsys
     shape = shapes.load_shape(config)
     base = plan.Setting(gpus=1, zero_stage=3, liger=True)
     gpu, host = 80 * plan.GiB, 125 * plan.GiB
-    top = plan.longest(shape, base, gpu, host_memory=host)
+    top = fitting.longest(shape, base, gpu, host_memory=host)
     assert top.setting.offload_optimizer and 0 < top.setting.ratio < 1 and not top.setting.offload_params
-    assert plan.binding(shape, top, gpu, 0.1, host) == "host"
-    roomy = plan.longest(shape, base, gpu, host_memory=2048 * plan.GiB)
+    assert fitting.binding(shape, top, gpu, 0.1, host) == "host"
+    roomy = fitting.longest(shape, base, gpu, host_memory=2048 * plan.GiB)
     assert roomy.setting.seq_len > top.setting.seq_len
-    assert plan.binding(shape, roomy, gpu, 0.1, 2048 * plan.GiB) == "GPU"
+    assert fitting.binding(shape, roomy, gpu, 0.1, 2048 * plan.GiB) == "GPU"
     args = ["--model", config, "--gpus", "1", "--zero", "3", "--liger", "--host-memory", "125"]
     _, out, _ = plan_command([*args, "--gpu-memory", "80", "--longest"], capsys)
     assert f"longest row that fits: {top.setting.seq_len:,} tokens with {top.setting.describe()}" in out
@@ -332,7 +335,7 @@ def test_plan_cli_reports_fit_and_suggestion(tmp_path, capsys):
 
 @pytest.mark.parametrize("memory_gib,micro,checkpointing", [("0.15", 12, True), ("0.04", 1, True)])
 def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, checkpointing):
-    """`auto` micro batch / checkpointing become what `sft.plan.memory.suggest` picks for the demo model and that
+    """`auto` micro batch / checkpointing become what `sft.plan.fits.suggest` picks for the demo model and that
     memory: the setting the speed model ranks fastest (for the demo's 1.6M parameters the per-micro-step cost
     dominates, so the largest micro batch, with checkpointing), or checkpointing when nothing fits without it."""
     _, _, training_args, model_args = demo_args(
@@ -347,7 +350,7 @@ def test_preflight_auto_takes_the_plans_choice(tmp_path, memory_gib, micro, chec
     resolved = preflight(training_args, model_args).training_args
     shape = shapes.load_shape(str(ROOT / "recipes" / "demo" / "model"))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4)
-    expected = plan.suggest(shape, base, float(memory_gib) * plan.GiB, candidates=[base])
+    expected = fitting.suggest(shape, base, float(memory_gib) * plan.GiB, candidates=[base])
     chosen = (resolved.per_device_train_batch_size, resolved.activation_checkpointing)
     assert (
         chosen == (expected.setting.micro_batch, expected.setting.activation_checkpointing) == (micro, checkpointing)
@@ -563,7 +566,9 @@ def test_a_family_whose_liger_is_off_keeps_every_auto_setting(tmp_path):
     assert shape.liger_speedup == 0.86
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4, liger=False)
     no_levers = (plan.Tools(False, False, False),)  # the demo recipe turns checkpointing off
-    fits = plan.ranked_bases(shape, [base, dataclasses.replace(base, liger=True)], 0.15 * plan.GiB, levels=no_levers)
+    fits = fitting.ranked_bases(
+        shape, [base, dataclasses.replace(base, liger=True)], 0.15 * plan.GiB, levels=no_levers
+    )
     expected = fits[0].estimate.setting
     # the plan's Liger (on this CPU the rebuilt arguments turn Liger off again: no CUDA GPU)
     assert (resolved.per_device_train_batch_size, run.kernels["Liger"].on) == (expected.micro_batch, expected.liger)
@@ -594,9 +599,9 @@ def test_zero2_accumulation_holds_a_second_gradient_buffer_so_the_h100_3b_case_t
     assert gib[0] > 66.68 + 5.98 > gib[1]
     levels = [plan.Tools(False, False, False)]
     accumulates = dataclasses.replace(base, accumulation=16)
-    chosen = plan.suggest(shape, accumulates, memory, 0.1, (1, 2, 4), [accumulates], levels)
+    chosen = fitting.suggest(shape, accumulates, memory, 0.1, (1, 2, 4), [accumulates], levels)
     assert chosen.setting.micro_batch == 1 and 65.8 < chosen.peak / plan.GiB < 65.9  # measured 65.90
-    assert plan.suggest(shape, base, memory, 0.1, (1, 2, 4), [base], levels).setting.micro_batch == 2
+    assert fitting.suggest(shape, base, memory, 0.1, (1, 2, 4), [base], levels).setting.micro_batch == 2
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
@@ -775,7 +780,7 @@ def test_plan_without_an_engine_holds_the_measured_peaks_of_the_vlm_benchmark(tm
 
 
 def test_sft_train_and_sft_plan_make_the_same_setting_from_the_same_levers(tmp_path):
-    """One owner turns a recipe's levers into the memory plan's setting (`sft.plan.memory.setting_of`): `sft train`'s
+    """One owner turns a recipe's levers into the memory plan's setting (`sft.plan.setting.setting_of`): `sft train`'s
     training arguments and `sft plan`'s flags for the same run give equal settings; a lever changed on one side only
     makes them differ (the comparison can fail)."""
     from sft.plan import cli
@@ -977,10 +982,10 @@ def test_a_memory_cap_at_the_cards_own_size_is_the_whole_card():
     H100, benchmarks/results/families_2026, call 24). Half a card is half; a cap over the card by more than 0.01 GiB
     is refused naming the value and the card's size."""
     h100 = 79.179 * plan.GiB
-    assert plan.memory_fraction(79.18, h100) == 1.0
-    assert plan.memory_fraction(79.179 / 2, h100) == pytest.approx(0.5)
+    assert fitting.memory_fraction(79.18, h100) == 1.0
+    assert fitting.memory_fraction(79.179 / 2, h100) == pytest.approx(0.5)
     with pytest.raises(ConfigError, match=r"`max_gpu_memory_gib: 80` is more than this GPU has \(79\.179 GiB\)"):
-        plan.memory_fraction(80, h100)
+        fitting.memory_fraction(80, h100)
 
 
 # (DeepSpeed config, GiB planned for, global batch, row length): `sft train`'s plan and `sft plan --suggest` on each
@@ -1035,8 +1040,8 @@ def test_sft_plan_defines_no_candidate_or_decision_function():
     used |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              for alias in node.names}  # fmt: skip
     assert not used & SEARCH_PRIMITIVES, sorted(used & SEARCH_PRIMITIVES)
-    old = ast.parse("def f(bases, fp32):\n    eight = rank(plan.with_eight_bit_moments(bases))\n"
-                    "    return eight if plan.eight_bit_wins(fp32, eight) else fp32\n")  # fmt: skip
+    old = ast.parse("def f(bases, fp32):\n    eight = rank(fitting.with_eight_bit_moments(bases))\n"
+                    "    return eight if fitting.eight_bit_wins(fp32, eight) else fp32\n")  # fmt: skip
     assert {n.attr for n in ast.walk(old) if isinstance(n, ast.Attribute)} & SEARCH_PRIMITIVES
 
 

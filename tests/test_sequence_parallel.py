@@ -17,6 +17,7 @@ from sft.errors import ConfigError
 from sft.model import shapes
 from sft.model.attention import boundaries_from_positions, varlen_attention_forward
 from sft.parallel import sequence as seqpar
+from sft.plan import fits as fitting
 from sft.plan import memory as plan
 from sft.plan.arguments import parse_args
 from tests.conftest import DEMO, ROOT
@@ -106,11 +107,11 @@ def test_plan_divides_activations_by_sp_and_suggests_the_smallest_sp():
     one = plan.estimate(shape, plan.Setting(gpus=2, seq_len=4096))
     two = plan.estimate(shape, plan.Setting(gpus=2, seq_len=4096, sp=2))
     assert two.items["activations"] == pytest.approx(one.items["activations"] / 2)
-    assert plan.sp_sizes(shape, 8) == (1, 2, 4)  # 4 heads, 2 key/value heads
+    assert fitting.sp_sizes(shape, 8) == (1, 2, 4)  # 4 heads, 2 key/value heads
     # memory for 1.5 x the sp=2 peak: sp=1 does not fit, sp=2 does, and is the answer
     memory = two.peak / 0.9 * 1.01
     base = plan.Setting(gpus=2, seq_len=4096)
-    best = plan.suggest(shape, base, memory, 0.1, (1,), [base], plan.MEMORY_LEVELS[:1], sp_choices=(1, 2))
+    best = fitting.suggest(shape, base, memory, 0.1, (1,), [base], plan.MEMORY_LEVELS[:1], sp_choices=(1, 2))
     assert best is not None and best.setting.sp == 2
 
 

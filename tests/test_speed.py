@@ -15,6 +15,7 @@ from benchmarks.common import model_dir
 from sft.engines.deepspeed import fill_buckets
 from sft.model import shapes
 from sft.plan import cli as plan_cli
+from sft.plan import fits as fitting
 from sft.plan import memory as plan
 from sft.plan import speed
 from sft.plan.arguments import parse_args
@@ -93,14 +94,16 @@ def test_a_larger_micro_batch_with_kept_attention_outranks_micro_batch_1_on_the_
     )
     card = speed.card()
     assert speed.step_time(shape, micro8, card).seconds < speed.step_time(shape, micro1, card).seconds
-    fits = plan.ranked(shape, base, H100, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base], target=32, card=card)
+    fits = fitting.ranked(
+        shape, base, H100, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base], target=32, card=card
+    )
     best = fits[0].estimate.setting
     assert (best.micro_batch, best.keep_attention_outputs) == (8, True)
     assert [r.time.tokens_per_second for r in fits] == sorted((r.time.tokens_per_second for r in fits), reverse=True)
     ideal = dataclasses.replace(card, half_tokens=0.0, host_s_per_layer={}, bucket_s=0.0,
                                 gradient_s_per_gparam={"2": 0.0})  # fmt: skip
     assert speed.step_time(shape, micro1, ideal).seconds < speed.step_time(shape, micro8, ideal).seconds
-    first = plan.ranked(shape, base, H100, 0.1, (1, 2, 4, 8, 16, 32), [base], target=32, card=ideal)[0]
+    first = fitting.ranked(shape, base, H100, 0.1, (1, 2, 4, 8, 16, 32), [base], target=32, card=ideal)[0]
     assert not first.estimate.setting.activation_checkpointing
 
 
@@ -153,7 +156,7 @@ def test_auto_takes_the_speed_models_first_and_logs_why(tmp_path, caplog):
         chosen[model.name] = (run.per_device_train_batch_size, run.activation_checkpointing, caplog.text)
     shape = shapes.load_shape(str(llama))
     base = plan.Setting(gpus=1, zero_stage=2, seq_len=512, dtype_bytes=4)
-    fits = plan.ranked(shape, base, 0.15 * plan.GiB, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base],
+    fits = fitting.ranked(shape, base, 0.15 * plan.GiB, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base],
                        levels=plan.levels(), target=32)  # fmt: skip
     micro, checkpointing, text = chosen["llama"]
     assert (micro, checkpointing) == (fits[0].estimate.setting.micro_batch,
@@ -165,7 +168,7 @@ def test_auto_takes_the_speed_models_first_and_logs_why(tmp_path, caplog):
                                       fits[0].estimate.setting.activation_checkpointing)  # fmt: skip
     micro, checkpointing, text = chosen["granite"]
     assert "Speed model: off for granite" in text
-    rule = plan.ranked(shape, base, 0.15 * plan.GiB, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base],
+    rule = fitting.ranked(shape, base, 0.15 * plan.GiB, micro_batches=(1, 2, 4, 8, 16, 32), candidates=[base],
                        levels=plan.levels(), target=32, by_speed=False)[0].estimate.setting  # fmt: skip
     assert (micro, checkpointing) == (rule.micro_batch, rule.activation_checkpointing)
     assert not rule.activation_checkpointing  # the rule takes the fewest levers first

@@ -17,23 +17,22 @@ from sft.core.engine import Sharding
 from sft.errors import ConfigError
 from sft.model import architectures
 from sft.model.shapes import ModelShape, load_config, load_shape, shipped_note
+from sft.plan import fits as fitting
 from sft.plan import kernels as family_kernels
 from sft.plan import memory as plan
 from sft.plan import search, speed
-from sft.plan.memory import (
-    Estimate,
-    GiB,
-    Setting,
+from sft.plan.fits import (
     binding,
     detected_gpu_memory,
     detected_host_memory,
-    estimate,
     lever_report,
     longest,
     nothing_fits,
     sp_sizes,
     suggest,
 )
+from sft.plan.memory import Estimate, GiB, estimate
+from sft.plan.setting import Setting
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +246,7 @@ def _setting(args, kernels: tuple[bool, ...] = (False, False, False)) -> Setting
         setting = search.without_master(setting, args.optim)
     if not args.global_batch:
         return setting
-    return dataclasses.replace(setting, accumulation=plan.accumulation_for(setting, args.global_batch))
+    return dataclasses.replace(setting, accumulation=fitting.accumulation_for(setting, args.global_batch))
 
 
 def _suggest(args, shape, setting: Setting, memory: float, host: float) -> None:
@@ -261,7 +260,7 @@ def _suggest(args, shape, setting: Setting, memory: float, host: float) -> None:
                           same_stage=args.same_stage)  # fmt: skip
     bases = search.card_bases(args.arch, setting, args.fp8 == "auto", args.liger == "auto", args.by_speed)
     fits = found.rank(bases)
-    if args.optim == "auto" and args.by_speed and plan.eight_bit_candidate(setting):
+    if args.optim == "auto" and args.by_speed and fitting.eight_bit_candidate(setting):
         fp32 = fits
         _, fits, eight = found.optimizer_states(bases, fp32)
         if eight:

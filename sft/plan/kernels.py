@@ -19,6 +19,7 @@ import torch
 from sft import engines
 from sft.core.engine import Sharding
 from sft.model import architectures, experts, fp8
+from sft.plan import fits as fitting
 from sft.plan import memory as memplan
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def kernel_bases(arch, base: memplan.Setting, fp8_auto: bool, compile_auto: bool
     # Liger beside these layers (never a compiled one where the pair was measured wrong)
     beside = not (any(b.compiled for b in bases) and arch.liger_breaks_compile())
     if liger_auto and arch.liger_exact and beside:
-        return memplan.with_liger_candidates(bases)
+        return fitting.with_liger_candidates(bases)
     return bases
 
 

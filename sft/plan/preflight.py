@@ -36,6 +36,7 @@ from sft.errors import ConfigError
 from sft.model import architectures, quantization, shapes
 from sft.model.attention import check_packing, resolve_attn_implementation
 from sft.parallel import sequence as seqpar
+from sft.plan import fits as fitting
 from sft.plan import kernels as family_kernels
 from sft.plan import levers, search
 from sft.plan import memory as memplan
@@ -631,11 +632,11 @@ def _check_plan(training_args, model_args, shape, setting: memplan.Setting, limi
         if advice:
             logger.warning(advice)
     if not fits:
-        best = memplan.suggest(shape, setting, memory, headroom, host_memory=host)
+        best = fitting.suggest(shape, setting, memory, headroom, host_memory=host)
         fix = (
             f"The fastest setting that fits: {best.setting.describe()} (peak {best.peak / memplan.GiB:.2f} GiB)."
             if best
-            else memplan.nothing_fits(setting, shape, memory, headroom, host)
+            else fitting.nothing_fits(setting, shape, memory, headroom, host)
         )
         if estimate.fits(memory, headroom):  # the GPU would hold it; the host would not
             over = (

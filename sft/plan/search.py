@@ -23,6 +23,7 @@ from sft.core.batch import micro_batches_for
 from sft.core.engine import Sharding
 from sft.core.run import Resume
 from sft.model import fp8
+from sft.plan import fits as fitting
 from sft.plan import kernels as family_kernels
 from sft.plan import levers, speed
 from sft.plan import memory as memplan
@@ -40,7 +41,7 @@ QLORA_MEASURED = ("QLoRA on the Llama-3.1-70B widths, 2 x H200 capped at 24 GiB:
 def base_setting(
     training_args, model_args, fp8_on: bool | None = None, liger_on: bool | None = None
 ) -> memplan.Setting:
-    """The setting the training arguments ask for (`sft.plan.memory.setting_of`), with the kernels as decided where
+    """The setting the training arguments ask for (`sft.plan.setting.setting_of`), with the kernels as decided where
     given; compiled layers are set by the caller."""
     fields = {k: getattr(training_args, k, getattr(model_args, k, None)) for k in memplan.SETTING_FIELDS}
     fields.update(compile_decoder_layers=False, use_liger_kernel=training_args.use_liger_kernel if liger_on is None
@@ -205,7 +206,7 @@ def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> 
     win (`Search.optimizer_states`; DeepSpeed's only), else the bases' own."""
     found = Search.of_run(training_args, shape, target, micro_cap, limits)
     fits = found.rank(bases)
-    if "optim" not in training_args.auto_settings or not memplan.eight_bit_candidate(bases[0]):
+    if "optim" not in training_args.auto_settings or not fitting.eight_bit_candidate(bases[0]):
         return fits
     return found.optimizer_states(bases, fits)[1]
 
@@ -242,8 +243,8 @@ def memory_limits(training_args) -> tuple[float | None, float, float | None]:
     """(the GPU memory planned for: `plan_gpu_memory_gib`, `max_gpu_memory_gib` or the GPU's; None without any, the
     headroom, the host's memory)."""
     planned_gib = training_args.plan_gpu_memory_gib or training_args.max_gpu_memory_gib
-    memory = planned_gib * memplan.GiB if planned_gib else memplan.detected_gpu_memory()
-    return memory, training_args.plan_headroom, memplan.detected_host_memory()
+    memory = planned_gib * memplan.GiB if planned_gib else fitting.detected_gpu_memory()
+    return memory, training_args.plan_headroom, fitting.detected_host_memory()
 
 
 def _with_accumulation(training_args, base: memplan.Setting, target: int | None) -> memplan.Setting:
@@ -305,7 +306,7 @@ def auto_setting(training_args, shape, arch, base, target, micro_cap, limits, re
     else:
         bases = family_kernels.run_bases(training_args, arch, base)
     auto = training_args.auto_settings
-    if by_speed.on and "optim" in auto and not resumed_optim and memplan.eight_bit_candidate(base):
+    if by_speed.on and "optim" in auto and not resumed_optim and fitting.eight_bit_candidate(base):
         bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
     return _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
 
@@ -397,7 +398,7 @@ class Search:
     def of_run(cls, training_args, shape, target, micro_cap, limits, by_speed: bool = True) -> Search:
         """The search of a run's `auto` fields: every lever that is not `auto` held at its value (`_tool_levels`)."""
         auto, world = training_args.auto_settings, training_args.parallel.world_size
-        sp_choices = (memplan.sp_sizes(shape, world) if "sequence_parallel_size" in auto
+        sp_choices = (fitting.sp_sizes(shape, world) if "sequence_parallel_size" in auto
                       else (training_args.sequence_parallel_size,))  # fmt: skip
         micro = None if "per_device_train_batch_size" in auto else training_args.per_device_train_batch_size
         return cls(shape, limits, world, target, speed.card(gpu_name()), _tool_levels(training_args), sp_choices,
@@ -413,13 +414,13 @@ class Search:
 
     def rank(self, bases: list[memplan.Setting]) -> list:
         """The settings of `bases` (their kernels: FP8 or bf16) with the micro batches and levers that fit, fastest
-        first (`sft.plan.memory.ranked_bases`), at the smallest sp where any fits; empty where nothing fits."""
+        first (`sft.plan.fits.ranked_bases`), at the smallest sp where any fits; empty where nothing fits."""
         memory, headroom, host = self.limits
         # a candidate's FP8 and compile flags as the run sets them
         kernels = functools.partial(family_kernels.kept_eager, compile_auto=self.compile_auto,
                                     fp8_auto=self.fp8_auto)  # fmt: skip
         for sp in self.sp_choices:
-            fits = memplan.ranked_bases(self.shape, bases, memory, headroom, self.micro_batches(sp),
+            fits = fitting.ranked_bases(self.shape, bases, memory, headroom, self.micro_batches(sp),
                                         same_stage=self.same_stage, levels=self.levels, sp_choices=(sp,),
                                         host_memory=host, target=self.target, card=self.card, kernels=kernels,
                                         by_speed=self.by_speed)  # fmt: skip
@@ -435,15 +436,15 @@ class Search:
 
     def alone(self, bases: list[memplan.Setting]) -> list:
         """`rank` of `bases` on one process without an engine (bf16 weights stepped in place: `without_engine`)."""
-        return self.rank(memplan.without_engine(bases))
+        return self.rank(fitting.without_engine(bases))
 
     def optimizer_states(self, bases: list[memplan.Setting], fits: list) -> tuple[list, list, list]:
         """`optim: auto`: (the bases, their fits) with 8-bit Adam moments where their fastest fitting setting beats
-        `fits`' (`bases`' own moments) by `EIGHT_BIT_GAIN` (`sft.plan.memory.eight_bit_wins`), else `bases` and
+        `fits`' (`bases`' own moments) by `EIGHT_BIT_GAIN` (`sft.plan.fits.eight_bit_wins`), else `bases` and
         `fits`; then the 8-bit fits, for the line that says so."""
-        eight_bases = memplan.with_eight_bit_moments(bases)
+        eight_bases = fitting.with_eight_bit_moments(bases)
         eight = self.rank(eight_bases)
-        taken = bool(eight) and memplan.eight_bit_wins(fits, eight)
+        taken = bool(eight) and fitting.eight_bit_wins(fits, eight)
         return (eight_bases, eight, eight) if taken else (bases, fits, eight)
 
 

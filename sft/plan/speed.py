@@ -179,7 +179,7 @@ def mlp_share(shape: ModelShape) -> float:
 def step_time(
     shape: ModelShape, s, constants: Card | None = None, sample_tokens: float | None = None, bucket: int | None = None
 ) -> StepTime:
-    """The step time of `s` (a `sft.plan.memory.Setting`) on `constants`' card, for samples `sample_tokens` long
+    """The step time of `s` (a `sft.plan.setting.Setting`) on `constants`' card, for samples `sample_tokens` long
     (length-weighted; default: each row one sample, the most attention a row can cost) and ZeRO's gradient buckets of
     `bucket` elements (default: as sft sets `"auto"`)."""
     c = constants or card()
