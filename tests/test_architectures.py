@@ -320,3 +320,61 @@ def test_liger_beside_compiled_layers_is_never_run_where_the_pair_trained_a_wron
     assert family_kernels.compiled(args(True, compiled=False), gemma, False) is False
     assert family_kernels.compiled(args(True), llama, True)
     assert family_kernels.compiled(args(True, compiled=True), llama, False)
+
+
+def test_a_new_dense_family_is_one_record(tmp_path, capsys):
+    """docs/architecture.md's steps for a new dense family, followed for transformers' Granite (not in sft's table):
+    before its record it trains on the generic path (every fast path off, `known` false); with one `Family` record it
+    is known, its kernels are the record's, a packed row through sft's backend equals each sample alone through
+    eager, and `sft plan` ranks settings for it by the speed model. Every table is a view of the records: each view
+    gains it and loses it with the record."""
+    from sft.model import families
+    from sft.plan import cli as plan_cli
+
+    config = AutoConfig.for_model("granite", **BASE)
+    assert not architectures.of(config).known and "not in sft's architecture table" in architectures.of(
+        config).kernel("liger").reason  # fmt: skip
+    try:
+        families.register(families.Family("granite", {}, keeps=architectures.LayerKeeps()))
+        arch = architectures.of(config)
+        assert arch.known and arch.kernel("liger").reason == architectures.UNMEASURED
+        assert arch.kernel("speed").on and architectures.LAYER_KEEPS["granite"] == architectures.LayerKeeps()
+        with pytest.raises(ValueError, match="a record exists"):
+            families.register(families.Family("granite", {}))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        batch = packed_batch(config.vocab_size)
+        ids, bounds = batch["input_ids"][0], batch["cu_seq_lens_q"].tolist()
+        with torch.no_grad():
+            alone = [model(input_ids=ids[None, lo:hi]).logits[0] for lo, hi in itertools.pairwise(bounds)]
+            model.set_attn_implementation(resolve_attn_implementation("auto", False, arch, padding_free=True))
+            packed = model(**{k: v for k, v in batch.items() if k not in ("labels", "seq_lengths")}).logits[0]
+        for (lo, hi), single in zip(itertools.pairwise(bounds), alone, strict=True):
+            torch.testing.assert_close(packed[lo:hi], single, atol=1e-5, rtol=1e-5)
+        config.save_pretrained(tmp_path)
+        flags = ["--model", str(tmp_path), "--gpus", "1", "--seq-len", "512", "--gpu-memory", "1", "--suggest"]
+        assert plan_cli.main(flags) == 0
+        out = capsys.readouterr().out
+        assert "granite" in out and "fastest first" in out and "| 1 |" in out
+    finally:
+        families.FAMILIES.pop("granite", None)
+        architectures.KERNELS.pop("granite", None)
+        architectures.LAYER_KEEPS.pop("granite", None)
+    assert not architectures.of(config).known
+
+
+def test_the_shipped_configs_are_the_records_ids():
+    """The hub ids `sft plan` plans offline (sft/model/model_configs.json) are each listed by exactly the record of
+    their model_type, and every id a record lists is shipped; every family of the tiny models has a record in sft's
+    table (a record, not a row in several tables)."""
+    import json
+    from pathlib import Path
+
+    from sft.model import families, shapes
+
+    shipped = {k: v for k, v in json.loads(Path(shapes.SHIPPED_CONFIGS).read_text()).items() if not k.startswith("_")}
+    listed = {hub_id: f.model_type for f in families.FAMILIES.values() for hub_id in f.shipped}
+    assert listed == {hub_id: config["model_type"] for hub_id, config in shipped.items()}
+    for name in FAMILIES:
+        record = families.FAMILIES[config_of(name).model_type]
+        assert record.kernels is not None, name

@@ -10,7 +10,8 @@
   against them before the model is built (`sft.model.attention.check_backend`);
 - **the mixture-of-experts layout** (`Experts`): experts, active experts per token, expert width, shared experts, how
   many layers are dense;
-- **the kernels known good for the family** (`KERNELS`): Liger, FP8 and compiled decoder layers are on by default only
+- **the kernels known good for the family** (`KERNELS`, a view of the family records of `sft.model.families`, like
+  every table here): Liger, FP8 and compiled decoder layers are on by default only
   for a family where a GPU run measured them finite, matching the plain run and faster
   (`benchmarks/architectures.py`, `benchmarks/results/architectures/`); elsewhere off, with the reason logged;
 - **FLOPs per token** on the parameters a token actually multiplies (the active experts of a MoE layer, not all of
@@ -28,24 +29,23 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from sft.errors import ConfigError
+from sft.model import families
+from sft.model.families import (  # noqa: F401 (the records' parts, named here as before)
+    GENERIC,
+    SPEED_FROM_SHAPES,
+    UNMEASURED,
+    Kernel,
+    LayerKeeps,
+    Vision,
+)
 
 logger = logging.getLogger(__name__)
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
-
-
-class Kernel(NamedTuple):
-    on: bool
-    reason: str
-    # its tokens/s against plain bf16's at the same micro batch, where measured (Liger: `benchmarks/architectures.py`);
-    # the speed model weighs it against what the kernel frees (`sft.plan.speed`: a kernel's worth is the fastest
-    # setting it makes possible, not its speed at a fixed micro batch)
-    speedup: float | None = None
 
 
 @dataclass(frozen=True)
@@ -250,162 +250,6 @@ class Architecture:
         return "; ".join(parts)
 
 
-GENERIC = "never measured on a GPU: every fast path off"
-RESULTS = "benchmarks/results/architectures, 1 x H100, 2 layers at the family's widths"
-# Liger's patches exist per model type (liger_kernel.transformers.monkey_patch). `benchmarks/architectures.py` measured
-# each family against its plain bf16 run: every Liger run finite and within 0.06% of plain's loss per step; on where
-# it was also faster. FP8 measured slower than bf16 at 2 layers for every family, Llama's too (0.49x eager, 0.63x
-# compiled), where its full-depth runs gain 1.04-1.16x (benchmarks/results/fp8): so FP8 stays on only for Llama,
-# measured at full depth, until another family is. Compiled layers follow FP8 (`compile_decoder_layers: auto`), or
-# are on alone where `compile_bf16` was measured faster (a MoE's elementwise work between its grouped GEMMs).
-LLAMA_MEASURED = Kernel(True, "measured exact and faster at full depth on the Llama shapes (benchmarks/results/fp8, "
-                        "throughput)")  # fmt: skip
-FP8_UNMEASURED = Kernel(False, f"slower than bf16 at 2 layers ({RESULTS}; so was Llama's, which gains only at full "
-                        "depth); not yet measured at full depth")  # fmt: skip
-COMPILE_WITH_FP8 = Kernel(False, "on only with FP8")
-
-
-# sft's experts implementation (`sft.model.experts`) against transformers' grouped_mm, sft's defaults otherwise (1 x
-# H100, benchmarks/results/moe_h100): one layer forward + backward 1.11x (Qwen3-30B-A3B widths) and 1.04x
-# (gpt-oss-20b); the whole eager model 1.03x (Qwen3-MoE) and 1.02x (gpt-oss); under compiled layers 0.996x (Inductor
-# fuses transformers' elementwise work)
-MOE_RESULTS = "benchmarks/results/moe_h100"
-EXPERTS_GPT_OSS = Kernel(True, f"sft_grouped: equal to the per-expert loop, 1.04x transformers' grouped_mm per layer, "
-                         f"1.02x the whole model ({MOE_RESULTS})")  # fmt: skip
-EXPERTS_UNDER_COMPILE = Kernel(False, f"equal to transformers' grouped_mm under compiled layers (0.996x its tokens/s, "
-                               f"{MOE_RESULTS})")  # fmt: skip
-
-
-def _liger(speed: float) -> Kernel:
-    """Liger measured exact on the family at `speed` x plain bf16's tokens/s (2 layers, the same micro batch): on by
-    itself where not slower; elsewhere a candidate the plan's ranking takes where what it frees (the logits, the
-    norms' and SwiGLU's activations) buys a faster setting (`sft.plan.preflight`)."""
-    if speed >= 1.0:
-        return Kernel(True, f"finite, loss within 0.06% of plain bf16, {speed:.2f}x its tokens/s ({RESULTS})", speed)
-    why = f"finite and exact but {speed:.2f}x plain bf16's tokens/s at the same micro batch ({RESULTS})"
-    return Kernel(False, why, speed)
-
-
-UNMEASURED = "not yet measured for this family on a GPU"
-RESULTS_2026 = "benchmarks/results/families_2026"
-# a family's mixture-of-experts configs where they differ from its dense row (what was measured on the dense one only)
-# Gemma 4's MoE with compiled layers: equal to eager in fp32 on the CPU (tests/test_flops.py), but its first step's
-# gradient norm was NaN in bf16 at 8 layers of its widths (1 x H200, compiled_failures_calls12_15.txt), so they stay
-# off there; asked for by name they are kept, with this reason in the log, and sft's non-finite check stops the run.
-KERNELS_MOE: dict[str, dict[str, Kernel]] = {
-    "gemma4_text": {"compile_bf16": Kernel(False, "compiled layers trained a NaN gradient norm at the first step of "
-                                                  f"Gemma 4's MoE (bf16, 8 layers, 1 x H200, {RESULTS_2026}); equal "
-                                                  "to eager in fp32 on the CPU")},
-}  # fmt: skip
-# `speed`: the plan ranks what fits by its speed model (`sft.plan.speed`) for every family sft knows and every
-# vision-language family: the terms (matmul and attention FLOPs, recomputation, per-layer host work, ZeRO's gradient
-# work, collectives, the optimizer step) come from the model's shapes, the card's constants are shared across families
-# (fitted on Llama widths; a family gets its own only where a measurement shows it differs). Only the generic path
-# (a family sft has not checked) keeps the plan's rule: the largest micro batch with the fewest levers.
-SPEED_MEASURED = Kernel(True, "the speed model's constants were fitted on Llama widths (1B, 3B; "
-                        "benchmarks/results/speed_sweep_h100)")  # fmt: skip
-SPEED_FROM_SHAPES = Kernel(True, "the speed model's terms from this model's shapes, the card's constants shared with "
-                           "Llama's (benchmarks/results/speed_sweep_h100)")  # fmt: skip
-KERNELS: dict[str, dict[str, Kernel]] = {
-    "llama": {"liger": LLAMA_MEASURED, "fp8": LLAMA_MEASURED, "compile": LLAMA_MEASURED, "speed": SPEED_MEASURED},
-    "qwen2": {"liger": _liger(0.86), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},  # windowed: 0.93
-    "qwen3": {"liger": _liger(0.996), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "mistral": {"liger": _liger(1.16), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "gemma2": {"liger": _liger(1.32), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "gemma3_text": {"liger": _liger(1.47), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "phi3": {"liger": _liger(1.17), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "olmo2": {"liger": _liger(1.09), "fp8": FP8_UNMEASURED, "compile": COMPILE_WITH_FP8},
-    "gpt_oss": {
-        "liger": _liger(1.12),
-        "fp8": FP8_UNMEASURED,
-        "compile": Kernel(
-            False,
-            "compiled layers fail in the first backward (Inductor's assert_size_stride: wrong "
-            f"number of dimensions; torch 2.11, {MOE_RESULTS}; again on 1 x H200, {RESULTS_2026})",
-        ),  # fmt: skip
-        "experts": EXPERTS_GPT_OSS,
-    },
-    # mixture of experts: FP8 converts only the attention projections (the experts are 3-D weights, not nn.Linear;
-    # their float8 grouped GEMMs, `sft.model.experts.NAME_FP8`, measured 0.75x bf16 per layer:
-    # benchmarks/results/moe_h100)
-    "qwen3_moe": {
-        "fp8": Kernel(False, f"converts only the attention projections; 0.86x bf16 ({RESULTS})"),
-        "experts": EXPERTS_UNDER_COMPILE,
-        "compile_bf16": Kernel(
-            True, f"1.39x the eager layers' tokens/s at Qwen3-30B-A3B's widths, loss within 1e-5 ({MOE_RESULTS})"
-        ),  # fmt: skip
-    },
-    "mixtral": {},
-    # packed exactly (tests/test_architectures.py); no kernel measured on a GPU yet
-    "olmo3": {},
-    "smollm3": {},
-    # packed exactly, dense and MoE, its per-layer head dims and shared keys and values (tests/test_architectures.py)
-    "gemma4_text": {
-        # Liger 0.8.5's patch: exact eager (losses within 4.1e-4 of plain bf16 over 6 steps) and 1.08x plain's
-        # tokens/s at 2 layers, but a wrong loss under compiled layers (16.7 -> 25.9 after one step, the same in a
-        # model built after Liger patched the classes), which are on for Gemma 4 and faster (1 x H200, RESULTS_2026:
-        # architectures_call9_liger.json, compile_rows_call10_gemma4.json: compiled layers without Liger equal eager)
-        "liger": Kernel(
-            False,
-            "exact but 1.08x plain bf16 eager where compiled layers, which it breaks, give 1.40x "
-            f"(1 x H200, {RESULTS_2026})",
-        ),
-        "liger_compiled": Kernel(
-            False,
-            "Liger's Gemma 4 patch under compiled decoder layers trained a wrong loss "
-            f"(25.9 against eager's 16.7 after one step, 1 x H200, {RESULTS_2026})",
-        ),
-        # its seven RMSNorms per layer in fp32, GELU gate and per-layer inputs fused: 1.40x the eager layers' tokens/s
-        # at 8 layers of its widths (58,703 against 42,033, ZeRO-2, one call; 0.40 s of elementwise kernels per 1.48 s
-        # step down to 0.03), loss within 7e-4 of eager per step in bf16, equal in fp32 (tests/test_flops.py)
-        "compile_bf16": Kernel(
-            True,
-            "1.40x the eager layers' tokens/s at 8 layers of Gemma 4's widths, 1 x H200; "
-            f"equal to eager in fp32 ({RESULTS_2026})",
-        ),
-    },
-    # its compiled layers at 8 layers of its widths, sft's one-GPU plan, one call: 63,680 tokens/s against eager's
-    # 50,748 (1.25x; MFU 0.342, 0.79 of Llama's), losses within 5.2e-5 of eager's per step (bf16, the same start);
-    # equal in fp32 on the CPU (tests/test_flops.py)
-    "glm4_moe": {
-        "liger": Kernel(False, "Liger has no patches for glm4_moe"),
-        "compile_bf16": Kernel(
-            True,
-            "1.25x the eager layers' tokens/s at 8 layers of GLM-4-MoE's widths, losses within 5.2e-5 of eager's, "
-            f"1 x H200; equal to eager in fp32 ({RESULTS_2026})",
-        ),
-    },
-    # Gated DeltaNet on three of four layers: packed rows equal their samples alone, values and gradients, dense and
-    # MoE (tests/test_linear_attention.py); fla's varlen kernels where they train (`sft.model.linear_attention`)
-    # compiled layers (the Gated DeltaNet token mixer outside their graph, `sft.model.linear_attention`) without Liger:
-    # 37,380 tokens/s a step once compiled (MFU 0.42) at 8 layers of its widths under sft's one-GPU plan, against
-    # 28,934 eager with Liger (1.29x), losses alike; with FP8 and Liger under compiled layers 21,800 (1 x H100, Triton
-    # 3.6, fla with sft's piece; RESULTS_2026, item 24)
-    "qwen3_5_text": {
-        # no `speedup`: not a candidate of the plan's ranking either (its 1.07x was measured eager; beside compiled
-        # layers it was measured only with FP8)
-        "liger": Kernel(
-            False,
-            "exact (losses within 4e-5 of plain bf16, 1.07x its tokens/s eager), but compiled layers without it "
-            f"train at 1.29x the eager Liger run's tokens/s (1 x H100, {RESULTS_2026})",
-        ),
-        "compile_bf16": Kernel(
-            True,
-            "1.29x the eager layers' (with Liger) tokens/s a step at 8 layers of Qwen3.5's widths, 1 x H100; equal to "
-            f"eager in fp32 on the CPU ({RESULTS_2026})",
-        ),
-    },
-    "qwen3_5_moe_text": {
-        "compile_bf16": Kernel(
-            False,
-            "compiled layers beside fla's kernels had not finished one step after 130 s at 8 layers of its widths "
-            f"(1 x H200, {RESULTS_2026})",
-        )
-    },
-    "deepseek_v3": {},
-}
-
-
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -529,74 +373,57 @@ def of(config) -> Architecture:
     )
 
 
-# Families whose attention passes `softcap` / `s_aux` to the attention function (checked against transformers' calls
-# in tests/test_architectures.py). An unknown family that passes either is caught by the backend at its first call.
-SOFTCAP_FAMILIES = {"gemma2"}
 # What a layer of transformers' per-layer configs may override and sft still plan (Gemma 4's full-attention layers:
 # head dim 512, fewer key-value heads); the largest head dim FlashAttention's kernels take
 PER_LAYER_WIDTHS = {"head_dim", "num_key_value_heads"}
 FLASH_HEAD_DIM = 256
-# Families whose linear-attention layers are transformers' Gated DeltaNet, which sft runs one sample at a time over a
-# packed row (`sft.model.linear_attention`; tests/test_linear_attention.py)
-GATED_DELTANET_FAMILIES = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
-# Families whose attention gives a padded row's real tokens other keys than the same tokens alone: GLM-5's indexer
-# (`glm_moe_dsa`, transformers 5.24) takes its top-k keys before the padding mask, so padding positions take places
-# the real keys would have (tests/test_sparse_attention.py): trained one unpadded row per micro batch
-PADDING_CHANGES_ATTENTION = {"glm_moe_dsa"}
-# transformers 5.x's gpt-oss calls create_causal_mask without position_ids: its sdpa/eager/flex masks are not packed
-MASK_WITHOUT_POSITIONS = {"gpt_oss"}
-SINK_FAMILIES = {"gpt_oss"}
-# gpt-oss's gate: the [gate, up] pairs kept by both clamps, the clamped gate, its sigmoid, up + 1, the GLU and down's
-# input
-MLP_KEPT = {"gpt_oss": 7}
+
+# The tables every other module reads, each a view of the family records (`sft.model.families`: one per model_type):
+# the measured kernels (`KERNELS`, a MoE's own `KERNELS_MOE`), what a layer keeps (`LAYER_KEEPS`), the families whose
+# attention takes `softcap` / `s_aux` (checked against transformers' calls in tests/test_architectures.py: an unknown
+# family that passes either is caught by the backend at its first call), Gated DeltaNet's (`sft.model.
+# linear_attention`), GLM-5's sparse attention that padding changes (one unpadded row per micro batch), the masks built
+# without positions (gpt-oss), the MLPs that keep more than SwiGLU, the image+text families (`VISION`)
+KERNELS: dict[str, dict[str, Kernel]] = {}
+KERNELS_MOE: dict[str, dict[str, Kernel]] = {}
+LAYER_KEEPS: dict[str, LayerKeeps] = {}
+NORMS_FROM_MODULES: set[str] = set()
+SOFTCAP_FAMILIES: set[str] = set()
+SINK_FAMILIES: set[str] = set()
+MASK_WITHOUT_POSITIONS: set[str] = set()
+GATED_DELTANET_FAMILIES: set[str] = set()
+PADDING_CHANGES_ATTENTION: set[str] = set()
+MLP_KEPT: dict[str, int] = {}
+VISION: dict[str, Vision] = {}
+VISION_FAMILIES: set[str] = set()  # every run image+text
+IMAGE_DATA_FAMILIES: set[str] = set()  # image+text where the data has images
 
 
-class LayerKeeps(NamedTuple):
-    """What a decoder layer keeps for the backward besides its attention's and its MLP's tensors, by how the family
-    builds the layer; the memory plan counts it (`sft.plan.memory.layer_bytes_per_token`), checked against autograd's
-    saved-tensor hooks for every family (tests/test_plan.py on the CPU; with Liger on a GPU,
-    benchmarks/results/layer_activations)."""
-
-    norms: int = 2  # RMSNorms on the residual stream per layer (Gemma 2/3: 4, before and after each sublayer)
-    fp32_scale: bool = False  # the norm scales in fp32 (Gemma, OLMo 2): its fp32 input and fp32 result are kept
-    qk_norm: str | None = None  # "head": an RMSNorm per head on q and k (Qwen3, Gemma 3); "width": over the whole
-    # projection (OLMo 2); None: none
-    fused_qkv: bool = False  # one qkv projection (Phi-3): its output stays alive through the values' view of it
-    residual_dropout: bool = False  # nn.Dropout on each sublayer's output (Phi-3): a 1-byte mask per element, even at
-    # p = 0 (not kept under Liger's patches: measured, benchmarks/results/layer_activations)
-    liger_qk_norm: bool = True  # Liger's patches of a model instance replace the q and k norms (OLMo 2's do not:
-    # liger-kernel 0.8.5's `apply_liger_kernel_to_olmo2` patches only the post-norms; transformers' stay)
-    v_norm: bool = False  # an RMSNorm without scale per head on the values too (Gemma 4)
-    per_layer_input: int = 0  # the width of Gemma 4's per-layer input embeddings (PLE) that each layer gates in
-    output_gate: bool = False  # the attention's output times a sigmoid gate from the query projection (Qwen3.5,
-    # Qwen3-Next): the gate and the gated output kept besides the attention's output
-    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): (such layers, key heads, key head dim, value heads, value head dim);
-    # () where none
-    linear: tuple[int, ...] = ()
-    # layers that reuse an earlier layer's keys and values (Gemma 4's `num_kv_shared_layers`, the last ones): (such
-    # layers, their key-value heads x head dim summed, their key-value heads summed); () where none. They keep no key
-    # or value of their own, nor their norms' (tests/test_plan.py)
-    kv_shared: tuple[int, ...] = ()
+def index(family: families.Family) -> None:
+    """The views of one family record (called for every record, and by `sft.model.families.register`)."""
+    name = family.model_type
+    if family.kernels is not None:
+        KERNELS[name] = dict(family.kernels)
+    if family.kernels_moe:
+        KERNELS_MOE[name] = dict(family.kernels_moe)
+    if family.keeps is not None:
+        LAYER_KEEPS[name] = family.keeps
+    if family.mlp_kept:
+        MLP_KEPT[name] = family.mlp_kept
+    for flag, view in ((family.norms_from_modules, NORMS_FROM_MODULES), (family.softcap, SOFTCAP_FAMILIES),
+                       (family.sinks, SINK_FAMILIES), (family.mask_without_positions, MASK_WITHOUT_POSITIONS),
+                       (family.gated_deltanet, GATED_DELTANET_FAMILIES),
+                       (family.padding_changes_attention, PADDING_CHANGES_ATTENTION)):  # fmt: skip
+        if flag:
+            view.add(name)
+    if family.vision is not None:
+        VISION[name] = family.vision
+        (VISION_FAMILIES if family.vision.always else IMAGE_DATA_FAMILIES).add(name)
 
 
-LAYER_KEEPS = {
-    "qwen3": LayerKeeps(qk_norm="head"),
-    "qwen3_moe": LayerKeeps(qk_norm="head"),
-    "gemma2": LayerKeeps(norms=4, fp32_scale=True),
-    "gemma3_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),
-    "gemma4_text": LayerKeeps(norms=4, fp32_scale=True, qk_norm="head"),  # its norms counted by `layer_keeps`
-    "olmo2": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),
-    "olmo3": LayerKeeps(fp32_scale=True, qk_norm="width", liger_qk_norm=False),  # OLMo 2's layer, windowed
-    "phi3": LayerKeeps(fused_qkv=True, residual_dropout=True),
-    # Gemma's norm (1 + weight, in fp32) on the residual stream and per head; the gated attention output; their linear
-    # layers read from the config (`layer_keeps`)
-    "qwen3_5_text": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
-    "qwen3_5_moe_text": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
-    "qwen3_next": LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
-}
-
-
-NORMS_FROM_MODULES = {"gemma4_text"}
+for _family in families.FAMILIES.values():
+    index(_family)
+families._VIEWERS.append(index)
 
 
 def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:
@@ -634,52 +461,6 @@ def log_kernels(arch: Architecture, decisions: dict[str, Kernel], router_aux_los
 # --- the module structure of a built model ---
 
 
-@dataclass(frozen=True)
-class Vision:
-    """An image+text family as sft trains it (`VISION`, its one table): how its packed rows keep samples apart
-    (`sft.data.vision`'s packer of that name) and how its images become tokens."""
-
-    # "mrope": per-sample M-RoPE rows and a boundary row (Qwen-VL); "positions": 1-D positions restarting at each
-    # sample; "masks": sft's own attention masks, each sample causal and its images both ways (Gemma 3)
-    packing: str
-    # every run image+text (built with transformers' image-text-to-text class); else a multimodal config fine-tuned on
-    # text alone as often: image+text where the data has images (`images` in its records), a text run otherwise
-    always: bool
-    tiles: bool = False  # images cut into tiles, each image's prompt from its rows and columns (SmolVLM, Idefics3)
-    text_expansion: bool = False  # its image tokens written into the rendered text (begin/end of image: Gemma 3)
-    # "masks" only: the layer types in which an image's tokens attend to each other both ways (Gemma 3: every layer;
-    # Gemma 4: the sliding ones), only where the text config's (field, value) of `both_ways_if` holds (Gemma 4's
-    # `use_bidirectional_attention: vision`), and the batch key of the token types the model takes (1 on image tokens)
-    both_ways: tuple[str, ...] = ("full_attention", "sliding_attention")
-    both_ways_if: tuple[str, str] | None = None
-    type_ids: str = "token_type_ids"
-    framed: bool = False  # each image's tokens between its begin and end tokens, counted from its size (Gemma 4)
-
-
-VISION = {
-    "qwen2_vl": Vision("mrope", always=True),
-    "qwen2_5_vl": Vision("mrope", always=True),
-    "qwen3_vl": Vision("mrope", always=True),
-    "smolvlm": Vision("positions", always=True, tiles=True),
-    "idefics3": Vision("positions", always=True, tiles=True),
-    "gemma3": Vision("masks", always=False, text_expansion=True),  # Gemma 3's 4B-27B checkpoints are `gemma3` configs
-    # Gemma 4 (dense, MoE): image tokens per image from its size, both ways in the sliding layers only
-    "gemma4": Vision(
-        "masks",
-        always=False,
-        both_ways=("sliding_attention",),
-        type_ids="mm_token_type_ids",
-        both_ways_if=("use_bidirectional_attention", "vision"),
-        framed=True,
-    ),
-    # Qwen3.5 and Qwen3.6 (dense, MoE): image+text checkpoints often fine-tuned on text; their linear-attention layers
-    # run one sample at a time (`sft.model.linear_attention`) in image rows too
-    "qwen3_5": Vision("mrope", always=False),
-    "qwen3_5_moe": Vision("mrope", always=False),
-}
-# read from the table: the families every run of which is image+text, and those image+text where the data has images
-VISION_FAMILIES = {family for family, v in VISION.items() if v.always}
-IMAGE_DATA_FAMILIES = {family for family, v in VISION.items() if not v.always}
 # the encoder module's name: Qwen-VL's `visual`, Gemma 3's `vision_tower`, SmolVLM's and Idefics3's `vision_model`
 _ENCODERS = ("visual", "vision_tower", "vision_model")
 _PROJECTORS = ("merger", "multi_modal_projector", "connector", "embed_vision")  # what maps its features into the text
