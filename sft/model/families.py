@@ -260,8 +260,9 @@ for _record in (  # fmt: skip
         {
             # Liger 0.8.5's patch: exact eager (losses within 4.1e-4 of plain bf16 over 6 steps) and 1.08x plain's
             # tokens/s at 2 layers, but a wrong loss under compiled layers (16.7 -> 25.9 after one step, the same in a
-            # model built after Liger patched the classes), which are on for Gemma 4 and faster (1 x H200, RESULTS_2026:
-            # architectures_call9_liger.json, compile_rows_call10_gemma4.json: compiled layers without Liger equal eager)
+            # model built after Liger patched the classes), which are on for Gemma 4 and faster (1 x H200,
+            # RESULTS_2026: architectures_call9_liger.json, compile_rows_call10_gemma4.json: compiled layers without
+            # Liger equal eager)
             "liger": Kernel(
                 False,
                 "exact but 1.08x plain bf16 eager where compiled layers, which it breaks, give 1.40x "
@@ -272,9 +273,10 @@ for _record in (  # fmt: skip
                 "Liger's Gemma 4 patch under compiled decoder layers trained a wrong loss "
                 f"(25.9 against eager's 16.7 after one step, 1 x H200, {RESULTS_2026})",
             ),
-            # its seven RMSNorms per layer in fp32, GELU gate and per-layer inputs fused: 1.40x the eager layers' tokens/s
-            # at 8 layers of its widths (58,703 against 42,033, ZeRO-2, one call; 0.40 s of elementwise kernels per 1.48 s
-            # step down to 0.03), loss within 7e-4 of eager per step in bf16, equal in fp32 (tests/test_flops.py)
+            # its seven RMSNorms per layer in fp32, GELU gate and per-layer inputs fused: 1.40x the eager layers'
+            # tokens/s at 8 layers of its widths (58,703 against 42,033, ZeRO-2, one call; 0.40 s of elementwise
+            # kernels per 1.48 s step down to 0.03), loss within 7e-4 of eager per step in bf16, equal in fp32
+            # (tests/test_flops.py)
             "compile_bf16": Kernel(
                 True,
                 "1.40x the eager layers' tokens/s at 8 layers of Gemma 4's widths, 1 x H200; "
@@ -282,10 +284,10 @@ for _record in (  # fmt: skip
             ),
         },
         kernels_moe={
-            # Gemma 4's MoE with compiled layers: equal to eager in fp32 on the CPU (tests/test_flops.py), but its first
-            # step's gradient norm was NaN in bf16 at 8 layers of its widths (1 x H200, compiled_failures_calls12_15.txt),
-            # so they stay off there; asked for by name they are kept, with this reason in the log, and sft's non-finite
-            # check stops the run
+            # Gemma 4's MoE with compiled layers: equal to eager in fp32 on the CPU (tests/test_flops.py), but its
+            # first step's gradient norm was NaN in bf16 at 8 layers of its widths (1 x H200,
+            # compiled_failures_calls12_15.txt), so they stay off there; asked for by name they are kept, with this
+            # reason in the log, and sft's non-finite check stops the run
             "compile_bf16": Kernel(
                 False,
                 "compiled layers trained a NaN gradient norm at the first step of Gemma 4's "
@@ -329,8 +331,8 @@ for _record in (  # fmt: skip
             ),
             "compile_bf16": Kernel(
                 True,
-                "1.29x the eager layers' (with Liger) tokens/s a step at 8 layers of Qwen3.5's widths, 1 x H100; equal to "
-                f"eager in fp32 on the CPU ({RESULTS_2026})",
+                "1.29x the eager layers' (with Liger) tokens/s a step at 8 layers of Qwen3.5's widths, 1 x H100; "
+                f"equal to eager in fp32 on the CPU ({RESULTS_2026})",
             ),
         },
         keeps=LayerKeeps(fp32_scale=True, qk_norm="head", output_gate=True),
