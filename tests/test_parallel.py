@@ -81,3 +81,27 @@ def test_no_sft_module_shadows_an_installed_one():
     others = {m.name for m in pkgutil.iter_modules() if "site-packages" in str(getattr(m.module_finder, "path", ""))}
     clash = ours & (others | set(sys.stdlib_module_names))
     assert not clash, f"sft modules named like installed ones: {sorted(clash)}"
+
+
+def test_every_axis_is_validated_once_and_read_through_properties():
+    """Context and tensor parallelism and replicas of the sharded states beside dp and sp (issue #80's dims, which
+    #81 builds on): one constructor checks that they multiply to the world size and that replicas and experts divide
+    the data-parallel size; a rank's coordinates lay tp innermost, then sp, cp, dp (torchtitan's order), so with cp =
+    tp = 1 they are the sp-only layout above."""
+    dims = ParallelDims.build(32, sp=2, cp=2, tp=2, gpus_per_node=8, rank=27, dp_replicate=2)
+    assert (dims.dp, dims.dp_shard, dims.non_data_parallel_size, dims.seq_len_divisor) == (4, 2, 8, 16)
+    assert (dims.dp_rank, dims.cp_rank, dims.sp_rank, dims.tp_rank) == (3, 0, 1, 1)  # 27 = 3*8 + 0*4 + 1*2 + 1
+    enabled = [dims.dp_enabled, dims.cp_enabled, dims.sp_enabled, dims.tp_enabled, dims.ep_enabled]
+    assert enabled == [True, True, True, True, False]
+    assert dims.describe() == ("32 processes: data-parallel 4 (2 replicas of 2 sharded) x context-parallel 2 x "
+                               "sequence-parallel 2 x tensor-parallel 2")  # fmt: skip
+    plain = ParallelDims.build(8, sp=4, rank=6)
+    assert (plain.dp_rank, plain.cp_rank, plain.sp_rank, plain.tp_rank, plain.seq_len_divisor) == (1, 0, 2, 0, 4)
+    with pytest.raises(ConfigError, match=r"data-parallel 2 x tensor-parallel 3 = 6, but the run has 8 processes"):
+        ParallelDims.build(8, tp=3)
+    with pytest.raises(ConfigError, match=r"`dp_replicate` 3 does not divide the 4 data-parallel processes"):
+        ParallelDims.build(4, dp_replicate=3)
+    with pytest.raises(ConfigError, match=r"`expert_parallel_size` 3 does not divide the 4 data-parallel"):
+        ParallelDims.build(8, tp=2, ep=3)
+    with pytest.raises(ConfigError, match=r"Parallel size `cp` must be a whole number >= 1, got 0"):
+        ParallelDims.build(4, cp=0)
