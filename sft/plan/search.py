@@ -95,11 +95,10 @@ def choose_engine(training_args, model_args, arch, shape_of, target, micro_cap, 
     ) if cut), None)  # fmt: skip
     if reason:
         return keep(reason)
-    limits, best = memory_limits(training_args), {}
+    found, best = Search.of_run(training_args, shape_of(), target, micro_cap, memory_limits(training_args)), {}
     names = {current.name: f"{current.traits.label} ZeRO-{sharding.stage}", rival.name: rival.traits.label}
     for name in names:
-        bases = _engine_bases(training_args, model_args, arch, target, name)
-        fits = _fits_with_optim(training_args, shape_of(), bases, target, micro_cap, limits)
+        fits = _fits_with_optim(training_args, found, _engine_bases(training_args, model_args, arch, target, name))
         best[name] = fits[0] if fits else None
     if best[rival.name] is None or (best[current.name] and best[current.name].time.tokens_per_second
                                     >= best[rival.name].time.tokens_per_second):  # fmt: skip
@@ -178,11 +177,10 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
         )
     ):
         return None
-    shape, limits = shape_of(), memory_limits(training_args)
+    found = Search.of_run(training_args, shape_of(), target, micro_cap, memory_limits(training_args))
     engine_bases = _engine_bases(training_args, model_args, arch, target, current.name, sharding.stage)
-    engine = _fits_with_optim(training_args, shape, engine_bases, target, micro_cap, limits)
-    bases = _engine_bases(training_args, model_args, arch, target, current.name, None)
-    alone = Search.of_run(training_args, shape, target, micro_cap, limits).alone(bases)
+    engine = _fits_with_optim(training_args, found, engine_bases)
+    alone = found.alone(_engine_bases(training_args, model_args, arch, target, current.name, None))
 
     def said(fits) -> str:
         if not fits:
@@ -201,10 +199,9 @@ def _without_engine(training_args, model_args, model_config, arch, shape_of, tar
     return training_args.with_values(**current.unsharded)
 
 
-def _fits_with_optim(training_args, shape, bases, target, micro_cap, limits) -> list:
+def _fits_with_optim(training_args, found: Search, bases) -> list:
     """The settings of `bases` that fit, fastest first, with the moments `optim: auto` would take: 8-bit where they
     win (`Search.optimizer_states`; DeepSpeed's only), else the bases' own."""
-    found = Search.of_run(training_args, shape, target, micro_cap, limits)
     fits = found.rank(bases)
     if "optim" not in training_args.auto_settings or not fitting.eight_bit_candidate(bases[0]):
         return fits
@@ -300,6 +297,7 @@ def auto_setting(training_args, shape, arch, base, target, micro_cap, limits, re
     ranked by `_choose`."""
     bases = [base]
     by_speed = arch.kernel("speed")
+    found = Search.of_run(training_args, shape, target, micro_cap, limits, by_speed.on)
     if not by_speed.on:
         logger.info("Speed model: off for %s (%s): the largest micro batch with the fewest levers", arch.family,
                     by_speed.reason)  # fmt: skip
@@ -307,8 +305,8 @@ def auto_setting(training_args, shape, arch, base, target, micro_cap, limits, re
         bases = family_kernels.run_bases(training_args, arch, base)
     auto = training_args.auto_settings
     if by_speed.on and "optim" in auto and not resumed_optim and fitting.eight_bit_candidate(base):
-        bases = _optimizer_states(training_args, shape, bases, target, micro_cap, limits)
-    return _choose(training_args, shape, bases, target, micro_cap, limits, by_speed.on)
+        bases = _optimizer_states(found, bases)
+    return _choose(found, bases)
 
 
 def card_bases(arch, setting: memplan.Setting, fp8_auto: bool, liger_auto: bool, by_speed: bool):
@@ -341,10 +339,9 @@ def stepped_with_rounding(training_args, model_args, model_config) -> bool:
             and fp8.torchao_installed())  # fmt: skip
 
 
-def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) -> list[memplan.Setting]:
+def _optimizer_states(found: Search, bases) -> list[memplan.Setting]:
     """`optim: auto`: `bases` with 8-bit Adam moments where `Search.optimizer_states` takes them (then `optim` is set
     to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
-    found = Search.of_run(training_args, shape, target, micro_cap, limits)
     fp32_fits = found.rank(bases)
     chosen, eight_fits, _ = found.optimizer_states(bases, fp32_fits)
     if chosen is bases:
@@ -360,14 +357,15 @@ def _optimizer_states(training_args, shape, bases, target, micro_cap, limits) ->
     return chosen
 
 
-def _choose(training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True) -> memplan.Setting:
-    """The `auto` settings as the memory plan and the speed model choose them: the fastest that fits (`_ranked`), the
-    ranking logged; nothing fitting, the most frugal setting (reported by `sft.plan.preflight._check_plan`)."""
-    fits, card, frugal = _ranked(training_args, shape, bases, target, micro_cap, limits, by_speed)
+def _choose(found: Search, bases) -> memplan.Setting:
+    """The `auto` settings as the memory plan and the speed model choose them: the fastest that fits
+    (`Search.rank`), the ranking logged; nothing fitting, the most frugal setting (reported by
+    `sft.plan.preflight._check_plan`)."""
+    fits = found.rank(bases)
     if not fits:
-        return frugal
-    if by_speed:
-        _log_ranking(fits, card)
+        return found.frugal(bases)
+    if found.by_speed:
+        _log_ranking(fits, found.card)
     return fits[0].estimate.setting
 
 
@@ -463,16 +461,6 @@ def alone_excluded(processes: int, engine_on: bool, unsharded, offload: bool, sp
     weights stepped with stochastic rounding: `rounding`)."""
     return any((processes > 1, not engine_on, unsharded is None, offload, sp_many, ep > 1, peft, not by_speed,
                 not rounding))  # fmt: skip
-
-
-def _ranked(
-    training_args, shape, bases, target, micro_cap, limits, by_speed: bool = True
-) -> tuple[list, speed.Card, memplan.Setting]:
-    """(the settings that fit, fastest first (`Search.rank`), empty where nothing fits; the speed model's card; the
-    most frugal setting, for when nothing fits) of this run's `auto` fields."""
-    found = Search.of_run(training_args, shape, target, micro_cap, limits, by_speed)
-    fits = found.rank(bases)
-    return fits, found.card, found.frugal(bases)
 
 
 def _log_ranking(fits: list, card, shown: int = 3) -> None:
