@@ -335,12 +335,12 @@ def test_a_new_dense_family_is_one_record(tmp_path, capsys):
     assert not architectures.of(config).known and "not in sft's architecture table" in architectures.of(
         config).kernel("liger").reason  # fmt: skip
     try:
-        families.register(families.Family("granite", {}, keeps=architectures.LayerKeeps()))
+        architectures.register(families.Family("granite", {}, keeps=architectures.LayerKeeps()))
         arch = architectures.of(config)
         assert arch.known and arch.kernel("liger").reason == architectures.UNMEASURED
         assert arch.kernel("speed").on and architectures.LAYER_KEEPS["granite"] == architectures.LayerKeeps()
         with pytest.raises(ValueError, match="a record exists"):
-            families.register(families.Family("granite", {}))
+            architectures.register(families.Family("granite", {}))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
         batch = packed_batch(config.vocab_size)

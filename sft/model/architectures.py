@@ -399,8 +399,18 @@ VISION_FAMILIES: set[str] = set()  # every run image+text
 IMAGE_DATA_FAMILIES: set[str] = set()  # image+text where the data has images
 
 
-def index(family: families.Family) -> None:
-    """The views of one family record (called for every record, and by `sft.model.families.register`)."""
+def register(family: families.Family) -> families.Family:
+    """Add a record (a family sft did not know: one outside sft's table) and its views; a second record of the same
+    model_type is refused."""
+    if family.model_type in families.FAMILIES:
+        raise ValueError(f"{family.model_type}: a record exists (sft.model.families.FAMILIES)")
+    families.FAMILIES[family.model_type] = family
+    _index(family)
+    return family
+
+
+def _index(family: families.Family) -> None:
+    """The views of one family record."""
     name = family.model_type
     if family.kernels is not None:
         KERNELS[name] = dict(family.kernels)
@@ -422,8 +432,7 @@ def index(family: families.Family) -> None:
 
 
 for _family in families.FAMILIES.values():
-    index(_family)
-families._VIEWERS.append(index)
+    _index(_family)
 
 
 def layer_keeps(family: str, module_names: list[str], text=None) -> LayerKeeps:

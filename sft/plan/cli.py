@@ -261,13 +261,13 @@ def _suggest(args, shape, setting: Setting, memory: float, host: float) -> None:
     bases = search.card_bases(args.arch, setting, args.fp8 == "auto", args.liger == "auto", args.by_speed)
     fits = found.rank(bases)
     if args.optim == "auto" and args.by_speed and fitting.eight_bit_candidate(setting):
-        fp32 = fits
-        _, fits, eight = found.optimizer_states(bases, fp32)
+        _, eight, taken = found.optimizer_states(bases, fits)
         if eight:
-            fp32_speed = f"{fp32[0].time.tokens_per_second:,.0f}" if fp32 else "nothing fits"
-            print(f"optim auto -> {plan.EIGHT_BIT_OPTIM if fits is eight else 'fp32 AdamW'}: with 8-bit Adam moments "
+            fp32_speed = f"{fits[0].time.tokens_per_second:,.0f}" if fits else "nothing fits"
+            print(f"optim auto -> {plan.EIGHT_BIT_OPTIM if taken else 'fp32 AdamW'}: with 8-bit Adam moments "
                   f"the fastest estimates {eight[0].time.tokens_per_second:,.0f} tokens/s/GPU, with fp32 moments "
                   f"{fp32_speed} (8-bit taken at {plan.EIGHT_BIT_GAIN}x or more)")  # fmt: skip
+        fits = eight if taken else fits
     rounding = args.dtype == "bfloat16" and args.optim == "auto"
     if not search.alone_excluded(args.gpus, setting.sharding.engine, engines.spec(args.engine).unsharded,
                                  args.offload != "none", setting.sp > 1, 1, bool(args.lora_r), args.by_speed,

@@ -205,7 +205,8 @@ def _fits_with_optim(training_args, found: Search, bases) -> list:
     fits = found.rank(bases)
     if "optim" not in training_args.auto_settings or not fitting.eight_bit_candidate(bases[0]):
         return fits
-    return found.optimizer_states(bases, fits)[1]
+    _, eight, taken = found.optimizer_states(bases, fits)
+    return eight if taken else fits
 
 
 def _against(best: dict, names: dict, first: str | None = None) -> str:
@@ -343,8 +344,8 @@ def _optimizer_states(found: Search, bases) -> list[memplan.Setting]:
     """`optim: auto`: `bases` with 8-bit Adam moments where `Search.optimizer_states` takes them (then `optim` is set
     to torchao's 8-bit AdamW, logged), else `bases` unchanged."""
     fp32_fits = found.rank(bases)
-    chosen, eight_fits, _ = found.optimizer_states(bases, fp32_fits)
-    if chosen is bases:
+    chosen, eight_fits, taken = found.optimizer_states(bases, fp32_fits)
+    if not taken:
         return bases
     fast = eight_fits[0].time.tokens_per_second
     slow = fp32_fits[0].time.tokens_per_second if fp32_fits else 0.0
@@ -436,14 +437,12 @@ class Search:
         """`rank` of `bases` on one process without an engine (bf16 weights stepped in place: `without_engine`)."""
         return self.rank(fitting.without_engine(bases))
 
-    def optimizer_states(self, bases: list[memplan.Setting], fits: list) -> tuple[list, list, list]:
-        """`optim: auto`: (the bases, their fits) with 8-bit Adam moments where their fastest fitting setting beats
-        `fits`' (`bases`' own moments) by `EIGHT_BIT_GAIN` (`sft.plan.fits.eight_bit_wins`), else `bases` and
-        `fits`; then the 8-bit fits, for the line that says so."""
+    def optimizer_states(self, bases: list[memplan.Setting], fits: list) -> tuple[list, list, bool]:
+        """`optim: auto`: `bases` with 8-bit Adam moments, their fits, and whether they are taken: their fastest
+        fitting setting beats `fits`' (`bases`' own moments) by `EIGHT_BIT_GAIN` (`sft.plan.fits.eight_bit_wins`)."""
         eight_bases = fitting.with_eight_bit_moments(bases)
         eight = self.rank(eight_bases)
-        taken = bool(eight) and fitting.eight_bit_wins(fits, eight)
-        return (eight_bases, eight, eight) if taken else (bases, fits, eight)
+        return eight_bases, eight, bool(eight) and fitting.eight_bit_wins(fits, eight)
 
 
 def alone_wins(fits: list, alone: list) -> bool:
